@@ -1,0 +1,51 @@
+# llmgw: `make run` and `make test` are all the set-up a fresh machine needs.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+TEST_ENV := DJANGO_SETTINGS_MODULE=llmgw.settings_test
+
+.PHONY: run test lint check bench demo services migrations clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: requirements.txt pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -r requirements.txt
+	touch $@
+
+$(VENV)/.installed-dev: requirements-dev.txt $(VENV)/.installed
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+# The web server, a Celery worker and Celery beat in the foreground; Ctrl-C stops all three.
+run: $(VENV)/.installed
+	DEBUG=$${DEBUG:-1} $(PY) manage.py migrate --noinput
+	DEBUG=$${DEBUG:-1} $(PY) manage.py ensure_admin
+	DEBUG=$${DEBUG:-1} ./scripts/run-all.sh
+
+# The whole suite against PostgreSQL and Redis on localhost, and the linters.
+test: $(VENV)/.installed-dev services
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(TEST_ENV) $(PY) manage.py check
+	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
+	$(TEST_ENV) $(BIN)/pytest
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+services:
+	./scripts/services.sh
+
+migrations: $(VENV)/.installed-dev
+	$(TEST_ENV) $(PY) manage.py makemigrations
+
+bench: $(VENV)/.installed-dev services
+	$(TEST_ENV) $(PY) -m bench
+
+clean:
+	rm -rf $(VENV) var test-artifacts

@@ -1,0 +1,128 @@
+"""Rules about GPUs: their class, health, wear and NVLink domain membership.
+
+Plain functions over plain values, so the models, the planner's snapshot and
+the agent's reports all answer the same way.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+_MODEL_TOKEN = re.compile(r"\b(RTX\s+(?:PRO\s+)?[A-Z]?\d{4}[A-Z]*|[A-Z]{1,3}\d{2,4}[A-Z]*)\b")
+_MEM_IN_NAME = re.compile(r"(\d{2,3})\s*GB", re.IGNORECASE)
+_ZERO_UUID = re.compile(r"^[0-]*$")
+
+
+def gpu_class(name: str, memory_total_mb: int | None) -> str:
+    """A card's class for placement: model and memory, e.g. "H100-80GB".
+
+    The memory is taken from the name when the name says it (the H100 80GB
+    reports 79.6 GiB), else rounded from the reported total; a card whose
+    model cannot be read keeps its name so it is at least grouped with its kind.
+    """
+    clean = (name or "").replace("NVIDIA", "").replace("Tesla", "").replace("GeForce", "").strip()
+    m = _MODEL_TOKEN.search(clean.upper())
+    model = m.group(1).replace(" ", "") if m else clean.replace(" ", "-")
+    if not model:
+        return ""
+    mem = _MEM_IN_NAME.search(clean)
+    if mem:
+        return f"{model}-{int(mem.group(1))}GB"
+    if memory_total_mb:
+        return f"{model}-{round(memory_total_mb / 1024)}GB"
+    return model
+
+
+def healthy(ecc_errors: int | None, problems: Iterable[str] | None) -> bool:
+    """A card with an uncorrected ECC fault, or any reported problem (another
+    process on it, a fatal XID), is not free in any useful sense."""
+    return not (ecc_errors or 0) and not list(problems or [])
+
+
+def fabric_joined(state: str, status: str, cluster_uuid: str) -> bool:
+    """Whether a card has joined a multi-node NVLink fabric.
+
+    A single machine's NVSwitch reports a cluster UUID of zeros: that is a
+    completed fabric, but no domain anything outside the box can share.
+    """
+    if (state or "").strip().lower() != "completed":
+        return False
+    if (status or "").strip().lower() != "success":
+        return False
+    uuid = (cluster_uuid or "").strip()
+    return bool(uuid) and uuid.upper() != "N/A" and not _ZERO_UUID.match(uuid)
+
+
+def gpu_domain(state: str, status: str, cluster_uuid: str, clique_id: str) -> str:
+    """The NVLink domain a card is joined to ("<cluster>/<clique>"), "" for none."""
+    if not fabric_joined(state, status, cluster_uuid):
+        return ""
+    clique = (clique_id or "").strip()
+    return f"{cluster_uuid.strip()}/{clique}" if clique and clique.upper() != "N/A" else cluster_uuid.strip()
+
+
+def bandwidth_degraded(bandwidth: str) -> bool:
+    """Whether a joined card reports less than its full NVLink bandwidth."""
+    b = (bandwidth or "").strip().lower()
+    return b not in ("", "full", "n/a", "not supported")
+
+
+class _HasFabric(Protocol):
+    fabric_state: str
+    fabric_status: str
+    cluster_uuid: str
+    clique_id: str
+
+
+def node_domain(gpus: Iterable[Any]) -> str:
+    """The NVLink domain of a node: the one every card is joined to, "" otherwise.
+
+    A node half joined (a card still coming up, or one that fell out) is in
+    none: a replica that counts on its NVLink would find a card without it.
+    A node with no GPUs is in none either.
+    """
+    domain = ""
+    seen = False
+    for g in gpus:
+        seen = True
+        d = gpu_domain(g.fabric_state, g.fabric_status, g.cluster_uuid, g.clique_id)
+        if not d or (domain and d != domain):
+            return ""
+        domain = d
+    return domain if seen else ""
+
+
+def imex_up(state: str) -> bool:
+    """Whether nvidia-imex reports itself ready."""
+    return (state or "").strip().upper() in {"UP", "READY", "ACTIVE", "RUNNING"}
+
+
+def wear_problems(wear: Any) -> list[str]:
+    """What wears a card out, in a few words each; empty when nothing does.
+
+    `wear` carries the wire's GPUWear fields; None (an agent that does not
+    read wear) has no problems to tell.
+    """
+    if wear is None:
+        return []
+    out: list[str] = []
+    if wear.remap_failure:
+        out.append("out of spare memory rows: replace the card")
+    if wear.remap_pending:
+        out.append("memory rows remapped, waiting for a reset")
+    if wear.retire_pending:
+        out.append("memory pages waiting for a reset to be retired")
+    if wear.remapped_rows_uncorrectable > 0:
+        out.append(f"{wear.remapped_rows_uncorrectable} rows remapped for uncorrectable errors")
+    if wear.retired_pages_dbe > 0:
+        out.append(f"{wear.retired_pages_dbe} pages retired for double-bit errors")
+    if wear.xid_errors > 0:
+        out.append(f"XID {wear.last_xid} ({wear.last_xid_text})")
+    if wear.nvlink_crc_errors > 0 or wear.nvlink_replay_errors > 0 or wear.nvlink_recovery_errors > 0:
+        out.append(
+            f"NVLink errors: {max(wear.nvlink_crc_errors, 0)} CRC, "
+            f"{max(wear.nvlink_replay_errors, 0)} replay, {max(wear.nvlink_recovery_errors, 0)} recovery"
+        )
+    return out

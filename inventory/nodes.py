@@ -1,0 +1,305 @@
+"""Node lifecycle: registration upsert, state transitions, heartbeats, labels.
+
+Every change of state is a compare-and-set on the row and leaves an event,
+so two writers cannot both move a node and the operator can read why it moved.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from django.db import transaction
+
+from inventory import gpus as gpu_rules
+from inventory import labels as label_rules
+from inventory.models import (
+    GPU,
+    NODE_TRANSITIONS,
+    OPERATOR_STATES,
+    EngineInstall,
+    FabricAttachment,
+    LocalWeights,
+    Node,
+    NodeEvent,
+    NodeState,
+    Storage,
+)
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractBaseUser
+
+    from agents import wire
+
+
+class TransitionError(Exception):
+    """A state change that the node's current state does not allow."""
+
+
+def record_event(
+    node_id: str,
+    kind: str,
+    message: str,
+    *,
+    now: dt.datetime,
+    actor: AbstractBaseUser | None = None,
+    actor_name: str = "",
+    data: Mapping | None = None,
+) -> NodeEvent:
+    """Write one audit row for a node."""
+    name = actor_name or (actor.get_username() if actor is not None else "system")
+    return NodeEvent.objects.create(
+        node_id=node_id, at=now, kind=kind, actor=actor, actor_name=name, message=message, data=dict(data or {})
+    )
+
+
+def change_state(
+    node_id: str,
+    new: NodeState | str,
+    *,
+    now: dt.datetime,
+    expected: NodeState | str | None = None,
+    reason: str = "",
+    actor: AbstractBaseUser | None = None,
+    actor_name: str = "",
+) -> bool:
+    """Move a node to `new` if its current state allows it.
+
+    With `expected`, the move happens only from that state (a compare-and-set:
+    the liveness sweep must not mark a node unreachable that a heartbeat has
+    just brought back). Returns False when the node was no longer in the
+    expected state; raises TransitionError when the move is never allowed.
+    """
+    new = NodeState(new)
+    with transaction.atomic():
+        node = Node.objects.select_for_update().only("id", "state").get(id=node_id)
+        old = NodeState(node.state)
+        if expected is not None and old != NodeState(expected):
+            return False
+        if old == new:
+            return True
+        if new not in NODE_TRANSITIONS[old]:
+            raise TransitionError(f"node {node_id} cannot go from {old} to {new}")
+        Node.objects.filter(id=node_id, state=old).update(state=new)
+        text = f"{old} -> {new}" + (f": {reason}" if reason else "")
+        record_event(
+            node_id,
+            "state",
+            text,
+            now=now,
+            actor=actor,
+            actor_name=actor_name,
+            data={"from": str(old), "to": str(new), "reason": reason},
+        )
+    return True
+
+
+def touch(node_id: str, *, now: dt.datetime) -> NodeState | None:
+    """Record a heartbeat: last seen now, and an unreachable or lost node back to ready.
+
+    Cordoned and draining are the operator's and stay. Returns the state the
+    node is in afterwards, None for an unknown node.
+    """
+    updated = Node.objects.filter(id=node_id).update(last_seen=now, unreachable_since=None)
+    if not updated:
+        return None
+    for old in (NodeState.UNREACHABLE, NodeState.LOST):
+        if Node.objects.filter(id=node_id, state=old).update(state=NodeState.READY):
+            record_event(
+                node_id,
+                "state",
+                f"{old} -> ready: heartbeat resumed",
+                now=now,
+                actor_name="agent",
+                data={"from": str(old), "to": "ready", "reason": "heartbeat resumed"},
+            )
+            return NodeState.READY
+    return NodeState(Node.objects.values_list("state", flat=True).get(id=node_id))
+
+
+def set_operator_labels(
+    node_id: str, labels: Mapping[str, str], *, now: dt.datetime, actor: AbstractBaseUser | None = None
+) -> dict[str, str]:
+    """Replace a node's operator labels and recompute the effective ones.
+
+    A key the operator removes falls back to the agent's value, if it has one.
+    """
+    with transaction.atomic():
+        node = Node.objects.select_for_update().get(id=node_id)
+        before = dict(node.operator_labels)
+        node.operator_labels = dict(labels)
+        node.labels = label_rules.merge(node.agent_labels, node.operator_labels)
+        node.save(update_fields=["operator_labels", "labels", "updated_at"])
+        if before != node.operator_labels:
+            record_event(
+                node_id,
+                "labels",
+                f"operator labels {before} -> {node.operator_labels}",
+                now=now,
+                actor=actor,
+                data={"from": before, "to": node.operator_labels},
+            )
+    return node.labels
+
+
+def _gpu_fields(g: wire.GPU) -> dict:
+    fabric = g.fabric
+    return {
+        "uuid": g.uuid,
+        "name": g.name,
+        "gpu_class": gpu_rules.gpu_class(g.name, g.memory_total_mb),
+        "memory_total_mb": g.memory_total_mb or 0,
+        "memory_used_mb": g.memory_used_mb or 0,
+        "compute_capability": g.compute_capability,
+        "numa_node": -1 if g.numa_node is None else g.numa_node,
+        "pci_bus_id": g.pci_bus_id,
+        "driver_version": g.driver_version,
+        "cuda_version": g.cuda_version,
+        "utilization_percent": g.utilization_percent or 0,
+        "nvlink_peers": list(g.nvlink_peers),
+        "nic_paths": dict(g.nic_paths),
+        "fabric_state": fabric.state if fabric else "",
+        "fabric_status": fabric.status if fabric else "",
+        "cluster_uuid": fabric.cluster_uuid if fabric else "",
+        "clique_id": fabric.clique_id if fabric else "",
+        "fabric_bandwidth": fabric.bandwidth if fabric else "",
+        "ecc_errors": g.ecc_errors or 0,
+        "temperature_c": g.temperature_c or 0,
+        "problems": list(g.problems),
+    }
+
+
+def upsert_node(reg: wire.Register, *, now: dt.datetime) -> tuple[Node, bool]:
+    """Record a registration, preserving what the operator decided.
+
+    An agent reconnecting must not silently undo a cordon or a drain, nor the
+    operator's labels; an unreachable or lost node that registers is back.
+    Returns the node and whether it was new. The hardware lists are replaced
+    whole: the agent's report is the truth about its own machine.
+    """
+    host = reg.host
+    fields = {
+        "hostname": reg.hostname,
+        "mgmt_addr": reg.mgmt_addr,
+        "last_seen": now,
+        "registered_at": now,
+        "unreachable_since": None,
+        "agent_version": reg.agent_version,
+        "features": list(reg.features),
+        "engine_versions": dict(reg.engine_versions),
+        "engines_probed": reg.engines_probed,
+        "os_id": host.os_id if host else "",
+        "os_version": host.os_version if host else "",
+        "os_codename": host.os_codename if host else "",
+        "arch": host.arch if host else "",
+        "cpu_flags": list(host.cpu_flags) if host else [],
+        "nvidia_driver": host.nvidia_driver if host else "",
+        "memory_total_mb": reg.memory_total_mb or 0,
+        "cpu_count": reg.cpu_count or 0,
+        "agent_labels": dict(reg.labels),
+        "imex_state": reg.imex.state if reg.imex else "",
+        "imex_channels": reg.imex.channels if reg.imex else 0,
+        "nvlink_domain": gpu_rules.node_domain([_Fabric(g.fabric) for g in reg.gpus]),
+        "storage_reported": reg.storage is not None,
+        "weights_reported": reg.weights is not None,
+    }
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(id=reg.node_id).first()
+        created = node is None
+        if created:
+            node = Node(id=reg.node_id, state=NodeState.READY)
+        previous_state = NodeState(node.state)
+        for k, v in fields.items():
+            setattr(node, k, v)
+        node.labels = label_rules.merge(node.agent_labels, node.operator_labels)
+        if previous_state in (NodeState.UNREACHABLE, NodeState.LOST):
+            node.state = NodeState.READY
+        node.save()
+        if created:
+            record_event(node.id, "registered", "node joined", now=now, actor_name="agent")
+        else:
+            record_event(node.id, "registered", "agent re-registered", now=now, actor_name="agent")
+            if previous_state != node.state:
+                record_event(
+                    node.id,
+                    "state",
+                    f"{previous_state} -> {node.state}: agent registered",
+                    now=now,
+                    actor_name="agent",
+                    data={"from": str(previous_state), "to": str(node.state)},
+                )
+        _replace_hardware(node, reg)
+    return node, created
+
+
+class _Fabric:
+    """Adapter giving a wire GPU's fabric the attribute names node_domain reads."""
+
+    def __init__(self, fabric: wire.GPUFabric | None) -> None:
+        self.fabric_state = fabric.state if fabric else ""
+        self.fabric_status = fabric.status if fabric else ""
+        self.cluster_uuid = fabric.cluster_uuid if fabric else ""
+        self.clique_id = fabric.clique_id if fabric else ""
+
+
+def _replace_hardware(node: Node, reg: wire.Register) -> None:
+    existing = {g.index: g for g in node.gpus.all()} if not node._state.adding else {}
+    keep = set()
+    for g in reg.gpus:
+        keep.add(g.index)
+        values = _gpu_fields(g)
+        row = existing.get(g.index)
+        if row is None:
+            GPU.objects.create(node=node, index=g.index, **values)
+        elif any(getattr(row, k) != v for k, v in values.items()):
+            GPU.objects.filter(pk=row.pk).update(**values)
+    gone = set(existing) - keep
+    if gone:
+        GPU.objects.filter(node=node, index__in=gone).delete()
+
+    FabricAttachment.objects.filter(node=node).delete()
+    FabricAttachment.objects.bulk_create(
+        [FabricAttachment(node=node, name=f.name, hcas=list(f.hcas), rate_gbps=f.rate_gbps) for f in reg.fabrics]
+    )
+    if reg.storage is not None:
+        Storage.objects.filter(node=node).delete()
+        Storage.objects.bulk_create(
+            [
+                Storage(
+                    node=node,
+                    path=s.path,
+                    free_bytes=s.free_bytes,
+                    total_bytes=s.total_bytes,
+                    shared=s.shared,
+                    fstype=s.fstype,
+                )
+                for s in {s.path: s for s in reg.storage}.values()
+            ]
+        )
+    if reg.weights is not None:
+        LocalWeights.objects.filter(node=node).delete()
+        LocalWeights.objects.bulk_create(
+            [
+                LocalWeights(node=node, path=w.path, size_bytes=w.size_bytes, shared=w.shared)
+                for w in {w.path: w for w in reg.weights}.values()
+            ]
+        )
+    if reg.engine_installs is not None:
+        replace_engine_installs(node.id, reg.engine_installs)
+
+
+def replace_engine_installs(node_id: str, installs: list[wire.EngineInstall]) -> None:
+    """Record where each engine's installation stands, as the agent last said."""
+    EngineInstall.objects.filter(node_id=node_id).exclude(engine__in=[i.engine for i in installs]).delete()
+    for i in {i.engine: i for i in installs}.values():
+        EngineInstall.objects.update_or_create(
+            node_id=node_id,
+            engine=i.engine,
+            defaults={"version": i.version, "variant": i.variant, "state": i.state, "detail": i.detail},
+        )
+
+
+def is_operator_state(state: str) -> bool:
+    """Whether a state is the operator's to leave (cordoned, draining)."""
+    return state in OPERATOR_STATES

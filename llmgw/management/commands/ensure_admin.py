@@ -1,0 +1,35 @@
+"""Create the first admin login if there is none, and say what it is."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management.base import BaseCommand
+
+
+class Command(BaseCommand):
+    """`manage.py ensure_admin`: a superuser for a fresh install, printed once and kept 0600."""
+
+    help = "Create an admin login if no superuser exists, and print it."
+
+    def add_arguments(self, parser) -> None:
+        parser.add_argument("--username", default=os.environ.get("LLMGW_ADMIN_USER", "admin"))
+
+    def handle(self, *args, username: str, **options) -> None:
+        user_model = get_user_model()
+        secret_file = settings.VAR_DIR / "admin-password"
+        if user_model.objects.filter(is_superuser=True).exists():
+            where = f" (its password is in {secret_file})" if secret_file.exists() else ""
+            self.stdout.write(f"admin login exists{where}")
+            return
+        password = os.environ.get("LLMGW_ADMIN_PASSWORD") or secrets.token_urlsafe(12)
+        user_model.objects.create_superuser(username=username, email="", password=password)
+        settings.VAR_DIR.mkdir(parents=True, exist_ok=True)
+        fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"{username}\n{password}\n")
+        self.stdout.write(self.style.SUCCESS(f"admin login created: user {username!r}, password {password!r}"))
+        self.stdout.write(f"(also kept in {secret_file}, readable by you alone)")

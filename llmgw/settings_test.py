@@ -1,0 +1,18 @@
+"""Settings for the test suite: real PostgreSQL and Redis on localhost.
+
+Tests run against the production stores (a mock database proves nothing);
+only the broker is in memory, since tests call tasks directly.
+"""
+
+import os
+
+os.environ.setdefault("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/llmgw")
+os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
+os.environ.setdefault("CELERY_BROKER_URL", "memory://")
+os.environ.setdefault("SECRET_KEY", "llmgw-test-key")
+os.environ.setdefault("LLMGW_CACHE_PREFIX", "llmgw-test")
+
+from llmgw.settings import *  # noqa: F403
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+CELERY_TASK_ALWAYS_EAGER = False

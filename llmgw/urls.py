@@ -1,0 +1,13 @@
+"""llmgw URL configuration. Each app adds its routes through its own urls module."""
+
+from django.contrib import admin
+from django.urls import include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
+
+urlpatterns = [
+    path("admin/", admin.site.urls),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
+    path("api/v1/", include("llmgw.api_urls")),
+    path("", include("django_prometheus.urls")),
+]

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The web server, a Celery worker and Celery beat, together in the foreground.
+# Ctrl-C (or any one of them dying) stops all three.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=.venv/bin
+ADDR="${LLMGW_LISTEN:-127.0.0.1:8000}"
+mkdir -p var/celery/broker var/celery/processed
+
+pids=()
+cleanup() {
+    trap - INT TERM EXIT
+    for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+}
+trap cleanup INT TERM EXIT
+
+$BIN/celery -A llmgw worker --loglevel=INFO --concurrency=2 &
+pids+=($!)
+$BIN/celery -A llmgw beat --loglevel=INFO &
+pids+=($!)
+if [ "${DEBUG:-0}" = "1" ]; then
+    $BIN/python manage.py runserver --noreload "$ADDR" &
+else
+    $BIN/gunicorn llmgw.wsgi --bind "$ADDR" --workers "${WEB_CONCURRENCY:-4}" &
+fi
+pids+=($!)
+echo "llmgw is up: http://$ADDR/admin/  (Ctrl-C stops web, worker and beat)"
+wait -n "${pids[@]}"

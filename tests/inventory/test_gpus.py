@@ -1,0 +1,132 @@
+"""GPU rules: class, health, wear problems and NVLink domains (seed: multi-node NVLink)."""
+
+import pytest
+
+from agents import wire
+from inventory import gpus
+from tests.factories import gpu_payload, make_node
+
+ZEROS = "00000000-0000-0000-0000-000000000000"
+CLUSTER = "5e9b6f0a-1f5c-4d7e-9a3b-2c1d0e9f8a7b"
+
+
+def joined(cluster=CLUSTER, clique="32766", bandwidth="Full"):
+    return {
+        "state": "Completed",
+        "status": "Success",
+        "cluster_uuid": cluster,
+        "clique_id": clique,
+        "bandwidth": bandwidth,
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "memory", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", 81559, "H100-80GB"),
+        ("NVIDIA A100-SXM4-40GB", 40960, "A100-40GB"),
+        ("NVIDIA GB200", 189471, "GB200-185GB"),
+        ("NVIDIA H200", 143771, "H200-140GB"),
+        ("NVIDIA L40S", 46068, "L40S-45GB"),
+        ("NVIDIA GeForce RTX 4090", 24564, "RTX4090-24GB"),
+        ("", 0, ""),
+    ],
+)
+def test_gpu_class(name, memory, expected):
+    assert gpus.gpu_class(name, memory) == expected
+
+
+def test_health_skips_ecc_faults_and_problems():
+    assert gpus.healthy(0, []) is True
+    assert gpus.healthy(None, None) is True
+    assert gpus.healthy(2, []) is False
+    assert gpus.healthy(0, ["foreign process 4711 (python3) holds the card"]) is False
+
+
+def test_a_card_is_joined_only_when_completed_successful_and_not_zero():
+    assert gpus.fabric_joined("Completed", "Success", CLUSTER) is True
+    assert gpus.fabric_joined("Completed", "Success", ZEROS) is False
+    assert gpus.fabric_joined("In Progress", "N/A", CLUSTER) is False
+    assert gpus.fabric_joined("Completed", "Failure", CLUSTER) is False
+    assert gpus.fabric_joined("N/A", "N/A", "N/A") is False
+
+
+@pytest.mark.django_db
+def test_node_domain_when_every_card_is_joined(now):
+    node = make_node("gb200-01", now=now, gpus=[gpu_payload(i, fabric=joined()) for i in range(4)])
+    assert node.nvlink_domain == f"{CLUSTER}/32766"
+    assert [g.nvlink_domain for g in node.gpus.all()] == [f"{CLUSTER}/32766"] * 4
+
+
+@pytest.mark.django_db
+def test_half_joined_node_is_in_no_domain(now):
+    cards = [gpu_payload(i, fabric=joined()) for i in range(3)]
+    cards.append(gpu_payload(3, fabric={"state": "In Progress", "status": "N/A", "cluster_uuid": CLUSTER}))
+    assert make_node("half", now=now, gpus=cards).nvlink_domain == ""
+
+
+@pytest.mark.django_db
+def test_single_machine_nvswitch_with_zero_cluster_is_no_domain(now):
+    cards = [gpu_payload(i, fabric=joined(cluster=ZEROS, clique="0")) for i in range(8)]
+    assert make_node("hgx", now=now, gpus=cards).nvlink_domain == ""
+
+
+def test_cards_in_two_domains_make_no_domain():
+    class G:
+        def __init__(self, cluster):
+            self.fabric_state, self.fabric_status, self.cluster_uuid, self.clique_id = (
+                "Completed",
+                "Success",
+                cluster,
+                "1",
+            )
+
+    assert gpus.node_domain([G(CLUSTER), G(CLUSTER)]) == f"{CLUSTER}/1"
+    assert gpus.node_domain([G(CLUSTER), G("11111111-2222-3333-4444-555555555555")]) == ""
+    assert gpus.node_domain([]) == ""
+
+
+def test_bandwidth_degraded():
+    assert gpus.bandwidth_degraded("Full") is False
+    assert gpus.bandwidth_degraded("") is False
+    assert gpus.bandwidth_degraded("Degraded") is True
+
+
+def test_imex_up():
+    assert gpus.imex_up("UP") is True
+    assert gpus.imex_up("READY") is True
+    assert gpus.imex_up("DOWN") is False
+    assert gpus.imex_up("") is False
+
+
+def test_wear_problems_are_short_sentences():
+    wear = wire.GPUWear(
+        pcie_replays=3,
+        retired_pages_sbe=1,
+        retired_pages_dbe=2,
+        retire_pending=True,
+        remapped_rows_correctable=0,
+        remapped_rows_uncorrectable=5,
+        remap_pending=True,
+        remap_failure=True,
+        nvlink_crc_errors=7,
+        nvlink_replay_errors=1,
+        nvlink_recovery_errors=0,
+        xid_errors=1,
+        last_xid=79,
+        last_xid_text="GPU has fallen off the bus",
+    )
+    assert gpus.wear_problems(wear) == [
+        "out of spare memory rows: replace the card",
+        "memory rows remapped, waiting for a reset",
+        "memory pages waiting for a reset to be retired",
+        "5 rows remapped for uncorrectable errors",
+        "2 pages retired for double-bit errors",
+        "XID 79 (GPU has fallen off the bus)",
+        "NVLink errors: 7 CRC, 1 replay, 0 recovery",
+    ]
+
+
+def test_unreported_wear_has_no_problems():
+    assert gpus.wear_problems(None) == []
+    assert gpus.wear_problems(wire.GPUWear()) == []

@@ -1,0 +1,52 @@
+"""The project is wired: settings from the environment, admin, API schema, metrics."""
+
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+
+
+def test_runs_on_postgresql_and_redis():
+    assert settings.DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql"
+    assert settings.CACHES["default"]["BACKEND"] == "django.core.cache.backends.redis.RedisCache"
+
+
+@pytest.mark.django_db
+def test_admin_login_page(client):
+    resp = client.get("/admin/login/")
+    assert resp.status_code == 200
+    assert b"llmgw" in resp.content or b"Django administration" in resp.content
+
+
+@pytest.mark.django_db
+def test_openapi_schema_and_docs(client, operator):
+    client.force_login(operator)
+    resp = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
+    assert resp.status_code == 200
+    assert resp.json()["info"]["title"] == "llmgw API"
+    assert client.get("/api/docs/").status_code == 200
+
+
+@pytest.mark.django_db
+def test_metrics_endpoint(client):
+    resp = client.get("/metrics")
+    assert resp.status_code == 200
+    assert b"django_http_requests_before_middlewares_total" in resp.content
+
+
+def test_celery_app_is_configured():
+    from llmgw.celery import app
+
+    assert app.main == "llmgw"
+    assert app.conf.broker_url == "memory://"
+
+
+@pytest.mark.django_db
+def test_ensure_admin_creates_once(tmp_path, settings, capsys, django_user_model):
+    settings.VAR_DIR = tmp_path
+    call_command("ensure_admin")
+    out = capsys.readouterr().out
+    assert "admin login created: user 'admin'" in out
+    assert (tmp_path / "admin-password").stat().st_mode & 0o777 == 0o600
+    call_command("ensure_admin")
+    assert "admin login exists" in capsys.readouterr().out
+    assert django_user_model.objects.filter(is_superuser=True).count() == 1
