@@ -1,0 +1,77 @@
+"""The command queue: what the control plane wants each agent to do.
+
+Callers enqueue inside their own transaction, so a command exists exactly
+when the decision that made it was committed (the reconciler writes
+allocations and StartShard commands together).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+
+from django.db.models import F
+
+from agents import wire
+from agents.models import Command
+
+WireCommand = wire.StartShard | wire.StopShard | wire.ScanFabric | wire.InstallEngine
+
+
+def enqueue(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:
+    """Queue a command for a node; its id is assigned here."""
+    payload = message.model_dump(mode="json", exclude={"id"})
+    shard_id = getattr(message, "shard_id", "") or ""
+    return Command.objects.create(
+        node_id=node_id, kind=message.kind, payload=payload, created_at=now, shard_id=str(shard_id)
+    )
+
+
+def pending(node_id: str, *, now: dt.datetime, limit: int = wire.MAX_COMMANDS) -> list[WireCommand]:
+    """The unacknowledged commands for a node, oldest first, as wire messages.
+
+    Marks them delivered; they stay pending until acknowledged.
+    """
+    rows = list(Command.objects.filter(node_id=node_id, acked_at__isnull=True).order_by("created_at", "id")[:limit])
+    if not rows:
+        return []
+    ids = [r.id for r in rows]
+    Command.objects.filter(id__in=ids, first_delivered_at__isnull=True).update(first_delivered_at=now)
+    Command.objects.filter(id__in=ids).update(deliveries=F("deliveries") + 1)
+    return [to_wire(r) for r in rows]
+
+
+def to_wire(row: Command) -> WireCommand:
+    """A queued command as the wire message the agent receives."""
+    adapter = {
+        "start_shard": wire.StartShard,
+        "stop_shard": wire.StopShard,
+        "scan_fabric": wire.ScanFabric,
+        "install_engine": wire.InstallEngine,
+    }[row.kind]
+    return adapter.model_validate({**row.payload, "id": str(row.id), "kind": row.kind})
+
+
+def acknowledge(node_id: str, ids: Iterable[str], *, now: dt.datetime) -> int:
+    """Mark a node's commands as applied. Ids of other nodes' commands are ignored."""
+    valid = []
+    for i in ids:
+        try:
+            valid.append(str(_uuid(i)))
+        except ValueError:
+            continue
+    if not valid:
+        return 0
+    return Command.objects.filter(node_id=node_id, id__in=valid, acked_at__isnull=True).update(acked_at=now)
+
+
+def cancel_for_shard(shard_id: str) -> int:
+    """Drop unacknowledged commands about a shard nobody wants any more."""
+    deleted, _ = Command.objects.filter(shard_id=str(shard_id), acked_at__isnull=True).delete()
+    return deleted
+
+
+def _uuid(value: str):
+    import uuid
+
+    return uuid.UUID(str(value))

@@ -1,0 +1,35 @@
+"""Run llmgw's benchmarks and print their figures.
+
+Each benchmark is a module under bench/ with `run() -> list[str]` returning
+the lines to print. `python -m bench NAME ...` runs some of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+
+BENCHES: list[str] = []
+
+
+def main(argv: list[str]) -> int:
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings_test")
+    names = argv or BENCHES
+    unknown = [n for n in names if n not in BENCHES]
+    if unknown:
+        print(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    for name in names:
+        started = time.perf_counter()
+        module = importlib.import_module(f"bench.{name}")
+        print(f"== {name}")
+        for line in module.run():
+            print(f"   {line}")
+        print(f"   ({time.perf_counter() - started:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

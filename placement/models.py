@@ -1,0 +1,291 @@
+"""What should run (profiles, deployments), what does (replicas, shards), and the
+facility's rules for where (holds, power budgets)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+
+from django.conf import settings
+from django.core.validators import MinValueValidator
+from django.db import models
+from django.db.models import Q
+
+from agents.wire import ShardState as WireShardState
+
+
+class Engine(models.TextChoices):
+    """The inference engines an agent can start."""
+
+    VLLM = "vllm", "vLLM"
+    SGLANG = "sglang", "SGLang"
+    LLAMACPP = "llamacpp", "llama.cpp"
+    ECHO = "echo", "echo (test engine)"
+
+
+class EngineProfile(models.Model):
+    """How to run a model: engine, parallelism, what it claims of a node, its arguments."""
+
+    name = models.CharField(max_length=128, unique=True)
+    engine = models.CharField(max_length=16, choices=Engine.choices)
+    engine_version = models.CharField(max_length=64, blank=True)
+    gpu_class = models.CharField("GPU class", max_length=64, blank=True)
+    tp = models.PositiveIntegerField("tensor parallel", default=1, validators=[MinValueValidator(1)])
+    pp = models.PositiveIntegerField("pipeline parallel", default=1, validators=[MinValueValidator(1)])
+    gpus_per_node = models.PositiveIntegerField("GPUs per node", default=0)
+    nodes = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)])
+    memory_gb = models.PositiveIntegerField("host memory (GB)", default=0)
+    cpu_cores = models.PositiveIntegerField(default=0)
+    # 0: derive from the node's cards and cores.
+    power_w = models.FloatField("power (W)", default=0.0)
+    args = models.JSONField(default=list, blank=True)
+    env = models.JSONField(default=dict, blank=True)
+    model_path = models.CharField(max_length=1024, blank=True)
+    served_model_name = models.CharField(max_length=128, blank=True)
+    startup_timeout_s = models.PositiveIntegerField(default=1800)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(condition=Q(engine__in=Engine.values), name="placement_profile_engine_valid"),
+            models.CheckConstraint(
+                condition=Q(tp__gte=1) & Q(pp__gte=1) & Q(nodes__gte=1), name="placement_profile_parallelism_positive"
+            ),
+            models.CheckConstraint(condition=Q(power_w__gte=0), name="placement_profile_power_nonnegative"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+    def fingerprint(self) -> str:
+        """A hash of everything that changes what a shard runs; a change rolls the replicas."""
+        data = {
+            "engine": self.engine,
+            "engine_version": self.engine_version,
+            "gpu_class": self.gpu_class,
+            "tp": self.tp,
+            "pp": self.pp,
+            "gpus_per_node": self.gpus_per_node,
+            "nodes": self.nodes,
+            "args": self.args,
+            "env": self.env,
+            "model_path": self.model_path,
+            "served_model_name": self.served_model_name,
+        }
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+class Policy(models.TextChoices):
+    """How replicas are spread over nodes."""
+
+    BINPACK = "binpack", "binpack (fill the fullest nodes first)"
+    SPREAD = "spread", "spread (the emptiest nodes first)"
+
+
+class Deployment(models.Model):
+    """What an operator wants running: a served model, how many replicas, and where."""
+
+    name = models.CharField(max_length=128, unique=True)
+    served_model = models.CharField(max_length=128)
+    profile = models.ForeignKey(EngineProfile, on_delete=models.PROTECT, related_name="deployments")
+    replicas = models.PositiveIntegerField("desired replicas", default=1)
+    pool = models.CharField(max_length=64, blank=True)
+    node_selector = models.JSONField(default=dict, blank=True)
+    policy = models.CharField(max_length=16, choices=Policy.choices, default=Policy.BINPACK)
+    paused = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(condition=Q(policy__in=Policy.values), name="placement_deployment_policy_valid"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ReplicaState(models.TextChoices):
+    """Where a replica stands."""
+
+    PENDING = "pending"
+    PLACING = "placing"
+    STARTING = "starting"
+    READY = "ready"
+    DEGRADED = "degraded"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+REPLICA_TRANSITIONS: dict[str, frozenset[str]] = {
+    ReplicaState.PENDING: frozenset(
+        {ReplicaState.PLACING, ReplicaState.STARTING, ReplicaState.STOPPED, ReplicaState.FAILED}
+    ),
+    ReplicaState.PLACING: frozenset(
+        {ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.STOPPED, ReplicaState.FAILED}
+    ),
+    ReplicaState.STARTING: frozenset(
+        {ReplicaState.READY, ReplicaState.FAILED, ReplicaState.DRAINING, ReplicaState.STOPPED, ReplicaState.DEGRADED}
+    ),
+    ReplicaState.READY: frozenset(
+        {ReplicaState.DEGRADED, ReplicaState.DRAINING, ReplicaState.FAILED, ReplicaState.STOPPED}
+    ),
+    ReplicaState.DEGRADED: frozenset(
+        {ReplicaState.READY, ReplicaState.FAILED, ReplicaState.DRAINING, ReplicaState.STOPPED}
+    ),
+    ReplicaState.DRAINING: frozenset({ReplicaState.STOPPED, ReplicaState.FAILED}),
+    ReplicaState.STOPPED: frozenset(),
+    ReplicaState.FAILED: frozenset({ReplicaState.STOPPED}),
+}
+
+
+class Replica(models.Model):
+    """One running copy of a deployment, made of one shard per node it spans."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="replica_set")
+    state = models.CharField(max_length=16, choices=ReplicaState.choices, default=ReplicaState.PENDING, db_index=True)
+    # Why it is in that state: the planner's explanation while pending.
+    reason = models.TextField(blank=True)
+    nvlink_domain = models.CharField(max_length=160, blank=True)
+    # The physical fabric key (sm:..., roce:...) and the declared name it maps onto.
+    fabric = models.CharField(max_length=128, blank=True)
+    fabric_name = models.CharField(max_length=63, blank=True)
+    endpoint = models.CharField(max_length=256, blank=True)
+    profile_fp = models.CharField("profile fingerprint", max_length=32, blank=True)
+    # The replica this one replaces (drain, profile roll): the old one stops
+    # once this one is ready, so capacity never dips.
+    replaces = models.ForeignKey("self", null=True, blank=True, on_delete=models.SET_NULL, related_name="replaced_by")
+    created_at = models.DateTimeField(db_index=True)
+    updated_at = models.DateTimeField()
+    ready_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["deployment_id", "created_at"]
+        constraints = [
+            models.CheckConstraint(condition=Q(state__in=ReplicaState.values), name="placement_replica_state_valid"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id}/{str(self.id)[:8]}"
+
+
+ShardState = models.TextChoices("ShardState", [(s.name, s.value) for s in WireShardState])
+
+
+class Shard(models.Model):
+    """One process of a replica on one node: its GPUs, adapters, port and state."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    replica = models.ForeignKey(Replica, on_delete=models.CASCADE, related_name="shards")
+    node = models.ForeignKey("inventory.Node", on_delete=models.PROTECT, related_name="shards")
+    rank = models.PositiveIntegerField(default=0)
+    gpu_indices = models.JSONField(default=list, blank=True)
+    hcas = models.JSONField("HCAs", default=list, blank=True)
+    http_port = models.PositiveIntegerField()
+    state = models.CharField(max_length=16, choices=ShardState.choices, default="pending", db_index=True)
+    reason = models.TextField(blank=True)
+    exit_code = models.IntegerField(null=True, blank=True)
+    profile_fp = models.CharField("profile fingerprint", max_length=32, blank=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["replica_id", "rank"]
+        constraints = [
+            models.UniqueConstraint(fields=["replica", "rank"], name="placement_shard_rank_unique"),
+            models.CheckConstraint(
+                condition=Q(state__in=[s.value for s in WireShardState]), name="placement_shard_state_valid"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.replica_id}/{self.rank}@{self.node_id}"
+
+
+class PlacementEvent(models.Model):
+    """A replica's or shard's change of state, with time and reason: the "why" an operator reads."""
+
+    at = models.DateTimeField(db_index=True)
+    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
+    replica = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
+    shard = models.ForeignKey(Shard, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
+    kind = models.CharField(max_length=32)
+    from_state = models.CharField(max_length=16, blank=True)
+    to_state = models.CharField(max_length=16, blank=True)
+    reason = models.TextField(blank=True)
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_name = models.CharField(max_length=150, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.kind} {self.from_state}->{self.to_state}: {self.reason}"
+
+
+class HoldScope(models.TextChoices):
+    """What a hold applies to."""
+
+    NODE = "node"
+    LABEL = "label"
+    FABRIC = "fabric"
+
+
+class Hold(models.Model):
+    """Nothing new is placed on what a hold names: a node, a label value (a rack), or a fabric."""
+
+    scope = models.CharField(max_length=16, choices=HoldScope.choices)
+    node = models.ForeignKey("inventory.Node", null=True, blank=True, on_delete=models.CASCADE, related_name="holds")
+    label_key = models.CharField(max_length=63, blank=True)
+    label_value = models.CharField(max_length=63, blank=True)
+    fabric = models.CharField(max_length=128, blank=True)
+    reason = models.TextField(blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["scope", "id"]
+        constraints = [
+            models.CheckConstraint(
+                condition=(Q(scope="node") & Q(node__isnull=False))
+                | (Q(scope="label") & ~Q(label_key=""))
+                | (Q(scope="fabric") & ~Q(fabric="")),
+                name="placement_hold_names_its_target",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        if self.scope == HoldScope.NODE:
+            return f"hold node {self.node_id}"
+        if self.scope == HoldScope.LABEL:
+            return f"hold {self.label_key}={self.label_value}"
+        return f"hold fabric {self.fabric}"
+
+
+class PowerBudget(models.Model):
+    """A power budget for the nodes carrying one label value (a rack, a PDU, a room)."""
+
+    label_key = models.CharField(max_length=63)
+    label_value = models.CharField(max_length=63)
+    budget_w = models.FloatField("budget (W)", validators=[MinValueValidator(0)])
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["label_key", "label_value"]
+        constraints = [
+            models.UniqueConstraint(fields=["label_key", "label_value"], name="placement_power_budget_unique"),
+            models.CheckConstraint(condition=Q(budget_w__gte=0), name="placement_power_budget_nonnegative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.label_key}={self.label_value}: {self.budget_w / 1000:.1f} kW"
