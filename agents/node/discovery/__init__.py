@@ -88,7 +88,9 @@ def _readings(root: Path | None) -> tuple[list[GPUReading], str, list[str]]:
 def _topology(root: Path | None, problems: list[str]) -> dict[int, topo.GPUTopo]:
     res = run_tool(["nvidia-smi", "topo", "-m"], root=root, timeout=TOOL_TIMEOUT)
     if not res.ok:
-        problems.append(f"nvidia-smi topo -m: {res.error}")
+        # Without nvidia-smi (an NVML-only install) the paths are unknown, not wrong.
+        if "not installed" not in res.error:
+            problems.append(f"nvidia-smi topo -m: {res.error}")
         return {}
     return topo.parse_topo(res.stdout)
 
