@@ -104,11 +104,11 @@ def storage_for(
             except OSError as exc:
                 problems.append(f"model directory {path}: {exc.strerror or exc}")
                 continue
-        elif m and sizes and m.point in sizes:
-            total, free = sizes[m.point]
         elif not host_path(root, path).exists():
             problems.append(f"model directory {path}: not found")
             continue
+        elif m and sizes and m.point in sizes:
+            total, free = sizes[m.point]
         out.append(wire.Storage(path=path, free_bytes=free, total_bytes=total, shared=is_shared(fstype), fstype=fstype))
     return out, problems
 
