@@ -28,13 +28,15 @@ from inventory.models import Node, NodeState
 
 # A node's header: `Switch  36 "S-0008f10500200b50"  # "desc" enhanced port 0 lid 9 lmc 0`,
 # `Ca  2 "H-0008f10403960984"  # "desc"`, `Rt ...` for routers.
-_HEADER = re.compile(r'^(?P<kind>Switch|Ca|Rt)\s+(?P<ports>\d+)\s+"(?P<type>[SHR])-(?P<guid>[0-9A-Fa-fx]+)"(?P<rest>.*)$')
+_HEADER = re.compile(
+    r'^(?P<kind>Switch|Ca|Rt)\s+(?P<ports>\d+)\s+"(?P<type>[SHR])-(?P<guid>[0-9A-Fa-fx]+)"(?P<rest>.*)$'
+)
 # A switch's port 0 GUID: `switchguid=0x8f10500200b50(8f10500200b50)`.
 _SWITCHGUID = re.compile(r"^switchguid=(?P<guid>0x[0-9A-Fa-f]+)(?:\((?P<port>[0-9A-Fa-fx]+)\))?")
 # A connectivity line: `[4]  "H-003048c749cd0000"[1](3048c749cd0001)  # ...` on a switch,
 # `[1](78e7d103002297fd)  "S-0002c90200417670"[22]  # ...` on an adapter.
 _LINK = re.compile(
-    r'^\[(?P<port>\d+)\](?:\((?P<local>[0-9A-Fa-fx]+)\))?\s*'
+    r"^\[(?P<port>\d+)\](?:\((?P<local>[0-9A-Fa-fx]+)\))?\s*"
     r'"(?P<ptype>[SHR])-(?P<pguid>[0-9A-Fa-fx]+)"\[(?P<pport>\d+)\](?:\((?P<pportguid>[0-9A-Fa-fx]+)\))?'
 )
 _DESC = re.compile(r'#\s*"(?P<desc>[^"]*)"')
