@@ -410,21 +410,22 @@ def check_ib_errors(inv: Inventory, *, remember: bool = True) -> CheckResult:
         if not current:
             continue
         stored = inv.counter_baselines.get(node_id) or {}
-        base = stored.get("prev") or stored.get("cur")
-        if base:
-            for label, counters in sorted(current.items()):
-                before = base["ports"].get(label, {})
-                for name, value in counters.items():
-                    old = before.get(name)
-                    if old is not None and value > old:
-                        found.setdefault(node_id, []).append(f"{label} {name} +{value - old}")
-                        if name in FAIL_COUNTERS:
-                            fails.add(node_id)
         cur = stored.get("cur")
         if cur is None:
-            updates[node_id] = {"prev": None, "cur": {"at": now_s, "ports": current}}
+            stored = {"prev": None, "cur": {"at": now_s, "ports": current}}
+            updates[node_id] = stored
         elif now_s - cur["at"] >= window:
-            updates[node_id] = {"prev": cur, "cur": {"at": now_s, "ports": current}}
+            stored = {"prev": cur, "cur": {"at": now_s, "ports": current}}
+            updates[node_id] = stored
+        base = stored.get("prev") or stored["cur"]
+        for label, counters in sorted(current.items()):
+            before = base["ports"].get(label, {})
+            for name, value in counters.items():
+                old = before.get(name)
+                if old is not None and value > old:
+                    found.setdefault(node_id, []).append(f"{label} {name} +{value - old}")
+                    if name in FAIL_COUNTERS:
+                        fails.add(node_id)
     if remember and updates:
         cache.set_many({_COUNTER_KEY + k: v for k, v in updates.items()}, timeout=_COUNTER_TTL_S)
         inv.counter_baselines.update(updates)
