@@ -184,3 +184,37 @@ def test_scrape_query_count_at_1000_nodes(client, django_assert_num_queries):
     assert len(m["llmgw_gpu_allocated"]) == 8000
     assert len(m["llmgw_ib_port_rate_bytes"]) == 1000 * 8 * 2
     assert m["llmgw_gpu_power_watts"][lbl(node="node-0999", gpu="7")] == 500.0
+
+
+METRIC_NAMES = {
+    "llmgw_node_state",
+    "llmgw_node_heartbeat_age_seconds",
+    "llmgw_gpu_nvlink_joined",
+    "llmgw_imex_up",
+    "llmgw_gpu_utilization_ratio",
+    "llmgw_gpu_temperature_celsius",
+    "llmgw_gpu_power_watts",
+    "llmgw_gpu_allocated",
+    "llmgw_ib_port_rate_bytes",
+    "llmgw_ib_port_errors_total",
+    "llmgw_replicas",
+    "llmgw_doctor_checks",
+}
+
+
+def test_collector_exports_exactly_the_documented_names(client, cluster):
+    assert set(scrape(client)) == METRIC_NAMES
+
+
+def test_grafana_dashboard_uses_every_metric_and_no_other():
+    import json
+    import re
+    from pathlib import Path
+
+    from django.conf import settings
+
+    dash = json.loads((Path(settings.BASE_DIR) / "deploy" / "grafana" / "llmgw.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    used = {name for e in exprs for name in re.findall(r"llmgw_[a-z_]+", e)}
+    assert used == METRIC_NAMES
+    assert dash["uid"] == "llmgw"
