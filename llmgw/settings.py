@@ -213,6 +213,14 @@ LLMGW_LOST_AFTER = env_seconds("LLMGW_LOST_AFTER", 300.0)
 LLMGW_HEARTBEAT_INTERVAL = env_seconds("LLMGW_HEARTBEAT_INTERVAL", 5.0)
 LLMGW_TELEMETRY_TTL = env_seconds("LLMGW_TELEMETRY_TTL", 120.0)
 LLMGW_SM_CHANGES_KEPT = 500
+# Fabric scans: how often one port per InfiniBand fabric runs ibnetdiscover,
+# and how long the agent lets it run.
+LLMGW_FABRIC_SCAN_INTERVAL = env_seconds("LLMGW_FABRIC_SCAN_INTERVAL", 600.0)
+LLMGW_FABRIC_SCAN_TIMEOUT = env_seconds("LLMGW_FABRIC_SCAN_TIMEOUT", 120.0)
+CELERY_BEAT_SCHEDULE["inventory.schedule_fabric_scans"] = {
+    "task": "inventory.schedule_fabric_scans",
+    "schedule": LLMGW_FABRIC_SCAN_INTERVAL,
+}
 
 LOGGING = {
     "version": 1,
