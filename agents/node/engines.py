@@ -51,7 +51,7 @@ def engine_name(profile: wire.EngineProfile) -> str:
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
-    """"0.11.0rc1" -> (0, 11, 0); "b6500" -> (6500,); "" -> () (unknown: assume the newest)."""
+    """ "0.11.0rc1" -> (0, 11, 0); "b6500" -> (6500,); "" -> () (unknown: assume the newest)."""
     return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
@@ -176,5 +176,7 @@ def build(
     elif name == "echo":
         launch = _echo(start, version, python)
     else:
-        raise EngineError(f"shard {start.shard_id}: unknown engine {start.profile.engine!r} (known: {', '.join(ENGINES)})")
+        raise EngineError(
+            f"shard {start.shard_id}: unknown engine {start.profile.engine!r} (known: {', '.join(ENGINES)})"
+        )
     return Launch(argv=launch.argv, env=shard_env(start, mgmt_interface=mgmt_interface), health_path=launch.health_path)

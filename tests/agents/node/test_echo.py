@@ -42,12 +42,17 @@ def test_chat_completion(server):
     srv.ready_at = 0
     r = httpx.post(
         url + "/v1/chat/completions",
-        json={"model": "demo", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi there"}]},
+        json={
+            "model": "demo",
+            "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi there"}],
+        },
     )
     body = r.json()
     assert r.status_code == 200
     assert body["object"] == "chat.completion"
-    assert body["choices"] == [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi there"}}]
+    assert body["choices"] == [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "hi there"}}
+    ]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
 
 
@@ -79,7 +84,9 @@ def test_chat_streaming(server):
     srv, url = server
     srv.ready_at = 0
     with httpx.stream(
-        "POST", url + "/v1/chat/completions", json={"model": "demo", "stream": True, "messages": [{"role": "user", "content": "one two three"}]}
+        "POST",
+        url + "/v1/chat/completions",
+        json={"model": "demo", "stream": True, "messages": [{"role": "user", "content": "one two three"}]},
     ) as r:
         assert r.headers["content-type"] == "text/event-stream"
         text = r.read().decode()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -30,14 +32,10 @@ def sup(tmp_path):
     for s in sups:
         for shard in s.shards.values():
             if shard.pid:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(shard.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                try:
+                with contextlib.suppress(ChildProcessError):
                     os.waitpid(shard.pid, 0)
-                except ChildProcessError:
-                    pass
         s.close()
 
 
@@ -53,9 +51,8 @@ def test_echo_shard_loading_then_ready_with_env(sup, tmp_path):
     assert shard.st == S.STARTING
     assert _state(s, "s1") == S.LOADING
     wait_for(lambda: _state(s, "s1") == S.READY)
-    env = dict(
-        kv.split("=", 1) for kv in open(f"/proc/{shard.pid}/environ", "rb").read().decode().split("\0") if "=" in kv
-    )
+    raw = Path(f"/proc/{shard.pid}/environ").read_bytes().decode()
+    env = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1"
     assert env["NCCL_SOCKET_IFNAME"] == "=eth9"
@@ -137,12 +134,22 @@ def test_record_with_reused_pid_is_not_adopted(sup, tmp_path):
     state.mkdir(parents=True)
     # Our own pid, but another start time and command line: not the engine.
     mine = proc_identity(os.getpid())
-    rec = {"shard_id": "old", "pid": os.getpid(), "proc_start": mine[0] + 1, "argv": ["vllm", "serve"], "state": "ready"}
+    rec = {
+        "shard_id": "old",
+        "pid": os.getpid(),
+        "proc_start": mine[0] + 1,
+        "argv": ["vllm", "serve"],
+        "state": "ready",
+    }
     (state / "old.json").write_text(json.dumps(rec))
     s = sup()
     assert s.running() == []
     (st,) = s.statuses()
-    assert (st.shard_id, st.state, st.reason) == ("old", S.FAILED, "the engine process ended while the agent was not running")
+    assert (st.shard_id, st.state, st.reason) == (
+        "old",
+        S.FAILED,
+        "the engine process ended while the agent was not running",
+    )
     assert not (state / "old.json").exists()
 
 
