@@ -120,6 +120,10 @@ class SimNode:
     def root(self) -> Path:
         return self.dir / "root"
 
+    def fabrics(self) -> list[dict]:
+        """The fabrics its agent.yaml declares."""
+        return yaml.safe_load(self.config.read_text()).get("fabrics") or []
+
 
 def prepare_node(
     *,
