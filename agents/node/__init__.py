@@ -1,5 +1,1 @@
-"""The llmgw node agent: discovers the node, reports it, and runs the shards it is told to.
-
-Imports no Django: it runs on GPU nodes with the standard library, httpx,
-PyYAML, pynvml and the wire schema (agents.wire) only.
-"""
+"""The node agent: runs on each GPU node, imports no Django."""

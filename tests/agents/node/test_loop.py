@@ -16,7 +16,7 @@ import pytest
 from agents import wire
 from agents.node import config as config_mod
 from agents.node.loop import Agent, Refused, Unreachable, backoff_delay
-from tests.agents.node.conftest import echo_start, wait_for
+from tests.agents.node.helpers import echo_start, wait_for
 
 JOIN = "join-secret-123"
 

@@ -12,7 +12,7 @@ import pytest
 
 from agents import wire
 from agents.node.supervisor import Supervisor, TransitionError, proc_identity
-from tests.agents.node.conftest import echo_start, wait_for
+from tests.agents.node.helpers import echo_start, wait_for
 
 S = wire.ShardState
 pytestmark = pytest.mark.slow

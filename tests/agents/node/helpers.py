@@ -1,4 +1,4 @@
-"""Helpers for the node agent's tests: free ports, polling until a condition holds."""
+"""Helpers for the node agent's tests: free ports, polling until a condition holds, echo StartShards."""
 
 from __future__ import annotations
 
