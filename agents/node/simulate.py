@@ -31,6 +31,7 @@ ZERO_UUID = "00000000-0000-0000-0000-000000000000"
 _CLUSTER = re.compile(r"^(\s*ClusterUUID\s*:\s*)(\S+)\s*$", re.MULTILINE)
 _GPU_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _RATE = re.compile(r"(\d+)")
+_SM_GUID = re.compile(r"sm guid (0x[0-9a-fA-F]+)")
 NS = uuid.UUID("6f1c2a52-5f0e-4d59-9a53-2b8f0a9c1e77")
 
 
@@ -71,8 +72,8 @@ def derive_fabrics(root: Path) -> list[dict]:
     """Fabrics as an operator would declare them from the profile's adapters.
 
     RoCE ports form one fabric ("roce-a"); InfiniBand ports are
-    grouped by the subnet manager LID their port 1 reports (one subnet manager
-    per fabric), named ib-a, ib-b... in HCA order; rate is the slowest port's.
+    grouped by the master subnet manager their port 1 sees (the recorded sminfo,
+    else sysfs's sm_lid), named ib-a, ib-b... in HCA order; rate is the slowest port's.
     """
     ib = root / "sys" / "class" / "infiniband"
     if not ib.is_dir():
@@ -83,7 +84,7 @@ def derive_fabrics(root: Path) -> list[dict]:
         layer = _read(port / "link_layer") or "InfiniBand"
         rate_m = _RATE.match(_read(port / "rate"))
         rate = int(rate_m.group(1)) if rate_m else 0
-        key = ("roce", "") if layer.lower() == "ethernet" else ("ib", _read(port / "sm_lid"))
+        key = ("roce", "") if layer.lower() == "ethernet" else ("ib", _master_sm(root, hca))
         groups.setdefault(key, []).append((hca, rate))
     out = []
     counters = {"ib": 0, "roce": 0}
@@ -93,6 +94,14 @@ def derive_fabrics(root: Path) -> list[dict]:
         rates = [r for _, r in members if r]
         out.append({"name": name, "hcas": [h for h, _ in members], "rate_gbps": min(rates) if rates else 0})
     return out
+
+
+def _master_sm(root: Path, hca: str) -> str:
+    """The master SM an adapter's port 1 sees: the recorded sminfo's GUID, else sysfs's sm_lid."""
+    m = _SM_GUID.search(_read(root / "cmd" / f"sminfo_-C_{hca}_-P_1.txt"))
+    if m:
+        return m.group(1).lower()
+    return _read(root / "sys" / "class" / "infiniband" / hca / "ports" / "1" / "sm_lid")
 
 
 def _read(path: Path) -> str:

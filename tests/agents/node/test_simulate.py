@@ -41,7 +41,11 @@ def _profiles(tmp_path: Path) -> Path:
     (nvl / "cmd" / "nvidia-smi_-q.txt").write_text(SMI)
     _port(nvl, "mlx5_0", layer="InfiniBand", rate="400 Gb/sec (4X NDR)", sm_lid="0x1")
     _port(nvl, "mlx5_1", layer="InfiniBand", rate="400 Gb/sec (4X NDR)", sm_lid="0x1")
-    _port(nvl, "mlx5_2", layer="InfiniBand", rate="200 Gb/sec (4X HDR)", sm_lid="0x7")
+    _port(nvl, "mlx5_2", layer="InfiniBand", rate="200 Gb/sec (4X HDR)", sm_lid="0x1")
+    # Same LID, another subnet manager: the recorded sminfo tells them apart.
+    (nvl / "cmd" / "sminfo_-C_mlx5_2_-P_1.txt").write_text(
+        "sminfo: sm lid 1 sm guid 0x2c90200259201, activity count 6881 priority 0 state 3 SMINFO_MASTER\n"
+    )
     _port(nvl, "mlx5_3", layer="Ethernet", rate="100 Gb/sec (4X EDR)", sm_lid="0x0")
     hgx = profiles / "hgx"
     (hgx / "cmd").mkdir(parents=True)
