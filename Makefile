@@ -44,6 +44,10 @@ services:
 migrations: $(VENV)/.installed-dev
 	$(TEST_ENV) $(PY) manage.py makemigrations
 
+# Simulated GPU nodes (real agent processes in fixture mode) against `make run`'s server; Ctrl-C stops them.
+demo: $(VENV)/.installed
+	DEBUG=$${DEBUG:-1} $(PY) manage.py simulate --nodes $${NODES:-6} --control-plane http://$${LLMGW_LISTEN:-127.0.0.1:8000}
+
 bench: $(VENV)/.installed-dev services
 	$(TEST_ENV) $(PY) -m bench
 
