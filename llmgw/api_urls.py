@@ -1,9 +1,15 @@
 """The versioned REST API (/api/v1/): one router, each app registering its viewsets."""
 
-from django.urls import path
+from django.urls import re_path
 from rest_framework.routers import DefaultRouter
 
-router = DefaultRouter()
+from inventory.api import GPUViewSet, NodeViewSet, NVLinkView
 
-urlpatterns: list = [*router.urls]
-_ = path
+router = DefaultRouter()
+router.register("nodes", NodeViewSet, basename="node")
+router.register("gpus", GPUViewSet, basename="gpu")
+
+urlpatterns: list = [
+    *router.urls,
+    re_path(r"^nvlink/?$", NVLinkView.as_view(), name="nvlink"),
+]
