@@ -57,6 +57,7 @@ class Tray:
     reachable: bool
     imex_state: str
     imex_channels: int
+    imex_up: bool
     state: str
     cards: list[Card] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
@@ -151,6 +152,7 @@ def tray(node: Node, domain: str, cards: list[GPU]) -> Tray:
         reachable=node.reachable,
         imex_state=node.imex_state,
         imex_channels=node.imex_channels,
+        imex_up=gpu_rules.imex_up(node.imex_state),
         state=state,
         cards=drawn,
         reasons=reasons,

@@ -172,6 +172,7 @@ class TraySerializer(serializers.Serializer):
     reachable = serializers.BooleanField()
     imex_state = serializers.CharField()
     imex_channels = serializers.IntegerField()
+    imex_up = serializers.BooleanField()
     state = serializers.CharField()
     cards = CardSerializer(many=True)
     reasons = serializers.ListField(child=serializers.CharField())
