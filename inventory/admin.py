@@ -13,6 +13,7 @@ from django.contrib import admin, messages
 from django.contrib.admin.utils import quote
 from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
+from django.db import transaction
 from django.db.models import Prefetch, Q
 from django.http import HttpRequest, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
@@ -327,11 +328,12 @@ class NodeAdmin(admin.ModelAdmin):
                     refused.append(refusal)
                     continue
                 try:
-                    operations.forget(n.id)
+                    with transaction.atomic():  # the log entry only if the node really went
+                        self.log_deletions(request, Node.objects.filter(id=n.id))
+                        operations.forget(n.id)
                 except operations.ForgetRefused as exc:
                     refused.append(str(exc))
                     continue
-                self.log_deletion(request, n, n.id)
                 forgotten.append(n.id)
             if forgotten:
                 self.message_user(request, f"forgotten: {', '.join(forgotten)}", messages.SUCCESS)

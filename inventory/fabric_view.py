@@ -17,7 +17,7 @@ from typing import Any
 from agents import wire
 from inventory import fabric as fabric_rules
 from inventory import telemetry
-from inventory.models import FabricAttachment, FabricScan, SMChange
+from inventory.models import FabricAttachment, FabricScan, Node, SMChange
 
 
 @dataclass
@@ -108,8 +108,8 @@ def gather(
         attachments = FabricAttachment.objects.order_by("node_id", "name")
     attachments = list(attachments)
     if cached is None:
-        node_ids = sorted({a.node_id for a in attachments})
-        cached = telemetry.get_many(node_ids)
+        # Every node, not only those declaring a fabric: an undeclared port is still on one.
+        cached = telemetry.get_many(Node.objects.values_list("id", flat=True))
     raw_by_node = {node_id: cached[node_id] for node_id in sorted(cached)}
     ports_by_node = {node_id: _ports(data) for node_id, data in raw_by_node.items()}
     extra_by_node = {
