@@ -165,7 +165,10 @@ class NodeAdmin(admin.ModelAdmin):
             None,
             {"fields": ["id", "hostname", "mgmt_addr", "state", "unreachable_since", "last_seen", "registered_at"]},
         ),
-        ("Agent", {"fields": ["agent_version", "features", "engine_versions", "engines_probed"]}),
+        (
+            "Agent",
+            {"fields": ["agent_version", "features", "engine_versions", "engines_probed"], "classes": ["collapse"]},
+        ),
         (
             "Host",
             {
@@ -176,7 +179,8 @@ class NodeAdmin(admin.ModelAdmin):
                     "nvidia_driver",
                     "memory_total_mb",
                     "cpu_count",
-                ]
+                ],
+                "classes": ["collapse"],
             },
         ),
         ("NVLink", {"fields": ["nvlink_domain", "imex_state", "imex_channels"]}),

@@ -189,6 +189,7 @@ class NodePage:
     ports: list[PortLive]
     problems: list[str]
     telemetry_at: float | None
+    has_telemetry: bool
     load: dict[str, Any] = field(default_factory=dict)
 
 
@@ -203,5 +204,6 @@ def node_page(node: Node) -> NodePage:
         ports=ib_ports(data),
         problems=node_problems(node, data, gpus=gpus),
         telemetry_at=(data or {}).get("at"),
+        has_telemetry=data is not None,
         load=(data or {}).get("load") or {},
     )

@@ -199,7 +199,7 @@ def test_node_page_sections(nodes, operator, now):
     for section in ("labels", "gpus", "nvlink-matrix", "nvlink-domain", "ib-ports", "storage", "weights", "engines"):
         assert f'id="{section}"' in page
     assert "61 °C" in page and "512 / 700 W" in page and "87%" in page
-    assert "2500000000 b/s" in page
+    assert "<td>2.5 Gb/s</td><td>1.0 Gb/s</td>" in page
     assert "<td>qwen</td>" in page
     assert "<td>64 GB</td>" in page
     assert "Cannot be forgotten: node-b still holds 1 allocation and 1 shard." in page
