@@ -238,3 +238,35 @@ def test_event_admin_is_read_only(nodes, operator):
     ev = NodeEvent.objects.filter(node_id="node-a").first()
     assert c.get(f"/admin/inventory/nodeevent/{ev.id}/delete/").status_code == 403
     assert c.get("/admin/inventory/nodeevent/add/").status_code == 403
+
+
+def test_nvlink_page_marks_each_tray_and_card(operator, now):
+    from tests.inventory.cockpit_fixtures import nvlink_cluster
+
+    nvlink_cluster(now)
+    body = text(login(operator).get("/admin/nvlink/"))
+    assert re.search(r'class="tray tray-joined" data-node="tray-joined" data-state="joined"', body)
+    assert re.search(r'class="tray tray-out" data-node="tray-half" data-state="out"', body)
+    assert re.search(r'class="tray tray-degraded" data-node="tray-degraded" data-state="degraded"', body)
+    assert body.count('data-card-state="not-joined"') == 2
+    assert body.count('data-card-state="degraded"') == 1
+    assert (
+        '<b>1</b>joined</span> <span class="lg-warn"><b>1</b>degraded</span> <span class="lg-bad"><b>1</b>out' in body
+    )
+
+
+def test_fabrics_page_shows_disagreement_and_failed_scan(operator, now):
+    from inventory.fabric import set_scan
+
+    make_node("n1", now=now, gpus=0, fabrics=[{"name": "ib", "hcas": ["mlx5_0", "mlx5_1"]}])
+    put_telemetry("n1", ports=[ib_port("mlx5_0", sm="0x0a"), ib_port("mlx5_1", sm="0x0b")])
+    key = "sm:0x000000000000000a"
+    set_scan(key=key, at=now, node_id="n1", port="mlx5_0/1", output="Switch 36 ...", error="", took_s=2)
+    set_scan(key=key, at=now, node_id="n1", port="mlx5_0/1", output="", error="ibnetdiscover timed out", took_s=120)
+    body = text(login(operator).get("/admin/fabrics/"))
+    assert (
+        '<li data-node="n1"><code>n1</code> declares <code>ib</code> on mlx5_0, mlx5_1, cabled to '
+        "<code>sm:0x000000000000000a</code> and <code>sm:0x000000000000000b</code></li>"
+    ) in body
+    assert "last try failed: ibnetdiscover timed out" in body
+    assert "Switch 36 ..." in body
