@@ -1,12 +1,17 @@
 """The versioned REST API (/api/v1/): one router, each app registering its viewsets."""
 
-from django.urls import path
+from django.urls import re_path
 from rest_framework.routers import DefaultRouter
 
+from inventory.api import GPUViewSet, NodeViewSet, NVLinkView
 from inventory.doctor_api import DoctorView
 
 router = DefaultRouter()
+router.register("nodes", NodeViewSet, basename="node")
+router.register("gpus", GPUViewSet, basename="gpu")
 
-urlpatterns: list = [*router.urls]
-urlpatterns += [path("doctor", DoctorView.as_view(), name="doctor")]
-_ = path
+urlpatterns: list = [
+    *router.urls,
+    re_path(r"^nvlink/?$", NVLinkView.as_view(), name="nvlink"),
+    re_path(r"^doctor/?$", DoctorView.as_view(), name="doctor"),
+]
