@@ -214,6 +214,13 @@ LLMGW_HEARTBEAT_INTERVAL = env_seconds("LLMGW_HEARTBEAT_INTERVAL", 5.0)
 LLMGW_TELEMETRY_TTL = env_seconds("LLMGW_TELEMETRY_TTL", 120.0)
 LLMGW_SM_CHANGES_KEPT = 500
 
+# The liveness sweep: often enough that "unreachable" is seen within seconds
+# of LLMGW_UNREACHABLE_AFTER.
+CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
+    "task": "agents.liveness_sweep",
+    "schedule": env_seconds("LLMGW_LIVENESS_INTERVAL", 10.0),
+}
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
