@@ -15,6 +15,7 @@ from django.http import HttpResponse, JsonResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from pydantic import BaseModel, ValidationError
+from rest_framework.parsers import JSONParser
 from rest_framework.renderers import JSONRenderer
 from rest_framework.views import APIView
 
@@ -90,7 +91,9 @@ class AgentEndpoint(APIView):
     authentication_classes = ()
     permission_classes = ()
     throttle_classes = ()
-    parser_classes = ()
+    # Declared for the OpenAPI document; the body is read and validated by
+    # the wire schema itself (request.data is never touched).
+    parser_classes = (JSONParser,)
     renderer_classes = (JSONRenderer,)
     message: ClassVar[type[wire.Message]]
     max_body: ClassVar[int]
