@@ -256,9 +256,7 @@ def run() -> list[str]:
     _recreate_database(db_url)
     join = secrets.token_urlsafe(24)
     env = _server_env(db_url, join)
-    subprocess.run(
-        [sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True
-    )
+    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
     port = _free_port()
     gunicorn = [
         sys.executable, "-m", "gunicorn", "llmgw.wsgi:application",

@@ -12,11 +12,11 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from django.db import transaction
+from django.db import connection, transaction
 
 from agents import commands, wire
 from agents.models import Command, CommandKind
-from placement.models import PlacementEvent, ReplicaState, Shard
+from placement.models import PlacementEvent, Replica, ReplicaState, Shard
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,28 @@ def _set_states(changes: list[tuple[dict, str, str, int | None, str]], *, now: d
 _ROW_FIELDS = ("id", "state", "reason", "exit_code", "replica_id", "replica__deployment_id", "replica__state")
 
 
+def _shard_rows(node_id: str, ids: list[uuid.UUID]) -> dict[uuid.UUID, dict]:
+    # Hand-written SQL: this read runs on every heartbeat that lists shards.
+    # Portable: the ids adapted as the backend stores them, one placeholder each.
+    shard, replica = Shard._meta.db_table, Replica._meta.db_table
+    pk = Shard._meta.pk
+    params = [pk.get_db_prep_value(i, connection) for i in ids]
+    marks = ", ".join(["%s"] * len(params))
+    with connection.cursor() as cur:
+        cur.execute(
+            f"SELECT s.id, s.state, s.reason, s.exit_code, s.replica_id, r.deployment_id, r.state "
+            f"FROM {shard} s JOIN {replica} r ON r.id = s.replica_id WHERE s.node_id = %s AND s.id IN ({marks})",
+            [node_id, *params],
+        )
+        rows = {}
+        for row in cur.fetchall():
+            d = dict(zip(_ROW_FIELDS, row, strict=True))
+            d["id"] = pk.to_python(d["id"])
+            d["replica_id"] = pk.to_python(d["replica_id"])
+            rows[d["id"]] = d
+        return rows
+
+
 def record_shard_states(node_id: str, statuses: Iterable[wire.ShardStatus], *, now: dt.datetime) -> SyncResult:
     """Record the shard states a heartbeat reports; fence what should no longer run.
 
@@ -134,7 +156,7 @@ def record_shard_states(node_id: str, statuses: Iterable[wire.ShardStatus], *, n
             reports[sid] = s
     if not reports:
         return result
-    rows = {r["id"]: r for r in Shard.objects.filter(node_id=node_id, id__in=list(reports)).values(*_ROW_FIELDS)}
+    rows = _shard_rows(node_id, list(reports))
     changes = []
     fence = []
     for sid, s in reports.items():
