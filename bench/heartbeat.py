@@ -320,7 +320,8 @@ def run() -> list[str]:
         errors = sum(r[1] for r in results)
         lines += [
             f"{n_nodes} nodes; gunicorn {workers} workers x {threads} threads; "
-            f"load: {clients} processes x {concurrency} connections, {seconds:.0f} s, on the same {os.cpu_count()} cores",
+            f"load: {clients} processes x {concurrency} connections, {seconds:.0f} s, "
+            f"on the same {os.cpu_count()} cores",
             f"heartbeats: {len(lat) / elapsed:,.0f}/s sustained ({len(lat)} in {elapsed:.1f} s, {errors} errors)",
             f"heartbeat latency: p50 {_percentile(lat, 50) * 1000:.1f} ms, p99 {_percentile(lat, 99) * 1000:.1f} ms",
             f"register (8 GPUs, new node, join token): median {statistics.median(reg_times) * 1000:.1f} ms, "
