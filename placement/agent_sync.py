@@ -257,10 +257,14 @@ def fail_node_shards(node_id: str, *, reason: str, now: dt.datetime) -> list[str
 
 def queue_reconcile() -> bool:
     """Ask the reconciler to run once this transaction commits, if this build has one."""
+    from llmgw.celery import app
+
     try:
         import placement.tasks  # noqa: F401
-        from llmgw.celery import app
-    except ImportError:
+    except ModuleNotFoundError as exc:
+        # Only the module's absence means "no reconciler here"; a broken one must fail loudly.
+        if exc.name != "placement.tasks":
+            raise
         return False
     task = app.tasks.get("placement.reconcile")
     if task is None:
