@@ -184,6 +184,7 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "OAS_VERSION": "3.1.0",
 }
 
 # Celery: the broker is Redis (or anything kombu speaks) in production, the
@@ -220,6 +221,13 @@ LLMGW_FABRIC_SCAN_TIMEOUT = env_seconds("LLMGW_FABRIC_SCAN_TIMEOUT", 120.0)
 CELERY_BEAT_SCHEDULE["inventory.schedule_fabric_scans"] = {
     "task": "inventory.schedule_fabric_scans",
     "schedule": LLMGW_FABRIC_SCAN_INTERVAL,
+}
+
+# The liveness sweep: often enough that "unreachable" is seen within seconds
+# of LLMGW_UNREACHABLE_AFTER.
+CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
+    "task": "agents.liveness_sweep",
+    "schedule": env_seconds("LLMGW_LIVENESS_INTERVAL", 10.0),
 }
 
 LOGGING = {
