@@ -21,10 +21,6 @@ from inventory import doctor
 from inventory import gpus as gpu_rules
 from inventory.models import AllocatedGPU, NodeState
 
-# Telemetry rates (tx_bps, rx_bps) are bits per second, like every link rate
-# in the agent's reports; the metric is in bytes per second.
-BITS_PER_BYTE = 8
-
 
 def _families() -> dict[str, Metric]:
     return {
@@ -143,7 +139,7 @@ class LlmgwCollector(Collector):
             for direction, k in (("tx", "tx_bps"), ("rx", "rx_bps")):
                 rate = _num(p.get(k))
                 if rate is not None:
-                    f["ib_rate"].add_metric([node_id, hca, port, direction], rate / BITS_PER_BYTE)
+                    f["ib_rate"].add_metric([node_id, hca, port, direction], rate)
             counters = p.get("counters") or {}
             for name in doctor.ERROR_COUNTERS:
                 value = _num(counters.get(name))

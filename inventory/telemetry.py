@@ -27,7 +27,7 @@ def put(node_id: str, data: dict[str, Any]) -> None:
 
     Shape: {"at": server time (unix s), "agent_at": agent clock or None,
     "load": wire.Load dict or None, "gpus": [wire.GPUSensor dicts],
-    "ib_ports": [wire.IBPort dicts, each with "tx_bps" and "rx_bps"]}.
+    "ib_ports": [wire.IBPort dicts, each with "tx_bps" and "rx_bps" in bytes a second]}.
     """
     cache.set(key(node_id), data, timeout=settings.LLMGW_TELEMETRY_TTL)
 

@@ -60,8 +60,8 @@ def cluster():
             ib_port(
                 "mlx5_0",
                 counters={"symbol_error": 3, "link_downed": 1, "port_xmit_data": 123456},
-                tx_bps=400e9,
-                rx_bps=8e9,
+                tx_bps=50e9,
+                rx_bps=1e9,
             )
         ],
     )
