@@ -213,6 +213,15 @@ LLMGW_LOST_AFTER = env_seconds("LLMGW_LOST_AFTER", 300.0)
 LLMGW_HEARTBEAT_INTERVAL = env_seconds("LLMGW_HEARTBEAT_INTERVAL", 5.0)
 LLMGW_TELEMETRY_TTL = env_seconds("LLMGW_TELEMETRY_TTL", 120.0)
 LLMGW_SM_CHANGES_KEPT = 500
+# Placement: the first HTTP port a shard gets on a node, and how often the
+# reconciler runs (it is also queued by events).
+LLMGW_SHARD_PORT_BASE = int(os.environ.get("LLMGW_SHARD_PORT_BASE", "18000"))
+LLMGW_RECONCILE_INTERVAL = env_seconds("LLMGW_RECONCILE_INTERVAL", 10.0)
+CELERY_BEAT_SCHEDULE["placement-reconcile"] = {
+    "task": "placement.reconcile",
+    "schedule": LLMGW_RECONCILE_INTERVAL,
+    "options": {"expires": LLMGW_RECONCILE_INTERVAL},
+}
 
 LOGGING = {
     "version": 1,
