@@ -199,18 +199,18 @@ def choose_gpus(n: NodeInfo, need: int, *, gpu_class: str = "", hcas: Iterable[s
     numa_counts: Counter[int] = Counter()
     rest = list(pool)
     while len(chosen) < need:
-        picked = set(g.index for g in chosen)
-
-        def score(g: GPUInfo) -> tuple:
-            return (
+        picked = {g.index for g in chosen}
+        left = {g.index for g in rest}
+        best = max(
+            rest,
+            key=lambda g, picked=picked, left=left: (
                 len(g.nvlink_peers & picked),
                 numa_counts[g.numa] if g.numa >= 0 else 0,
                 g.hca_rank(hcas),
-                len(g.nvlink_peers & {x.index for x in rest}),
+                len(g.nvlink_peers & left),
                 -g.index,
-            )
-
-        best = max(rest, key=score)
+            ),
+        )
         chosen.append(best)
         numa_counts[best.numa] += 1
         rest.remove(best)
@@ -276,7 +276,9 @@ def summarize(reasons: Mapping[str, str], *, limit: int = 4) -> str:
     if not reasons:
         return "no nodes"
     counts = Counter(reasons.values()).most_common()
-    parts = [f"{c} × {r}" if c > 1 else f"{r} ({next(k for k, v in reasons.items() if v == r)})" for r, c in counts]
+    parts = [
+        f"{c} nodes: {r}" if c > 1 else f"{r} ({next(k for k, v in reasons.items() if v == r)})" for r, c in counts
+    ]
     more = len(parts) - limit
     return "; ".join(parts[:limit]) + (f"; and {more} more" if more > 0 else "")
 

@@ -303,7 +303,7 @@ def test_explain_gives_every_other_node_a_reason():
 
 def test_summary_counts_reasons():
     reasons = {"a": "cordoned", "b": "cordoned", "c": "3 free GPUs, needs 4"}
-    assert summarize(reasons) == "2 × cordoned; 3 free GPUs, needs 4 (c)"
+    assert summarize(reasons) == "2 nodes: cordoned; 3 free GPUs, needs 4 (c)"
     assert plan(req(), snap()).reason == "no nodes"
 
 
