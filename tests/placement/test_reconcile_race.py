@@ -24,7 +24,7 @@ def _run_in_threads(*targets):
         def run():
             try:
                 fn()
-            except BaseException as e:  # noqa: BLE001 - reported by the test below
+            except BaseException as e:
                 errors.append(e)
             finally:
                 connections.close_all()
@@ -43,9 +43,7 @@ def test_two_placements_from_stale_snapshots_cannot_double_book(now):
     assert connection.vendor == "postgresql"
     make_node("a", now=now)
     prof = EngineProfile.objects.create(name="full", engine="echo", gpus_per_node=8)
-    deps = [
-        Deployment.objects.create(name=f"d{i}", served_model=f"m{i}", profile=prof, replicas=1) for i in range(2)
-    ]
+    deps = [Deployment.objects.create(name=f"d{i}", served_model=f"m{i}", profile=prof, replicas=1) for i in range(2)]
     rows = [Replica.objects.create(deployment=d, created_at=now, updated_at=now) for d in deps]
     barrier = threading.Barrier(2)
     outcomes: dict[int, str] = {}
