@@ -3,7 +3,18 @@
 from django.urls import path
 from rest_framework.routers import DefaultRouter
 
-router = DefaultRouter()
+from placement import views as placement_views
 
-urlpatterns: list = [*router.urls]
-_ = path
+router = DefaultRouter()
+router.register("profiles", placement_views.ProfileViewSet, basename="profile")
+router.register("deployments", placement_views.DeploymentViewSet, basename="deployment")
+router.register("replicas", placement_views.ReplicaViewSet, basename="replica")
+router.register("shards", placement_views.ShardViewSet, basename="shard")
+router.register("placement-events", placement_views.EventViewSet, basename="placement-event")
+router.register("holds", placement_views.HoldViewSet, basename="hold")
+router.register("power-budgets", placement_views.PowerBudgetViewSet, basename="power-budget")
+
+urlpatterns: list = [
+    path("placement/dry-run", placement_views.DryRunView.as_view(), name="placement-dry-run"),
+    *router.urls,
+]
