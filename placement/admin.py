@@ -71,6 +71,12 @@ class DeploymentAdmin(admin.ModelAdmin):
         super().save_model(request, obj, form, change)
         deployment_actions.record(obj, "changed", "saved in the admin", now=timezone.now(), actor=request.user)
 
+    def has_delete_permission(self, request, obj=None) -> bool:
+        # Deleting would orphan running shards: scale to 0 first.
+        if obj is not None and deployment_actions.deletable(obj):
+            return False
+        return super().has_delete_permission(request, obj)
+
     @admin.action(description="Pause (leave its replicas alone)", permissions=["change"])
     def pause(self, request, queryset):
         for dep in queryset:

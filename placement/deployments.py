@@ -26,6 +26,21 @@ def record(dep: Deployment, kind: str, reason: str, *, now: dt.datetime, actor: 
     _queue()
 
 
+def live_replicas(dep: Deployment) -> int:
+    """How many of a deployment's replicas are not yet stopped or failed."""
+    return dep.replica_set.filter(state__in=replicas.LIVE_STATES).count()
+
+
+def deletable(dep: Deployment) -> str:
+    """Why a deployment cannot be deleted now, "" when it can.
+
+    Deleting rows would orphan running shards and their GPUs: scale to zero
+    first, and delete once the reconciler has stopped them.
+    """
+    n = live_replicas(dep)
+    return f"{n} replicas still live: scale to 0 first" if n else ""
+
+
 def scale(dep: Deployment, count: int, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> Deployment:
     """Set the desired replicas."""
     with transaction.atomic():

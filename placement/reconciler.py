@@ -27,7 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, transaction
 from django.db.models import OuterRef, Subquery
 
 from agents import commands, wire
@@ -297,6 +297,12 @@ def _place(row: Replica, dep: Deployment, snap: snapshots.Snapshot, *, now: dt.d
             write_placement(row, dep, result, snap, now=now)
     except IntegrityError:
         log.info("replica %s lost a race for its GPUs; retrying", row.id)
+        return "conflict"
+    except OperationalError as e:
+        # Two writers waiting on each other's cards: the database picks one to lose.
+        if "deadlock" not in str(e).lower():
+            raise
+        log.info("replica %s deadlocked with another placement; retrying", row.id)
         return "conflict"
     snap.reserve(result)
     return "placed"

@@ -94,6 +94,13 @@ class DeploymentViewSet(InOutViewSet):
         deployment_actions.record(dep, "changed", "saved through the API", now=timezone.now(), actor=self.request.user)
         return dep
 
+    def destroy(self, request, *args, **kwargs):
+        dep = self.get_object()
+        why = deployment_actions.deletable(dep)
+        if why:
+            return Response({"replicas": [why]}, status=status.HTTP_409_CONFLICT)
+        return super().destroy(request, *args, **kwargs)
+
     @action(detail=True, methods=["post"], permission_classes=[CanChange])
     def scale(self, request, pk=None):
         """Set the desired replicas."""

@@ -154,7 +154,7 @@ def test_replica_filters_and_pagination(viewer, now, profile):
     r = c.get("/api/v1/replicas/", {"state": "starting", "limit": 2})
     body = r.json()
     assert body["count"] == 3 and len(body["results"]) == 2 and body["next"]
-    node = body["results"][0]["shards"][0]["node"]
+    node = "n0-0"  # binpack fills the first node (ties by id) before the next
     r = c.get("/api/v1/replicas/", {"shards__node": node})
     assert [x["shards"][0]["node"] for x in r.json()["results"]] == [node, node]
     r = c.get("/api/v1/shards/", {"node": node})
@@ -188,3 +188,14 @@ def test_dry_run_is_the_planner_over_a_fresh_snapshot(viewer, now, profile):
 def test_dry_run_needs_a_profile(viewer):
     r = client(viewer).post("/api/v1/placement/dry-run", {}, format="json")
     assert r.status_code == 400 and r.json() == {"profile": ["name a profile or a deployment"]}
+
+
+def test_deleting_a_deployment_with_live_replicas_is_refused(operator, dep, now):
+    make_node("a", now=now)
+    reconcile(now=now)
+    c = client(operator)
+    r = c.delete(f"/api/v1/deployments/{dep.id}/")
+    assert r.status_code == 409 and r.json() == {"replicas": ["1 replicas still live: scale to 0 first"]}
+    c.post(f"/api/v1/deployments/{dep.id}/scale/", {"replicas": 0}, format="json")
+    reconcile(now=now)
+    assert c.delete(f"/api/v1/deployments/{dep.id}/").status_code == 204
