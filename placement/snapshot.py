@@ -215,6 +215,9 @@ class Snapshot:
     budgets: dict[tuple[str, str], float] = field(default_factory=dict)
     budget_used: dict[tuple[str, str], float] = field(default_factory=dict)
     port_base: int = 18000
+    # Ports in use anywhere, when shard ports must be unique across the
+    # cluster (a simulated fleet on one host); None: per node.
+    cluster_ports: set[int] | None = None
     taken_at: dt.datetime | None = None
     # (gpu class or "*", group) -> free-GPU count -> node ids, sorted; schedulable nodes only.
     _index: dict[tuple[str, str], dict[int, SortedList]] = field(default_factory=dict, repr=False)
@@ -292,6 +295,8 @@ class Snapshot:
             ports.add(s.http_port)
             if s.leader_port:
                 ports.add(s.leader_port)
+            if self.cluster_ports is not None:
+                self.cluster_ports.update(p for p in (s.http_port, s.leader_port) if p)
             self.replace(
                 dataclasses.replace(
                     n,
@@ -307,6 +312,8 @@ class Snapshot:
     def free_port(self, n: NodeInfo, *, skip: Iterable[int] = ()) -> int:
         """The lowest port from the base that no shard on the node uses."""
         used = set(n.ports) | set(skip)
+        if self.cluster_ports is not None:
+            used |= self.cluster_ports
         p = self.port_base
         while p in used:
             p += 1
@@ -328,7 +335,9 @@ def _ports_of(telemetry: Mapping[str, Any] | None) -> list[Any]:
     return out
 
 
-def build(*, now: dt.datetime | None = None, port_base: int | None = None) -> Snapshot:
+def build(
+    *, now: dt.datetime | None = None, port_base: int | None = None, unique_ports: bool | None = None
+) -> Snapshot:
     """Read the cluster into a snapshot with a constant number of queries.
 
     One query per table (nodes, GPUs, fabrics, storage, weights, engine
@@ -354,6 +363,7 @@ def build(*, now: dt.datetime | None = None, port_base: int | None = None) -> Sn
     from placement.models import Hold, PowerBudget, ReplicaState, Shard
 
     base = port_base if port_base is not None else settings.LLMGW_SHARD_PORT_BASE
+    unique = settings.LLMGW_SHARD_PORTS_UNIQUE if unique_ports is None else unique_ports
     nodes = list(
         Node.objects.values_list(
             "id",
@@ -489,4 +499,11 @@ def build(*, now: dt.datetime | None = None, port_base: int | None = None) -> Sn
                 v = labels.get(k)
                 if v is not None and (k, v) in budgets:
                     budget_used[(k, v)] += c["power"]
-    return Snapshot(nodes=out, budgets=budgets, budget_used=dict(budget_used), port_base=base, taken_at=now)
+    return Snapshot(
+        nodes=out,
+        budgets=budgets,
+        budget_used=dict(budget_used),
+        port_base=base,
+        cluster_ports={p for ps in ports.values() for p in ps} if unique else None,
+        taken_at=now,
+    )

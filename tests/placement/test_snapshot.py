@@ -146,3 +146,16 @@ def test_nvlink_domain_replica_gets_mnnvl(now):
     payloads = [c.payload for c in Command.objects.order_by("node_id")]
     assert [p["profile"]["env"] for p in payloads] == [{"NCCL_MNNVL_ENABLE": "1"}] * 2
     assert [p["nvlink_domain"] for p in payloads] == ["c0ffee00-0000-0000-0000-000000000001/7"] * 2
+
+
+def test_ports_unique_across_the_cluster_for_a_fleet_on_one_host(now, settings):
+    settings.LLMGW_SHARD_PORTS_UNIQUE = True
+    make_node("a", now=now)
+    make_node("b", now=now)
+    prof = EngineProfile.objects.create(name="full", engine="echo", gpus_per_node=8)
+    Deployment.objects.create(name="d", served_model="d", profile=prof, replicas=2)
+    reconcile(now=now)
+    assert sorted(Shard.objects.values_list("node_id", "http_port")) == [("a", 18000), ("b", 18001)]
+    snap = snapshots.build(now=now)
+    assert snap.cluster_ports == {18000, 18001}
+    assert snapshots.build(now=now, unique_ports=False).cluster_ports is None
