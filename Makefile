@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 TEST_ENV := DJANGO_SETTINGS_MODULE=llmgw.settings_test
 
-.PHONY: run test lint check bench demo services migrations clean
+.PHONY: run test lint check bench demo services migrations clean browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,7 @@ run: $(VENV)/.installed
 	DEBUG=$${DEBUG:-1} ./scripts/run-all.sh
 
 # The whole suite against PostgreSQL and Redis on localhost, and the linters.
-test: $(VENV)/.installed-dev services
+test: $(VENV)/.installed-dev services browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(TEST_ENV) $(PY) manage.py check
@@ -41,8 +41,16 @@ lint: $(VENV)/.installed-dev
 services:
 	./scripts/services.sh
 
+# Debian's Chromium for the browser tests (Playwright drives it; no browser is ever downloaded).
+browser:
+	@test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+
 migrations: $(VENV)/.installed-dev
 	$(TEST_ENV) $(PY) manage.py makemigrations
+
+# Simulated GPU nodes (real agent processes in fixture mode) against `make run`'s server; Ctrl-C stops them.
+demo: $(VENV)/.installed
+	DEBUG=$${DEBUG:-1} $(PY) manage.py simulate --nodes $${NODES:-6} --control-plane http://$${LLMGW_LISTEN:-127.0.0.1:8000}
 
 bench: $(VENV)/.installed-dev services
 	$(TEST_ENV) $(PY) -m bench

@@ -8,12 +8,18 @@ allocations and StartShard commands together).
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Iterable
 
-from django.db.models import F
+from django.db import connection
+from django.db.models import F, Value
+from django.db.models.functions import Coalesce
 
 from agents import wire
 from agents.models import Command
+
+# Command.shard_id's width: the key a command is found by (a shard id of ours is a UUID).
+SHARD_KEY_LEN = 64
 
 WireCommand = wire.StartShard | wire.StopShard | wire.ScanFabric | wire.InstallEngine
 
@@ -21,9 +27,9 @@ WireCommand = wire.StartShard | wire.StopShard | wire.ScanFabric | wire.InstallE
 def enqueue(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:
     """Queue a command for a node; its id is assigned here."""
     payload = message.model_dump(mode="json", exclude={"id"})
-    shard_id = getattr(message, "shard_id", "") or ""
+    shard_id = str(getattr(message, "shard_id", "") or "")[:SHARD_KEY_LEN]
     return Command.objects.create(
-        node_id=node_id, kind=message.kind, payload=payload, created_at=now, shard_id=str(shard_id)
+        node_id=node_id, kind=message.kind, payload=payload, created_at=now, shard_id=shard_id
     )
 
 
@@ -32,12 +38,24 @@ def pending(node_id: str, *, now: dt.datetime, limit: int = wire.MAX_COMMANDS) -
 
     Marks them delivered; they stay pending until acknowledged.
     """
-    rows = list(Command.objects.filter(node_id=node_id, acked_at__isnull=True).order_by("created_at", "id")[:limit])
+    # Hand-written SQL: every heartbeat asks, and most find nothing.
+    with connection.cursor() as cur:
+        cur.execute(
+            f"SELECT id, kind, payload FROM {Command._meta.db_table} WHERE node_id = %s AND acked_at IS NULL "
+            "ORDER BY created_at, id LIMIT %s",
+            [node_id, limit],
+        )
+        rows = [
+            Command(id=_uuid(i), kind=k, payload=json.loads(p) if isinstance(p, str) else p)
+            for i, k, p in cur.fetchall()
+        ]
     if not rows:
         return []
     ids = [r.id for r in rows]
-    Command.objects.filter(id__in=ids, first_delivered_at__isnull=True).update(first_delivered_at=now)
-    Command.objects.filter(id__in=ids).update(deliveries=F("deliveries") + 1)
+    # One statement: a heartbeat's cost must not grow with its commands.
+    Command.objects.filter(id__in=ids).update(
+        deliveries=F("deliveries") + 1, first_delivered_at=Coalesce(F("first_delivered_at"), Value(now))
+    )
     return [to_wire(r) for r in rows]
 
 

@@ -477,6 +477,8 @@ class HeartbeatResponse(Message):
     commands: list[Command] = []
     server_time: float | None = None
     heartbeat_interval_s: float = 5.0
+    # An operator asked for a new credential: the agent calls the rotate endpoint.
+    rotate_credential: bool | None = None
 
 
 class ScanUpload(Message):
@@ -490,6 +492,16 @@ class ScanUpload(Message):
     output: Annotated[str, StringConstraints(max_length=MAX_SCAN_TEXT)] = ""
     error: Text = ""
     took_s: Annotated[float, Field(ge=0, le=86_400)] = 0.0
+
+
+class RotateCredential(Message):
+    """Ask for a new node credential (POST /api/v1/agent/rotate, with the current one).
+
+    The answer is a RegisterResponse carrying only node_id and credential; the
+    old credential stays valid until the new one is first used.
+    """
+
+    node_id: NodeId
 
 
 RegisterResponse.model_rebuild()

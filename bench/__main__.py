@@ -11,7 +11,11 @@ import os
 import sys
 import time
 
+<<<<<<< HEAD
 BENCHES: list[str] = ["planner", "reconcile"]
+=======
+BENCHES: list[str] = ["heartbeat"]
+>>>>>>> main
 
 
 def main(argv: list[str]) -> int:

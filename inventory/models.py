@@ -85,6 +85,14 @@ class Node(models.Model):
 
     class Meta:
         ordering = ["id"]
+        # The operator's acts, apart from "change": the inventory itself is the
+        # agent's report, so no one edits a node's row by hand.
+        permissions = [
+            ("cordon_node", "Can cordon and uncordon a node"),
+            ("drain_node", "Can drain a node"),
+            ("change_labels", "Can change a node's operator labels"),
+            ("forget_node", "Can forget a node"),
+        ]
         constraints = [
             models.CheckConstraint(condition=Q(state__in=NodeState.values), name="inventory_node_state_valid"),
             models.CheckConstraint(condition=Q(memory_total_mb__gte=0), name="inventory_node_memory_nonnegative"),

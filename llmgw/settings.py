@@ -184,6 +184,7 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    "OAS_VERSION": "3.1.0",
 }
 
 # Celery: the broker is Redis (or anything kombu speaks) in production, the
@@ -213,6 +214,22 @@ LLMGW_LOST_AFTER = env_seconds("LLMGW_LOST_AFTER", 300.0)
 LLMGW_HEARTBEAT_INTERVAL = env_seconds("LLMGW_HEARTBEAT_INTERVAL", 5.0)
 LLMGW_TELEMETRY_TTL = env_seconds("LLMGW_TELEMETRY_TTL", 120.0)
 LLMGW_SM_CHANGES_KEPT = 500
+# Fabric scans: how often one port per InfiniBand fabric runs ibnetdiscover,
+# and how long the agent lets it run.
+LLMGW_FABRIC_SCAN_INTERVAL = env_seconds("LLMGW_FABRIC_SCAN_INTERVAL", 600.0)
+LLMGW_FABRIC_SCAN_TIMEOUT = env_seconds("LLMGW_FABRIC_SCAN_TIMEOUT", 120.0)
+CELERY_BEAT_SCHEDULE["inventory.schedule_fabric_scans"] = {
+    "task": "inventory.schedule_fabric_scans",
+    "schedule": LLMGW_FABRIC_SCAN_INTERVAL,
+}
+
+# The liveness sweep: often enough that "unreachable" is seen within seconds
+# of LLMGW_UNREACHABLE_AFTER.
+CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
+    "task": "agents.liveness_sweep",
+    "schedule": env_seconds("LLMGW_LIVENESS_INTERVAL", 10.0),
+}
+
 # Placement: the first HTTP port a shard gets on a node, and how often the
 # reconciler runs (it is also queued by events).
 LLMGW_SHARD_PORT_BASE = int(os.environ.get("LLMGW_SHARD_PORT_BASE", "18000"))

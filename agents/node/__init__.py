@@ -1,0 +1,1 @@
+"""The node agent: runs on each GPU node, imports no Django."""

@@ -1,0 +1,282 @@
+"""Hardware discovery for the node agent: pure parsers over sysfs, /proc and tool outputs.
+
+`root=None` reads the live machine; `root=DIR` reads DIR/sys, DIR/proc,
+DIR/etc, DIR/dev and the recorded tool outputs DIR/cmd/*.txt (see
+`tools.recording_name`) through the same parsers. Nothing here raises for a
+missing GPU, NVML, HCA, IMEX or tool: it is reported in `problems`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agents import wire
+
+from . import health, host, imex, infiniband, nvidia_smi, storage, subnet, topo
+from .engines import probe_engines
+from .nvml import read_nvml
+from .readings import GPUReading, to_gpu, to_sensor
+from .tools import ToolResult, host_path, read_text, run_tool
+
+__all__ = ["Discovery", "Sample", "ToolResult", "discover", "gpu_fabrics", "ibnetdiscover", "run_tool", "sample"]
+
+TOOL_TIMEOUT = 20.0
+IMEX_CHANNELS = "/dev/nvidia-caps-imex-channels"
+
+
+@dataclass
+class Discovery:
+    """Everything a registration reports about the machine."""
+
+    host: wire.Host
+    memory_total_mb: int | None
+    cpu_count: int | None
+    gpus: list[wire.GPU]
+    storage: list[wire.Storage]
+    weights: list[wire.LocalWeights]
+    imex: wire.IMEX | None
+    engine_versions: dict[str, str]
+    engines_probed: bool
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Sample:
+    """What one heartbeat reports; `previous` of the next sample, for rates."""
+
+    load: wire.Load
+    gpus: list[wire.GPUSensor]
+    ib_ports: list[wire.IBPort]
+    imex: wire.IMEX | None
+    problems: list[str] = field(default_factory=list)
+    at: float = 0.0
+    cpu_jiffies: tuple[int, int] | None = None
+    pcie_replays: dict[int, int] = field(default_factory=dict)
+
+
+def _readings(root: Path | None) -> tuple[list[GPUReading], str, list[str]]:
+    """The cards (NVML live, else `nvidia-smi -q`), the driver version, problems."""
+    problems: list[str] = []
+    readings: list[GPUReading] = []
+    nvml_ok = False
+    if root is None:
+        readings, nvml_problems, nvml_ok = read_nvml()
+        problems += nvml_problems
+    smi: nvidia_smi.SmiReport | None = None
+    need_smi = not nvml_ok or any(r.fabric is None for r in readings)
+    if need_smi:
+        res = run_tool(["nvidia-smi", "-q"], root=root, timeout=TOOL_TIMEOUT)
+        if res.ok:
+            smi = nvidia_smi.parse_query(res.stdout)
+        elif nvml_ok or (root is not None and "not installed" not in res.error):
+            problems.append(f"nvidia-smi -q: {res.error}")
+    if not nvml_ok and smi is not None:
+        readings = smi.gpus
+    elif smi is not None:
+        # NVML without the fabric call (an older driver): take the fabric from nvidia-smi.
+        by_bus = {g.pci_bus_id.lower(): g for g in smi.gpus}
+        for r in readings:
+            other = by_bus.get(r.pci_bus_id.lower())
+            if r.fabric is None and other is not None:
+                r.fabric = other.fabric
+    driver = readings[0].driver_version if readings else (smi.driver_version if smi else "")
+    return readings, driver, problems
+
+
+def _topology(root: Path | None, problems: list[str]) -> dict[int, topo.GPUTopo]:
+    res = run_tool(["nvidia-smi", "topo", "-m"], root=root, timeout=TOOL_TIMEOUT)
+    if not res.ok:
+        # Without nvidia-smi (an NVML-only install) the paths are unknown, not wrong.
+        if "not installed" not in res.error:
+            problems.append(f"nvidia-smi topo -m: {res.error}")
+        return {}
+    return topo.parse_topo(res.stdout)
+
+
+def read_imex(root: Path | None) -> tuple[wire.IMEX | None, list[str]]:
+    """IMEX's state and channels; None on a node with neither the tool nor a channel."""
+    try:
+        names = [p.name for p in host_path(root, IMEX_CHANNELS).iterdir()]
+    except OSError:
+        names = []
+    channels = imex.count_channels(names)
+    res = run_tool(["nvidia-imex-ctl", "-N"], root=root, timeout=TOOL_TIMEOUT)
+    if not res.ok and "not installed" in res.error and not channels:
+        return None, []
+    if not res.ok:
+        return wire.IMEX(state="DOWN", channels=channels, detail=res.error[:4096]), [f"IMEX: {res.error}"]
+    status = imex.parse_imex_ctl(res.stdout)
+    problems = [] if channels else ["IMEX is running but no channel device exists under " + IMEX_CHANNELS]
+    return wire.IMEX(state=status.domain_state or "UNKNOWN", channels=channels, detail=status.detail()), problems
+
+
+def _arch(root: Path | None) -> str:
+    res = run_tool(["uname", "-m"], root=root, timeout=5.0)
+    return res.stdout.strip() if res.ok else ""
+
+
+def discover(*, root: Path | None, model_dirs: list[str]) -> Discovery:
+    """The whole inventory of this machine (or of the recorded profile at `root`)."""
+    root = Path(root) if root is not None else None
+    problems: list[str] = []
+    readings, driver, gpu_problems = _readings(root)
+    problems += gpu_problems
+    topology = _topology(root, problems) if readings else {}
+    gpus: list[wire.GPU] = []
+    for r in readings:
+        t = topology.get(r.index)
+        if t is not None and r.numa_node is None:
+            r.numa_node = t.numa_node
+        gpus.append(to_gpu(r, nic_paths=t.nic_paths if t else {}, nvlink_peers=t.nvlink_peers if t else []))
+    mounts = storage.parse_mounts(read_text(root, "/proc/mounts") or "")
+    sizes = None
+    if root is not None:
+        df = run_tool(["df", "-P", "-B1"], root=root, timeout=TOOL_TIMEOUT)
+        sizes = storage.parse_df(df.stdout) if df.ok else None
+    stor, stor_problems = storage.storage_for(model_dirs, mounts, sizes, root)
+    problems += stor_problems
+    weights = storage.find_weights(model_dirs, mounts, root)
+    imex_state, imex_problems = read_imex(root)
+    problems += imex_problems
+    versions, engine_problems = probe_engines(root, timeout=TOOL_TIMEOUT)
+    problems += engine_problems
+    return Discovery(
+        host=host.read_host(root, arch=_arch(root), nvidia_driver=driver),
+        memory_total_mb=host.memory_total_mb(root),
+        cpu_count=host.cpu_count(root),
+        gpus=gpus,
+        storage=stor,
+        weights=weights,
+        imex=imex_state,
+        engine_versions=versions,
+        engines_probed=True,
+        problems=problems,
+    )
+
+
+def gpu_fabrics(*, root: Path | None) -> list[wire.GPUFabricReport]:
+    """Each card's NVLink fabric, re-read: a fabric-manager restart drops every card at once."""
+    readings, _driver, _problems = _readings(Path(root) if root is not None else None)
+    return [wire.GPUFabricReport(index=r.index, fabric=r.fabric) for r in readings]
+
+
+def _ib_ports(root: Path | None, problems: list[str]) -> list[wire.IBPort]:
+    ports = infiniband.read_ports(root)
+    networks: dict[str, list[str]] | None = None
+    asked: set[str] = set()
+    for p in ports:
+        if not infiniband.port_active(p):
+            continue
+        if p.link_layer.lower() == "ethernet":
+            if networks is None:
+                res = run_tool(["ip", "-j", "addr"], root=root, timeout=TOOL_TIMEOUT)
+                networks = infiniband.parse_ip_addr_json(res.stdout) if res.ok else {}
+                if not res.ok:
+                    problems.append(f"ip -j addr: {res.error}")
+            nets = networks.get(p.netdev, [])
+            p.network = nets[0] if nets else ""
+            continue
+        res = run_tool(["sminfo", "-C", p.hca, "-P", str(p.port)], root=root, timeout=TOOL_TIMEOUT)
+        sm = subnet.parse_sminfo(res.stdout) if res.ok else None
+        if sm is None:
+            p.sm_error = res.error if not res.ok else "sminfo named no subnet manager"
+            continue
+        p.sm_guid, p.sm_lid, p.sm_priority, p.sm_state = sm.guid, sm.lid, sm.priority, sm.state
+        if sm.guid in asked:
+            continue
+        # One port per fabric lists every subnet manager on it.
+        asked.add(sm.guid)
+        sms = run_tool(["saquery", "-s", "-C", p.hca, "-P", str(p.port)], root=root, timeout=TOOL_TIMEOUT)
+        if sms.ok:
+            p.sms = subnet.parse_saquery_sms(sms.stdout)[:64]
+        else:
+            p.sms_error = sms.error
+    return ports
+
+
+def _xid_wear(root: Path | None, readings: list[GPUReading]) -> dict[int, list[health.KernelXid]]:
+    res = run_tool(["dmesg"], root=root, timeout=TOOL_TIMEOUT)
+    if not res.ok:
+        return {}
+    xids = health.parse_kernel_xids(res.stdout)
+    return {r.index: [x for x in xids if health.same_pci(x.pci_bus_id, r.pci_bus_id)] for r in readings}
+
+
+def _load(root: Path | None, previous: Sample | None) -> tuple[wire.Load, tuple[int, int] | None]:
+    l1, l5, l15 = host.parse_loadavg(read_text(root, "/proc/loadavg") or "")
+    mem = host.parse_meminfo(read_text(root, "/proc/meminfo") or "")
+    jiffies = host.parse_proc_stat(read_text(root, "/proc/stat") or "")
+    cpus = host.cpu_count(root) or 0
+    pct = 0.0
+    if jiffies and previous and previous.cpu_jiffies:
+        busy, total = jiffies[0] - previous.cpu_jiffies[0], jiffies[1] - previous.cpu_jiffies[1]
+        pct = round(100.0 * busy / total, 1) if total > 0 else 0.0
+    total_mem = mem.get("MemTotal", 0)
+    avail = mem.get("MemAvailable", 0)
+    load = wire.Load(
+        cpu_percent=max(pct, 0.0),
+        cpu_count=cpus,
+        load1=l1,
+        load5=l5,
+        load15=l15,
+        mem_used_bytes=max(total_mem - avail, 0),
+        mem_avail_bytes=avail,
+    )
+    return load, jiffies
+
+
+def sample(*, root: Path | None, previous: Sample | None = None, now: float | None = None) -> Sample:
+    """One heartbeat's worth: load, GPU sensors and wear, IB ports, IMEX."""
+    root = Path(root) if root is not None else None
+    at = time.time() if now is None else now
+    problems: list[str] = []
+    readings, _driver, gpu_problems = _readings(root)
+    problems += gpu_problems
+    xids = _xid_wear(root, readings) if readings else {}
+    sensors: list[wire.GPUSensor] = []
+    replays: dict[int, int] = {}
+    for r in readings:
+        s = to_sensor(r)
+        replays[r.index] = r.pcie_replays
+        if previous and r.pcie_replays >= 0 and r.index in previous.pcie_replays and at > previous.at:
+            before = previous.pcie_replays[r.index]
+            if before >= 0:
+                rate = (r.pcie_replays - before) * 60.0 / (at - previous.at)
+                s.problems += health.wear_problems(
+                    remap_failure=False,
+                    remap_pending=False,
+                    retire_pending=False,
+                    retired_pages=0,
+                    replays_per_minute=rate,
+                )
+        card_xids = xids.get(r.index, [])
+        if s.wear is not None and card_xids:
+            last = card_xids[-1]
+            s.wear.xid_errors = len(card_xids)
+            s.wear.last_xid = last.xid
+            s.wear.last_xid_text = health.xid_meaning(last.xid)
+            fatal = [x for x in card_xids if health.xid_is_fatal(x.xid)]
+            if fatal:
+                s.problems.append(f"XID {fatal[-1].xid}: {health.xid_meaning(fatal[-1].xid)}")
+        sensors.append(s)
+    ports = _ib_ports(root, problems)
+    imex_state, imex_problems = read_imex(root)
+    problems += imex_problems
+    load, jiffies = _load(root, previous)
+    return Sample(
+        load=load,
+        gpus=sensors,
+        ib_ports=ports,
+        imex=imex_state,
+        problems=problems,
+        at=at,
+        cpu_jiffies=jiffies,
+        pcie_replays=replays,
+    )
+
+
+def ibnetdiscover(*, hca: str, port: int, timeout: float, root: Path | None) -> ToolResult:
+    """The fabric map seen from one port, for a ScanFabric command."""
+    return run_tool(["ibnetdiscover", "-C", hca, "-P", str(port)], root=root, timeout=timeout)

@@ -1,0 +1,236 @@
+"""The `echo` engine: a small, real OpenAI-compatible HTTP server that answers with what it is sent.
+
+It stands in for vLLM where there is no GPU (tests, `manage.py simulate`): it
+takes a configurable time to "load" (its /health answers 503 until then, as
+the real engines do), lists its model, and answers chat and text completions,
+streamed as server-sent events when asked.
+
+    python -m agents.node.echo --port 8001 --served-model-name demo --load-seconds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+MAX_BODY = 4 * 1024 * 1024
+
+
+class EchoServer(ThreadingHTTPServer):
+    """The HTTP server with the engine's state."""
+
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], *, model: str, load_seconds: float) -> None:
+        super().__init__(addr, Handler)
+        self.model = model
+        self.created = int(time.time())
+        self.ready_at = time.monotonic() + max(0.0, load_seconds)
+
+    def ready(self) -> bool:
+        """Whether the pretend weights have finished loading."""
+        return time.monotonic() >= self.ready_at
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts
+        return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+class Handler(BaseHTTPRequestHandler):
+    """OpenAI-style endpoints: /health, /v1/models, /v1/chat/completions, /v1/completions."""
+
+    server: EchoServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        sys.stderr.write(f"echo: {self.address_string()} {fmt % args}\n")
+
+    def _json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None):
+        self._json(status, {"error": {"message": message, "type": kind, "param": param, "code": status}})
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            if self.server.ready():
+                self._json(200, {"status": "ok"})
+            else:
+                self._json(503, {"status": "loading"})
+        elif self.path == "/v1/models":
+            if not self.server.ready():
+                return self._error(503, "model is loading", kind="service_unavailable")
+            m = {"id": self.server.model, "object": "model", "created": self.server.created, "owned_by": "llmgw-echo"}
+            self._json(200, {"object": "list", "data": [m]})
+        else:
+            self._error(404, f"no route {self.path}", kind="not_found")
+
+    def _body(self) -> dict | None:
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            n = -1
+        if n < 0 or n > MAX_BODY:
+            self._error(413 if n > MAX_BODY else 400, "bad Content-Length")
+            return None
+        try:
+            body = json.loads(self.rfile.read(n) or b"{}")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self._error(400, "body is not JSON")
+            return None
+        if not isinstance(body, dict):
+            self._error(400, "body must be a JSON object")
+            return None
+        return body
+
+    def do_POST(self) -> None:
+        if self.path not in ("/v1/chat/completions", "/v1/completions"):
+            return self._error(404, f"no route {self.path}", kind="not_found")
+        body = self._body()
+        if body is None:
+            return None
+        if not self.server.ready():
+            return self._error(503, "model is loading", kind="service_unavailable")
+        model = body.get("model", self.server.model)
+        if model != self.server.model:
+            return self._error(404, f"the model {model!r} does not exist", kind="not_found", param="model")
+        chat = self.path == "/v1/chat/completions"
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                return self._error(400, "messages must be a non-empty list", param="messages")
+            users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+            text = _text_of((users or messages)[-1].get("content") if isinstance(messages[-1], dict) else "")
+        else:
+            prompt = body.get("prompt", "")
+            if isinstance(prompt, list):
+                prompt = prompt[0] if prompt else ""
+            if not isinstance(prompt, str):
+                return self._error(400, "prompt must be a string", param="prompt")
+            text = prompt
+        words = text.split()
+        max_tokens = body.get("max_tokens")
+        if isinstance(max_tokens, int) and max_tokens >= 0:
+            words = words[:max_tokens]
+        finish = "length" if isinstance(max_tokens, int) and len(text.split()) > len(words) else "stop"
+        prompt_tokens = len(text.split())
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if body.get("stream"):
+            return self._stream(ident, words, chat=chat, finish=finish)
+        out = " ".join(words)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out}
+        else:
+            choice["text"] = out
+            choice["logprobs"] = None
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        self._json(
+            200,
+            {
+                "id": ident,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": self.server.model,
+                "choices": [choice],
+                "usage": usage,
+            },
+        )
+        return None
+
+    def _stream(self, ident: str, words: list[str], *, chat: bool, finish: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        created = int(time.time())
+
+        def chunk(piece: str | None, finish_reason: str | None, first: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {}
+                if first:
+                    delta["role"] = "assistant"
+                if piece is not None:
+                    delta["content"] = piece
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": finish_reason, "logprobs": None}
+            msg = {"id": ident, "object": obj, "created": created, "model": self.server.model, "choices": [choice]}
+            return f"data: {json.dumps(msg)}\n\n".encode()
+
+        try:
+            if chat:
+                self.wfile.write(chunk(None, None, first=True))
+            for i, w in enumerate(words):
+                self.wfile.write(chunk(w if i == 0 else " " + w, None))
+                self.wfile.flush()
+            self.wfile.write(chunk(None if chat else "", finish))
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+def serve(*, host: str, port: int, model: str, load_seconds: float) -> EchoServer:
+    """Start an echo server in a background thread (for tests); stop it with .shutdown()."""
+    server = EchoServer((host, port), model=model, load_seconds=load_seconds)
+    threading.Thread(target=server.serve_forever, name="echo", daemon=True).start()
+    return server
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the echo engine in the foreground until SIGTERM or SIGINT."""
+    ap = argparse.ArgumentParser(prog="python -m agents.node.echo", description=__doc__.splitlines()[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--served-model-name", default="echo")
+    ap.add_argument("--load-seconds", type=float, default=0.0, help="how long /health answers 503 (loading)")
+    ap.add_argument(
+        "--ignore-sigterm",
+        action="store_true",
+        help="keep running on SIGTERM, as an engine hung in shutdown does (to exercise SIGKILL)",
+    )
+    args = ap.parse_args(argv)
+    server = EchoServer((args.host, args.port), model=args.served_model_name, load_seconds=args.load_seconds)
+
+    def stop(signum, frame):
+        if signum == signal.SIGTERM and args.ignore_sigterm:
+            sys.stderr.write("echo: SIGTERM ignored\n")
+            return
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    sys.stderr.write(
+        f"echo: serving {args.served_model_name!r} on {args.host}:{server.server_address[1]}, "
+        f"loading for {args.load_seconds}s\n"
+    )
+    sys.stderr.flush()
+    server.serve_forever()
+    server.server_close()
+    sys.stderr.write("echo: stopped\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,490 @@
+"""The engine supervisor: starts shards as child processes, watches them, stops them, adopts them.
+
+A shard's engine runs in its own session (its own process group), so a stop
+signals the whole group (vLLM's and SGLang's worker processes with it) and the
+agent restarting does not take its shards down. Each shard is recorded in the
+state directory (pid, the process's start time, its argv); an agent starting
+again finds them, checks the pid is still the same process (a pid is reused,
+a start time and command line are not), and offers them for adoption.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+from agents import wire
+from agents.node import engines
+
+log = logging.getLogger("llmgw.agent.supervisor")
+
+S = wire.ShardState
+TRANSITIONS: dict[S, frozenset[S]] = {
+    S.PENDING: frozenset({S.STARTING, S.FAILED, S.STOPPED}),
+    S.STARTING: frozenset({S.LOADING, S.READY, S.FAILED, S.DRAINING}),
+    S.LOADING: frozenset({S.READY, S.FAILED, S.DRAINING}),
+    S.READY: frozenset({S.FAILED, S.DRAINING}),
+    S.DRAINING: frozenset({S.STOPPED}),
+    S.STOPPED: frozenset(),
+    S.FAILED: frozenset(),
+}
+TERMINAL = frozenset({S.STOPPED, S.FAILED})
+LOG_TAIL_LINES = 20
+
+
+class TransitionError(RuntimeError):
+    """A shard state change that the state machine does not allow."""
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:200] or "_"
+
+
+def proc_identity(pid: int, *, proc: Path = Path("/proc")) -> tuple[int, list[str]] | None:
+    """(start time in clock ticks, argv) of a live process, None when gone or a zombie."""
+    try:
+        stat = (proc / str(pid) / "stat").read_text()
+        cmdline = (proc / str(pid) / "cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
+        return None
+    # The command name may hold spaces and parentheses: fields start after the last ")".
+    rest = stat[stat.rfind(")") + 2 :].split()
+    if not rest or rest[0] in ("Z", "X"):
+        return None
+    return int(rest[19]), [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
+
+
+@dataclass
+class Shard:
+    """One shard as the supervisor keeps it (and records it in the state directory)."""
+
+    shard_id: str
+    replica_id: str = ""
+    command_id: str = ""
+    rank: int = 0
+    gpu_indices: list[int] = field(default_factory=list)
+    hcas: list[str] = field(default_factory=list)
+    http_port: int | None = None
+    leader_addr: str = ""
+    model: str = ""
+    profile: str = ""
+    pool: str = ""
+    fabric: str = ""
+    profile_fp: str = ""
+    argv: list[str] = field(default_factory=list)
+    health_path: str | None = "/health"
+    state: str = S.PENDING.value
+    reason: str = ""
+    exit_code: int | None = None
+    pid: int | None = None
+    proc_start: int | None = None
+    started_at: float = 0.0
+    startup_timeout_s: float = 1800.0
+    ended_at: float | None = None
+    # When a signalled process gets SIGKILL.
+    kill_at: float | None = None
+    adopted: bool = False
+
+    @property
+    def st(self) -> S:
+        return S(self.state)
+
+
+class Supervisor:
+    """Starts, watches, stops and adopts the shards of one node."""
+
+    def __init__(
+        self,
+        state_dir: str | Path,
+        *,
+        engine_versions: dict[str, str] | None = None,
+        mgmt_interface: str = "",
+        log_max_bytes: int = 50 * 1024 * 1024,
+        log_backups: int = 3,
+        keep_finished_s: float = 300.0,
+        health_timeout_s: float = 1.0,
+        kill_grace_s: float = 10.0,
+        base_env: dict[str, str] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.dir = Path(state_dir)
+        self.shard_dir = self.dir / "shards"
+        self.log_dir = self.dir / "logs"
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.engine_versions = dict(engine_versions or {})
+        self.mgmt_interface = mgmt_interface
+        self.log_max_bytes = log_max_bytes
+        self.log_backups = log_backups
+        self.keep_finished_s = keep_finished_s
+        self.health_timeout_s = health_timeout_s
+        self.kill_grace_s = kill_grace_s
+        self.base_env = dict(os.environ if base_env is None else base_env)
+        self.clock = clock
+        self.shards: dict[str, Shard] = {}
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._lock = threading.RLock()
+        self._http = httpx.Client(timeout=health_timeout_s, trust_env=False)
+        self._adopt()
+
+    # --- records ----------------------------------------------------------
+
+    def log_path(self, shard_id: str) -> Path:
+        """Where a shard's engine writes its output."""
+        return self.log_dir / f"{_safe(shard_id)}.log"
+
+    def _record_path(self, shard_id: str) -> Path:
+        return self.shard_dir / f"{_safe(shard_id)}.json"
+
+    def _save(self, shard: Shard) -> None:
+        path = self._record_path(shard.shard_id)
+        if shard.st in TERMINAL and not self._alive(shard):
+            # Nothing left to adopt.
+            path.unlink(missing_ok=True)
+            return
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(shard)))
+        os.replace(tmp, path)
+
+    def _move(self, shard: Shard, new: S, *, reason: str = "") -> None:
+        old = shard.st
+        if new == old:
+            return
+        if new not in TRANSITIONS[old]:
+            raise TransitionError(f"shard {shard.shard_id}: {old} -> {new} is not allowed")
+        shard.state = new.value
+        if reason:
+            shard.reason = reason
+        if new in TERMINAL:
+            shard.ended_at = self.clock()
+        log.info(
+            "shard %s: %s -> %s%s", shard.shard_id, old.value, new.value, f" ({shard.reason})" if shard.reason else ""
+        )
+        self._save(shard)
+
+    def _adopt(self) -> None:
+        for path in sorted(self.shard_dir.glob("*.json")):
+            try:
+                shard = Shard(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as e:
+                log.warning("ignoring unreadable shard record %s: %s", path.name, e)
+                path.unlink(missing_ok=True)
+                continue
+            ident = proc_identity(shard.pid) if shard.pid else None
+            if ident is None or ident[0] != shard.proc_start or ident[1] != shard.argv:
+                # The pid is gone or now someone else's: the shard died while the agent was away.
+                shard.adopted = True
+                if shard.st not in TERMINAL:
+                    shard.state = S.FAILED.value if shard.st != S.DRAINING else S.STOPPED.value
+                    shard.reason = "the engine process ended while the agent was not running"
+                    shard.ended_at = self.clock()
+                shard.pid = None
+                self.shards[shard.shard_id] = shard
+                path.unlink(missing_ok=True)
+                log.warning("shard %s: %s", shard.shard_id, shard.reason)
+                continue
+            shard.adopted = True
+            if shard.st in (S.PENDING, S.STARTING):
+                shard.state = S.LOADING.value
+            self.shards[shard.shard_id] = shard
+            log.info("shard %s: found running (pid %s, %s), adopting", shard.shard_id, shard.pid, shard.state)
+
+    # --- processes --------------------------------------------------------
+
+    def _alive(self, shard: Shard) -> bool:
+        """Whether the shard's process still runs; records its exit code when it has ended."""
+        if shard.pid is None:
+            return False
+        proc = self._procs.get(shard.shard_id)
+        if proc is not None:
+            code = proc.poll()
+            if code is None:
+                return True
+            shard.exit_code = code
+            self._procs.pop(shard.shard_id, None)
+            return False
+        try:
+            # Still our child if this process started it (or a test's other Supervisor did).
+            pid, status = os.waitpid(shard.pid, os.WNOHANG)
+            if pid == 0:
+                return True
+            shard.exit_code = os.waitstatus_to_exitcode(status)
+            return False
+        except ChildProcessError:
+            pass
+        ident = proc_identity(shard.pid)
+        return ident is not None and ident[0] == shard.proc_start
+
+    def _signal(self, shard: Shard, sig: int) -> None:
+        if shard.pid is None:
+            return
+        try:
+            # Its own session: the pid is the process group; signal the engine's workers too.
+            if os.getpgid(shard.pid) == shard.pid:
+                os.killpg(shard.pid, sig)
+            else:
+                os.kill(shard.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _rotate(self, path: Path) -> None:
+        """Copy-and-truncate rotation: the engine keeps its file open (O_APPEND) across it."""
+        if not path.exists() or path.stat().st_size == 0:
+            return
+        for i in range(self.log_backups - 1, 0, -1):
+            older = path.with_name(f"{path.name}.{i}")
+            if older.exists():
+                os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
+        if self.log_backups > 0:
+            shutil.copyfile(path, path.with_name(f"{path.name}.1"))
+        with open(path, "r+b") as f:
+            f.truncate(0)
+
+    def log_tail(self, shard_id: str, lines: int = LOG_TAIL_LINES) -> list[str]:
+        """The last lines of a shard's log."""
+        path = self.log_path(shard_id)
+        try:
+            with open(path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 64 * 1024))
+                data = f.read()
+        except OSError:
+            return []
+        out = data.decode(errors="replace").splitlines()[-lines:]
+        return [line[:4000] for line in out]
+
+    # --- commands ---------------------------------------------------------
+
+    def start(self, cmd: wire.StartShard) -> Shard:
+        """Start a shard; a shard already running under that id is left as it is (idempotent)."""
+        with self._lock:
+            existing = self.shards.get(cmd.shard_id)
+            if existing is not None and existing.st not in TERMINAL:
+                return existing
+            p = cmd.profile
+            shard = Shard(
+                shard_id=cmd.shard_id,
+                replica_id=cmd.replica_id,
+                command_id=cmd.id,
+                rank=cmd.rank,
+                gpu_indices=list(cmd.gpu_indices),
+                hcas=list(cmd.hcas),
+                http_port=cmd.http_port,
+                leader_addr=cmd.leader_addr,
+                model=p.served_model_name or p.model_path,
+                profile=p.name,
+                pool=cmd.pool,
+                fabric=cmd.fabric,
+                profile_fp=cmd.profile_fp,
+                startup_timeout_s=cmd.startup_timeout_s,
+                started_at=self.clock(),
+            )
+            self.shards[cmd.shard_id] = shard
+            conflict = self._conflict(shard)
+            if conflict:
+                self._move(shard, S.FAILED, reason=conflict)
+                return shard
+            engine = engines.engine_name(p)
+            try:
+                launch = engines.build(
+                    cmd, version=self.engine_versions.get(engine, ""), mgmt_interface=self.mgmt_interface
+                )
+            except engines.EngineError as e:
+                self._move(shard, S.FAILED, reason=str(e))
+                return shard
+            shard.argv, shard.health_path = launch.argv, launch.health_path
+            logp = self.log_path(cmd.shard_id)
+            self._rotate(logp)
+            env = {**self.base_env, **launch.env}
+            fd = os.open(logp, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
+            try:
+                with os.fdopen(fd, "ab", buffering=0) as out:
+                    out.write(f"# llmgw-agent: starting {launch.argv!r}\n".encode())
+                    proc = subprocess.Popen(
+                        launch.argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        start_new_session=True,
+                        close_fds=True,
+                    )
+            except OSError as e:
+                self._move(shard, S.FAILED, reason=f"cannot start {launch.argv[0]}: {e.strerror or e}")
+                return shard
+            self._procs[cmd.shard_id] = proc
+            shard.pid = proc.pid
+            ident = proc_identity(proc.pid)
+            shard.proc_start = ident[0] if ident else None
+            log.info(
+                "shard %s: started %s (pid %d, GPUs %s, port %s)",
+                shard.shard_id,
+                engine,
+                proc.pid,
+                shard.gpu_indices,
+                shard.http_port,
+            )
+            self._move(shard, S.STARTING)
+            return shard
+
+    def _conflict(self, new: Shard) -> str:
+        for other in self.shards.values():
+            if other.shard_id == new.shard_id or (other.st in TERMINAL and not self._alive(other)):
+                continue
+            held = sorted(set(other.gpu_indices) & set(new.gpu_indices))
+            if held:
+                return f"GPU {','.join(map(str, held))} is held by shard {other.shard_id}"
+            if new.http_port and other.http_port == new.http_port:
+                return f"port {new.http_port} is used by shard {other.shard_id}"
+        return ""
+
+    def stop(self, shard_id: str, *, grace_s: float = 30.0, reason: str = "") -> Shard | None:
+        """SIGTERM the shard's process group now, SIGKILL after the grace period (see poll)."""
+        with self._lock:
+            shard = self.shards.get(shard_id)
+            if shard is None or shard.st in TERMINAL or shard.st == S.DRAINING:
+                return shard
+            if shard.st == S.PENDING:
+                self._move(shard, S.STOPPED, reason=reason or "stop requested")
+                return shard
+            if not self._alive(shard):
+                self._move(shard, S.DRAINING, reason=reason or "stop requested")
+                self._move(shard, S.STOPPED)
+                return shard
+            self._signal(shard, signal.SIGTERM)
+            shard.kill_at = self.clock() + grace_s
+            self._move(shard, S.DRAINING, reason=reason or "stop requested")
+            log.info("shard %s: SIGTERM sent, SIGKILL in %.0fs if still running", shard_id, grace_s)
+            return shard
+
+    # --- watching ---------------------------------------------------------
+
+    def _healthy(self, shard: Shard) -> bool:
+        if shard.health_path is None:
+            return True
+        try:
+            r = self._http.get(f"http://127.0.0.1:{shard.http_port}{shard.health_path}")
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    def _describe_exit(self, shard: Shard) -> str:
+        code = shard.exit_code
+        if code is None:
+            return "the engine process ended (exit code unknown: not this agent's child)"
+        if code < 0:
+            try:
+                return f"the engine was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"the engine was killed by signal {-code}"
+        return f"the engine exited with code {code}"
+
+    def poll(self) -> None:
+        """Advance every shard: exits, health, startup timeouts, SIGKILL after grace, forgetting old ones."""
+        with self._lock:
+            now = self.clock()
+            for shard in list(self.shards.values()):
+                st = shard.st
+                alive = self._alive(shard)
+                if shard.kill_at is not None and alive and now >= shard.kill_at:
+                    log.warning("shard %s: still running after its grace period, SIGKILL", shard.shard_id)
+                    self._signal(shard, signal.SIGKILL)
+                    shard.kill_at = None
+                if st in TERMINAL:
+                    if not alive and shard.pid is not None:
+                        shard.pid = None
+                        self._save(shard)
+                    if not alive and shard.ended_at is not None and now - shard.ended_at > self.keep_finished_s:
+                        del self.shards[shard.shard_id]
+                    continue
+                if st == S.DRAINING:
+                    if not alive:
+                        shard.kill_at = None
+                        self._signal(shard, signal.SIGKILL)  # what is left of its group
+                        self._move(shard, S.STOPPED, reason=shard.reason)
+                    continue
+                if not alive:
+                    self._signal(shard, signal.SIGKILL)
+                    self._move(shard, S.FAILED, reason=self._describe_exit(shard))
+                    continue
+                if st == S.STARTING:
+                    self._move(shard, S.LOADING)
+                    st = S.LOADING
+                if st == S.LOADING:
+                    if self._healthy(shard):
+                        self._move(shard, S.READY, reason="")
+                        shard.reason = ""
+                        self._save(shard)
+                    elif now - shard.started_at > shard.startup_timeout_s:
+                        self._signal(shard, signal.SIGTERM)
+                        shard.kill_at = now + self.kill_grace_s
+                        self._move(shard, S.FAILED, reason=f"not ready after {shard.startup_timeout_s:g}s")
+
+    # --- reports ----------------------------------------------------------
+
+    def statuses(self) -> list[wire.ShardStatus]:
+        """Every shard's state for a heartbeat; a failed one carries the end of its log."""
+        with self._lock:
+            out = []
+            for s in self.shards.values():
+                tail = self.log_tail(s.shard_id) if s.st == S.FAILED else []
+                out.append(
+                    wire.ShardStatus(
+                        shard_id=s.shard_id,
+                        replica_id=s.replica_id,
+                        state=s.st,
+                        reason=s.reason[:4000],
+                        exit_code=s.exit_code if s.exit_code is None or abs(s.exit_code) <= 1024 else None,
+                        http_port=s.http_port,
+                        log_tail=tail,
+                    )
+                )
+            return out
+
+    def running(self) -> list[wire.RunningShard]:
+        """The shards still running, offered for adoption at registration."""
+        with self._lock:
+            return [
+                wire.RunningShard(
+                    replica_id=s.replica_id,
+                    shard_id=s.shard_id,
+                    rank=s.rank,
+                    gpu_indices=s.gpu_indices,
+                    hcas=s.hcas,
+                    http_port=s.http_port,
+                    leader_addr=s.leader_addr,
+                    state=s.st,
+                    model=s.model,
+                    profile=s.profile,
+                    pool=s.pool,
+                    fabric=s.fabric,
+                    profile_fp=s.profile_fp,
+                    pid=s.pid,
+                )
+                for s in self.shards.values()
+                if s.st not in TERMINAL
+            ]
+
+    def pids(self) -> dict[str, int]:
+        """Shard id -> pid of each running shard (for per-shard load)."""
+        with self._lock:
+            return {s.shard_id: s.pid for s in self.shards.values() if s.pid and s.st not in TERMINAL}
+
+    def close(self) -> None:
+        """Release the health client; the shards keep running (they outlive the agent)."""
+        with contextlib.suppress(Exception):
+            self._http.close()

@@ -1,0 +1,198 @@
+"""The agent conversation: registration, heartbeats, scan uploads, credential rotation.
+
+The views parse and authenticate; these functions decide. Each request is
+applied whole or not at all (one transaction); what goes to the cache is
+written only after the transaction committed.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+
+from agents import commands, credentials, wire
+from agents.credentials import JoinAuth, NodeAuth
+from inventory import fabric as fabric_rules
+from inventory import heartbeat as hb_rules
+from inventory import telemetry
+from inventory.nodes import upsert_node
+from placement import agent_sync
+
+
+class Refused(Exception):
+    """A request the protocol refuses, with the HTTP status and a message safe to show the caller.
+
+    The message never says anything about a node other than the caller's own.
+    """
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+UNAUTHENTICATED = Refused(401, "missing or invalid credentials")
+# Deliberately the same words whichever node was named, and whether it exists.
+NOT_YOURS = Refused(403, "this credential does not authorise requests about that node")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request: a node (by its credential) or a newcomer with a join token."""
+
+    node: NodeAuth | None = None
+    join: JoinAuth | None = None
+
+
+def authenticate(token: str | None, *, now: dt.datetime, allow_join: bool) -> Caller:
+    """Identify a request's bearer token; raises Refused(401) when it identifies no one.
+
+    Node credentials carry their own prefix, so each request costs one lookup.
+    """
+    if token is None:
+        raise UNAUTHENTICATED
+    if token.startswith(credentials.NODE_PREFIX):
+        auth = credentials.authenticate_node(token)
+        if auth is None:
+            raise UNAUTHENTICATED
+        return Caller(node=auth)
+    if allow_join:
+        join = credentials.check_join_token(token, now=now)
+        if join is not None:
+            return Caller(join=join)
+    raise UNAUTHENTICATED
+
+
+def _own(caller: Caller, node_id: str) -> NodeAuth:
+    if caller.node is None:
+        raise UNAUTHENTICATED
+    if caller.node.node_id != node_id:
+        raise NOT_YOURS
+    return caller.node
+
+
+def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.RegisterResponse:
+    """Upsert the node, adopt or fence its running shards, and answer with its pending commands.
+
+    A node with a credential re-registers with it; a join token admits a node
+    that has none (new, or reset by an operator) and issues its credential.
+    """
+    secret = None
+    try:
+        with transaction.atomic():
+            if caller.node is not None:
+                _own(caller, reg.node_id)
+            else:
+                assert caller.join is not None
+                if credentials.has_credential(reg.node_id):
+                    raise Refused(
+                        403,
+                        "this node id is registered with its own credential; a join token cannot take it over "
+                        "unless an operator resets the credential",
+                    )
+                if not credentials.consume_join_token(caller.join, now=now):
+                    raise UNAUTHENTICATED
+            upsert_node(reg, now=now)
+            if caller.join is not None:
+                secret = credentials.issue(reg.node_id, now=now, issued_by=caller.join.name)
+            sync = agent_sync.adopt_running(reg.node_id, reg.running_shards, now=now)
+            if sync.changed:
+                agent_sync.queue_reconcile()
+            pending = commands.pending(reg.node_id, now=now)
+    except IntegrityError as exc:
+        # Two registrations of one new node id racing: the loser retries.
+        raise Refused(409, "a concurrent registration of this node won; retry") from exc
+    _forget_applied(reg.node_id)
+    return wire.RegisterResponse(
+        node_id=reg.node_id,
+        credential=secret,
+        heartbeat_interval_s=settings.LLMGW_HEARTBEAT_INTERVAL,
+        adopted=sync.adopted,
+        commands=pending,
+    )
+
+
+def _forget_applied(node_id: str) -> None:
+    # Registration rewrote the GPUs and engine installs: the next heartbeat's
+    # reports must be compared with the database again, not with the cache.
+    entry = telemetry.get(node_id)
+    if entry and entry.get("applied"):
+        entry["applied"] = {}
+        telemetry.put(node_id, entry)
+
+
+def heartbeat(caller: Caller, hb: wire.Heartbeat, *, now: dt.datetime) -> wire.HeartbeatResponse:
+    """Renew the node's lease, record what changed, and answer with its pending commands.
+
+    A steady-state heartbeat costs a fixed handful of queries whatever it
+    carries: the lease update, the pending commands, and one read of the
+    shards it reports. Telemetry goes to the cache.
+    """
+    auth = _own(caller, hb.node_id)
+    node_id = hb.node_id
+    previous = telemetry.get(node_id)
+    applied = dict((previous or {}).get("applied") or {})
+    with transaction.atomic():
+        touched = hb_rules.touch(node_id, now=now)
+        if touched is None:
+            raise UNAUTHENTICATED
+        if hb.acks:
+            commands.acknowledge(node_id, hb.acks, now=now)
+        if hb.shards:
+            sync = agent_sync.record_shard_states(node_id, hb.shards, now=now)
+            if sync.changed:
+                agent_sync.queue_reconcile()
+        if hb.gpu_fabrics is not None:
+            d = hb_rules.digest(hb.gpu_fabrics)
+            if applied.get("fabrics") != d:
+                hb_rules.apply_gpu_fabrics(node_id, hb.gpu_fabrics, current_domain=touched.nvlink_domain, now=now)
+                applied["fabrics"] = d
+        if hb.engine_installs is not None:
+            d = hb_rules.digest(hb.engine_installs)
+            if applied.get("installs") != d:
+                hb_rules.apply_engine_installs(node_id, hb.engine_installs)
+                applied["installs"] = d
+        if hb.imex is not None:
+            hb_rules.apply_imex(node_id, hb.imex, touched=touched, now=now)
+        if hb.ib_ports:
+            hb_rules.record_sm_changes(node_id, hb.ib_ports, previous, now=now)
+        pending = commands.pending(node_id, now=now)
+    entry = hb_rules.telemetry(hb, previous, now=now)
+    entry["applied"] = applied
+    telemetry.put(node_id, entry)
+    return wire.HeartbeatResponse(
+        commands=pending,
+        server_time=now.timestamp(),
+        heartbeat_interval_s=settings.LLMGW_HEARTBEAT_INTERVAL,
+        rotate_credential=True if auth.rotation_requested else None,
+    )
+
+
+def upload_scan(caller: Caller, scan: wire.ScanUpload, *, now: dt.datetime) -> dict:
+    """Keep a fabric scan's text (or its error beside the last good text)."""
+    _own(caller, scan.node_id)
+    with transaction.atomic():
+        row = fabric_rules.set_scan(
+            key=scan.key,
+            at=now,
+            node_id=scan.node_id,
+            port=f"{scan.hca}/{scan.port}" if scan.hca else "",
+            output=scan.output,
+            error=scan.error,
+            took_s=scan.took_s,
+        )
+        if scan.command_id:
+            commands.acknowledge(scan.node_id, [scan.command_id], now=now)
+    return {"key": row.key, "at": row.at.timestamp(), "error": row.error, "has_output": bool(row.output)}
+
+
+def rotate(caller: Caller, body: wire.RotateCredential, *, now: dt.datetime) -> wire.RegisterResponse:
+    """Issue the calling node a new credential; the current one works until the new one is used."""
+    _own(caller, body.node_id)
+    secret = credentials.rotate(body.node_id, now=now)
+    return wire.RegisterResponse(
+        node_id=body.node_id, credential=secret, heartbeat_interval_s=settings.LLMGW_HEARTBEAT_INTERVAL
+    )

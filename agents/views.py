@@ -1,0 +1,242 @@
+"""The agent endpoints: POST /api/v1/agent/{register,heartbeat,scans,rotate}.
+
+Thin: authenticate, check the body's type and size, validate it against the
+wire schema, and hand it to agents/protocol.py. The checks come in an order
+that tells a stranger nothing: credentials first (401), then the envelope
+(415, 413), then the body (400 naming each field), then whether the
+credential may speak for the node the body names (403).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from django.http import HttpResponse, JsonResponse
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiResponse, extend_schema
+from pydantic import BaseModel, ValidationError
+from rest_framework.parsers import JSONParser
+from rest_framework.renderers import JSONRenderer
+from rest_framework.views import APIView
+
+from agents import credentials, limits, protocol, wire
+
+KiB = 1024
+MiB = 1024 * KiB
+# Bodies are bounded before they are read. A registration carries the whole
+# inventory (up to 4,096 weight paths); a scan carries ibnetdiscover's text,
+# which JSON escaping may grow, hence twice its own bound.
+MAX_REGISTER_BODY = 4 * MiB
+MAX_HEARTBEAT_BODY = 1 * MiB
+MAX_SCAN_BODY = 2 * wire.MAX_SCAN_TEXT + 64 * KiB
+MAX_ROTATE_BODY = 4 * KiB
+MAX_ERRORS = 50
+
+
+class FieldProblem(BaseModel):
+    """One thing wrong with a request body."""
+
+    field: str
+    problem: str
+
+
+class Problem(BaseModel):
+    """An error answer: what was refused, and for a bad body, each field's problem."""
+
+    detail: str
+    errors: list[FieldProblem] = []
+
+
+class ScanStored(BaseModel):
+    """What the control plane kept of a fabric scan."""
+
+    key: str
+    at: float
+    error: str
+    has_output: bool
+
+
+def problem(status: int, detail: str, errors: list[dict] | None = None) -> JsonResponse:
+    """An error answer in the one shape every agent endpoint uses."""
+    resp = JsonResponse({"detail": detail, "errors": errors or []}, status=status)
+    if status == 401:
+        resp["WWW-Authenticate"] = 'Bearer realm="llmgw-agent"'
+    return resp
+
+
+def field_errors(exc: ValidationError) -> list[dict]:
+    """pydantic's errors as (field path, problem), without echoing the input back."""
+    out = []
+    for e in exc.errors(include_url=False, include_input=False, include_context=False)[:MAX_ERRORS]:
+        path = ".".join(str(p) for p in e["loc"]) or "(body)"
+        out.append({"field": path, "problem": e["msg"]})
+    return out
+
+
+def _responses(ok: type[BaseModel]) -> dict:
+    return {
+        200: ok,
+        400: OpenApiResponse(Problem, description="A field is missing, malformed or out of range: each is named."),
+        401: OpenApiResponse(Problem, description="Missing or invalid credentials."),
+        403: OpenApiResponse(Problem, description="The credential does not authorise the node the body names."),
+        409: OpenApiResponse(Problem, description="A concurrent registration of the same new node won."),
+        413: OpenApiResponse(Problem, description="The body is larger than this endpoint accepts."),
+        415: OpenApiResponse(Problem, description="The body is not application/json."),
+    }
+
+
+class AgentEndpoint(APIView):
+    """Common handling of an agent request; subclasses name the message and the protocol function."""
+
+    authentication_classes = ()
+    permission_classes = ()
+    throttle_classes = ()
+    # Declared for the OpenAPI document; the body is read and validated by
+    # the wire schema itself (request.data is never touched).
+    parser_classes = (JSONParser,)
+    renderer_classes = (JSONRenderer,)
+    message: ClassVar[type[wire.Message]]
+    max_body: ClassVar[int]
+    allow_join: ClassVar[bool] = False
+
+    def handle_message(self, caller: protocol.Caller, msg, *, now) -> BaseModel | dict:
+        raise NotImplementedError
+
+    def problems(self, msg) -> list[dict]:
+        """Values the schema allows but the inventory cannot hold (agents/limits.py)."""
+        return []
+
+    def post(self, request):
+        now = timezone.now()
+        django_request = request._request
+        try:
+            caller = protocol.authenticate(
+                credentials.bearer(django_request.META.get("HTTP_AUTHORIZATION")),
+                now=now,
+                allow_join=self.allow_join,
+            )
+        except protocol.Refused as exc:
+            return problem(exc.status, exc.detail)
+        if django_request.content_type != "application/json":
+            return problem(415, "the body must be application/json")
+        try:
+            declared = int(django_request.META.get("CONTENT_LENGTH") or 0)
+        except ValueError:
+            return problem(400, "invalid Content-Length")
+        if declared > self.max_body:
+            return problem(413, f"the body must be at most {self.max_body} bytes")
+        body = django_request.read(self.max_body + 1)
+        if len(body) > self.max_body:
+            return problem(413, f"the body must be at most {self.max_body} bytes")
+        try:
+            msg = self.message.model_validate_json(body)
+        except ValidationError as exc:
+            return problem(400, "invalid request body", field_errors(exc))
+        too_big = self.problems(msg)
+        if too_big:
+            return problem(400, "invalid request body", too_big[:MAX_ERRORS])
+        try:
+            result = self.handle_message(caller, msg, now=now)
+        except protocol.Refused as exc:
+            return problem(exc.status, exc.detail)
+        if isinstance(result, BaseModel):
+            return HttpResponse(result.model_dump_json(), content_type="application/json")
+        return JsonResponse(result)
+
+
+class RegisterView(AgentEndpoint):
+    """Register a node (join token the first time, the node's credential after)."""
+
+    message = wire.Register
+    max_body = MAX_REGISTER_BODY
+    allow_join = True
+
+    @extend_schema(
+        operation_id="agent_register",
+        tags=["agent"],
+        request=wire.Register,
+        responses=_responses(wire.RegisterResponse),
+        auth=[],
+        description="An agent's registration: the whole inventory and the shards already running. "
+        "Authorization: Bearer <join token> at first, <node credential> after; the answer carries "
+        "the credential when one was issued, the adopted shards, and the pending commands.",
+    )
+    def post(self, request):
+        return super().post(request)
+
+    def problems(self, msg):
+        return limits.register_problems(msg)
+
+    def handle_message(self, caller, msg, *, now):
+        return protocol.register(caller, msg, now=now)
+
+
+class HeartbeatView(AgentEndpoint):
+    """A node's heartbeat; the answer carries its pending commands until acknowledged."""
+
+    message = wire.Heartbeat
+    max_body = MAX_HEARTBEAT_BODY
+
+    @extend_schema(
+        operation_id="agent_heartbeat",
+        tags=["agent"],
+        request=wire.Heartbeat,
+        responses=_responses(wire.HeartbeatResponse),
+        auth=[],
+        description="Load, sensors, wear, IB ports, shard states and acknowledgements. The answer lists "
+        "every command not yet acknowledged; list their ids in `acks` of a later heartbeat.",
+    )
+    def post(self, request):
+        return super().post(request)
+
+    def problems(self, msg):
+        return limits.heartbeat_problems(msg)
+
+    def handle_message(self, caller, msg, *, now):
+        return protocol.heartbeat(caller, msg, now=now)
+
+
+class ScanUploadView(AgentEndpoint):
+    """A fabric scan's result (ibnetdiscover text, or why it failed)."""
+
+    message = wire.ScanUpload
+    max_body = MAX_SCAN_BODY
+
+    @extend_schema(
+        operation_id="agent_scan_upload",
+        tags=["agent"],
+        request=wire.ScanUpload,
+        responses=_responses(ScanStored),
+        auth=[],
+        description="A failed scan keeps the last good text and records the error beside it.",
+    )
+    def post(self, request):
+        return super().post(request)
+
+    def problems(self, msg):
+        return limits.scan_problems(msg)
+
+    def handle_message(self, caller, msg, *, now):
+        return protocol.upload_scan(caller, msg, now=now)
+
+
+class RotateView(AgentEndpoint):
+    """Replace the calling node's credential."""
+
+    message = wire.RotateCredential
+    max_body = MAX_ROTATE_BODY
+
+    @extend_schema(
+        operation_id="agent_rotate_credential",
+        tags=["agent"],
+        request=wire.RotateCredential,
+        responses=_responses(wire.RegisterResponse),
+        auth=[],
+        description="Issue a new node credential (in `credential`). The current one stays valid until "
+        "the new one is first used, so a lost answer does not lock the agent out.",
+    )
+    def post(self, request):
+        return super().post(request)
+
+    def handle_message(self, caller, msg, *, now):
+        return protocol.rotate(caller, msg, now=now)

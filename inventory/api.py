@@ -1,0 +1,154 @@
+"""The inventory REST API: nodes, GPUs, NVLink domains, and the operator's actions.
+
+Thin callers: every rule is in inventory/operations.py, shared with the admin.
+"""
+
+from __future__ import annotations
+
+from django.db.models import Prefetch
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema
+from rest_framework import filters, status, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import BasePermission
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from inventory import nvlink_view, operations
+from inventory.filters import GPUFilter, NodeFilter
+from inventory.models import GPU, Node
+from inventory.nodes import TransitionError
+from inventory.serializers import (
+    ActionInput,
+    AffectedReplicaSerializer,
+    GPUSerializer,
+    LabelsInput,
+    NodeSerializer,
+    RackSerializer,
+)
+from llmgw.permissions import ModelPermissions
+
+# Which permission each operator action needs, beyond seeing the node.
+ACTION_PERMISSIONS = {
+    "cordon": "inventory.cordon_node",
+    "uncordon": "inventory.cordon_node",
+    "drain": "inventory.drain_node",
+    "labels": "inventory.change_labels",
+}
+
+
+class NodePermissions(ModelPermissions):
+    """Reads need view_node; each action its own permission (a viewer may look, not act)."""
+
+    def has_permission(self, request: Request, view) -> bool:
+        perm = ACTION_PERMISSIONS.get(getattr(view, "action", None) or "")
+        if perm is None:
+            return super().has_permission(request, view)
+        user = request.user
+        return bool(user and user.is_authenticated and user.has_perms(["inventory.view_node", perm]))
+
+
+class CanViewNodes(BasePermission):
+    """Seeing the NVLink domains is seeing the nodes."""
+
+    def has_permission(self, request: Request, view) -> bool:
+        user = request.user
+        return bool(user and user.is_authenticated and user.has_perm("inventory.view_node"))
+
+
+def _nodes():
+    return Node.objects.prefetch_related(
+        Prefetch("gpus", queryset=GPU.objects.order_by("index")), "fabrics", "allocated_gpus"
+    ).order_by("id")
+
+
+class NodeViewSet(viewsets.ReadOnlyModelViewSet):
+    """Nodes with their GPUs and fabrics; cordon, uncordon, drain and labels as actions."""
+
+    serializer_class = NodeSerializer
+    permission_classes = [NodePermissions]
+    filterset_class = NodeFilter
+    filter_backends = [*viewsets.ReadOnlyModelViewSet.filter_backends, filters.SearchFilter]
+    search_fields = ["id", "hostname", "gpus__uuid"]
+    # Node ids are host names: dots are part of them.
+    lookup_value_regex = r"[^/]+"
+
+    def get_queryset(self):
+        return _nodes()
+
+    def _transition(self, request: Request, pk: str, fn, name: str) -> Response:
+        body = ActionInput(data=request.data)
+        body.is_valid(raise_exception=True)
+        node = self.get_object()
+        affected = operations.live_replicas([node.id])[node.id] if name == "drain" else []
+        try:
+            fn(node.id, now=timezone.now(), actor=request.user, reason=body.validated_data["reason"])
+        except TransitionError as exc:
+            return Response({"state": [str(exc)]}, status=status.HTTP_409_CONFLICT)
+        data = {"node": NodeSerializer(_nodes().get(id=node.id)).data}
+        if name == "drain":
+            data["replicas_to_move"] = AffectedReplicaSerializer(affected, many=True).data
+        return Response(data)
+
+    @extend_schema(request=ActionInput, responses={200: NodeSerializer})
+    @action(detail=True, methods=["post"])
+    def cordon(self, request: Request, pk: str | None = None) -> Response:
+        """Exclude the node from new placement; what runs there keeps running."""
+        return self._transition(request, pk, operations.cordon, "cordon")
+
+    @extend_schema(request=ActionInput, responses={200: NodeSerializer})
+    @action(detail=True, methods=["post"])
+    def uncordon(self, request: Request, pk: str | None = None) -> Response:
+        """Give a cordoned or draining node back to placement."""
+        return self._transition(request, pk, operations.uncordon, "uncordon")
+
+    @extend_schema(request=ActionInput, responses={200: NodeSerializer})
+    @action(detail=True, methods=["post"])
+    def drain(self, request: Request, pk: str | None = None) -> Response:
+        """Move the node's replicas elsewhere; the answer lists those that will move."""
+        return self._transition(request, pk, operations.drain, "drain")
+
+    @extend_schema(request=LabelsInput)
+    @action(detail=True, methods=["put", "patch"])
+    def labels(self, request: Request, pk: str | None = None) -> Response:
+        """Replace (PUT) or change (PATCH; null removes) the node's operator labels."""
+        partial = request.method == "PATCH"
+        body = LabelsInput(data=request.data, context={"partial": partial})
+        body.is_valid(raise_exception=True)
+        node = self.get_object()
+        labels = body.validated_data["labels"]
+        fn = operations.patch_labels if partial else operations.change_labels
+        try:
+            fn(node.id, labels, now=timezone.now(), actor=request.user)
+        except operations.LabelError as exc:
+            return Response({"labels": {exc.field: [exc.message]}}, status=status.HTTP_400_BAD_REQUEST)
+        node.refresh_from_db()
+        return Response(
+            {
+                "agent_labels": node.agent_labels,
+                "operator_labels": node.operator_labels,
+                "effective_labels": node.labels,
+            }
+        )
+
+
+class GPUViewSet(viewsets.ReadOnlyModelViewSet):
+    """Every GPU of the cluster; filter by node, class or fabric state, search by UUID."""
+
+    serializer_class = GPUSerializer
+    queryset = GPU.objects.order_by("node_id", "index")
+    filterset_class = GPUFilter
+    filter_backends = [*viewsets.ReadOnlyModelViewSet.filter_backends, filters.SearchFilter]
+    search_fields = ["uuid", "node__id", "name"]
+
+
+class NVLinkView(APIView):
+    """Multi-node NVLink domains: their trays, each card's state, and what keeps a tray out."""
+
+    permission_classes = [CanViewNodes]
+
+    @extend_schema(responses={200: RackSerializer(many=True)})
+    def get(self, request: Request) -> Response:
+        nodes = Node.objects.prefetch_related(Prefetch("gpus", queryset=GPU.objects.order_by("index")))
+        return Response(RackSerializer(nvlink_view.racks(nodes.order_by("id")), many=True).data)

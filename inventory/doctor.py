@@ -1,0 +1,587 @@
+"""The doctor: checks that tell an operator something is wrong before a job hangs.
+
+Each check is a plain function over an `Inventory` (a snapshot read in a
+constant number of queries, plus the telemetry cache) and answers pass, warn
+or fail, the nodes it concerns, what it found and what to do. `manage.py
+doctor`, `GET /api/v1/doctor` and the `llmgw_doctor_checks` metric all run
+`run_checks` on the same snapshot.
+
+Error counters: a counter's absolute value says little (a port up for a year
+has some symbol errors); a counter that rises does. The doctor keeps, per
+node, two generations of counter baselines in the cache ("doctor:ibctr:<node>"),
+rolled every `COUNTER_WINDOW`: the current values are compared with the
+older one, so a rise stays visible for one to two windows whoever runs the
+doctor and however often, and a counter that fell (a reset) is not a rise.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from django.core.cache import cache
+
+from agents import wire
+from inventory import fabric as fabric_rules
+from inventory import gpus as gpu_rules
+from inventory import scans, telemetry
+from inventory.models import EngineInstall, EngineInstallState, FabricScan, Node, NodeState, SMChange
+
+# Clock skew between an agent and the control plane: a few seconds is noise,
+# half a minute breaks liveness and makes log timelines lie.
+SKEW_WARN_S = 2.0
+SKEW_FAIL_S = 30.0
+# A subnet-manager failover this recent is worth an operator's look.
+SM_CHANGE_RECENT = dt.timedelta(hours=1)
+# How long one generation of counter baselines lasts (see the module docstring).
+COUNTER_WINDOW = dt.timedelta(minutes=10)
+_COUNTER_KEY = "doctor:ibctr:"
+_COUNTER_TTL_S = 24 * 3600
+
+# The IB error counters watched, by their sysfs names. A rising link_downed
+# is a link that flapped; the others are a bad cable or port getting worse.
+ERROR_COUNTERS = (
+    "symbol_error",
+    "link_downed",
+    "link_error_recovery",
+    "port_rcv_errors",
+    "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors",
+    "port_xmit_discards",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+)
+FAIL_COUNTERS = frozenset({"link_downed"})
+
+# NVLink fabric states that mean "this card has no multi-node fabric at all".
+_NO_FABRIC_STATES = frozenset({"", "n/a", "not supported", "not_supported"})
+
+
+class Result(StrEnum):
+    """A check's verdict."""
+
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+
+
+_SEVERITY = {Result.PASS: 0, Result.WARN: 1, Result.FAIL: 2}
+
+
+@dataclass
+class CheckResult:
+    """One check's answer: its verdict, the nodes it concerns, what it found and what to do."""
+
+    name: str
+    result: Result
+    summary: str
+    action: str = ""
+    nodes: list[str] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The result as JSON-able data."""
+        d = asdict(self)
+        d["result"] = str(self.result)
+        return d
+
+
+@dataclass
+class Inventory:
+    """Everything the checks read, taken at one moment."""
+
+    now: dt.datetime
+    nodes: list[Node]
+    telemetry: dict[str, dict[str, Any]]
+    scans: dict[str, FabricScan]
+    sm_changes: list[SMChange]
+    failed_installs: list[EngineInstall]
+    pending_replicas: list[Any]
+    counter_baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    _ports: dict[str, list[wire.IBPort]] | None = None
+    _canon: dict[str, str] | None = None
+
+    def ports(self, node_id: str) -> list[wire.IBPort]:
+        """A node's IB ports from its telemetry."""
+        if self._ports is None:
+            self._ports = {n: scans.ports_of(d) for n, d in self.telemetry.items()}
+        return self._ports.get(node_id, [])
+
+    @property
+    def canon(self) -> dict[str, str]:
+        """Canonical subnet-manager names over every port heard of."""
+        if self._canon is None:
+            self._canon = fabric_rules.canonical_sms(p for n in self.telemetry for p in self.ports(n))
+        return self._canon
+
+
+def load_inventory(*, now: dt.datetime) -> Inventory:
+    """Read what the checks need: seven queries and two cache round trips, whatever the cluster's size."""
+    from placement.models import Replica, ReplicaState
+
+    nodes = list(Node.objects.prefetch_related("gpus", "fabrics").order_by("id"))
+    ids = [n.id for n in nodes]
+    return Inventory(
+        now=now,
+        nodes=nodes,
+        telemetry=telemetry.get_many(ids),
+        scans={s.key: s for s in FabricScan.objects.all()},
+        sm_changes=list(SMChange.objects.filter(at__gte=now - SM_CHANGE_RECENT)),
+        failed_installs=list(EngineInstall.objects.filter(state=EngineInstallState.FAILED).order_by("node_id")),
+        pending_replicas=list(
+            Replica.objects.filter(state=ReplicaState.PENDING).select_related("deployment").order_by("created_at")
+        ),
+        counter_baselines=_load_baselines(ids),
+    )
+
+
+def _verdict(name: str, found: dict[str, list[str]], *, fails: set[str], ok: str, bad: str, action: str) -> CheckResult:
+    """Build a result from per-node findings; nodes in `fails` make it a failure, others a warning."""
+    if not found:
+        return CheckResult(name, Result.PASS, ok)
+    result = Result.FAIL if fails & set(found) else Result.WARN
+    nodes = sorted(found)
+    details = [f"{n}: {d}" for n in nodes for d in found[n]]
+    return CheckResult(name, result, bad.format(n=len(nodes)), action, nodes, details)
+
+
+# --- nodes ------------------------------------------------------------------
+
+
+def check_nodes_reachable(inv: Inventory) -> CheckResult:
+    """Nodes whose heartbeats stopped: unreachable is a warning, lost a failure."""
+    found: dict[str, list[str]] = {}
+    fails: set[str] = set()
+    for n in inv.nodes:
+        if n.state == NodeState.LOST:
+            found[n.id] = ["lost: its replicas were declared dead"]
+            fails.add(n.id)
+        elif n.state == NodeState.UNREACHABLE or n.unreachable_since is not None:
+            since = n.unreachable_since or n.last_seen
+            found[n.id] = [f"no heartbeat since {since:%Y-%m-%d %H:%M:%S}" if since else "no heartbeat"]
+    return _verdict(
+        "nodes_reachable",
+        found,
+        fails=fails,
+        ok="every node is heartbeating",
+        bad="{n} node(s) not heartbeating",
+        action="check the agent service and the management network on these nodes; a lost node's replicas "
+        "are rebuilt elsewhere, and it returns to ready by itself when heartbeats resume",
+    )
+
+
+def check_clock_skew(inv: Inventory) -> CheckResult:
+    """The agent's clock against the control plane's, read from the latest heartbeat."""
+    found: dict[str, list[str]] = {}
+    fails: set[str] = set()
+    for node_id, data in sorted(inv.telemetry.items()):
+        at, agent_at = data.get("at"), data.get("agent_at")
+        if at is None or agent_at is None:
+            continue
+        skew = float(agent_at) - float(at)
+        if abs(skew) > SKEW_WARN_S:
+            found[node_id] = [f"agent clock {'ahead' if skew > 0 else 'behind'} by {abs(skew):.1f} s"]
+            if abs(skew) > SKEW_FAIL_S:
+                fails.add(node_id)
+    return _verdict(
+        "clock_skew",
+        found,
+        fails=fails,
+        ok=f"every agent's clock is within {SKEW_WARN_S:g} s",
+        bad="{n} node(s) with a skewed clock",
+        action="enable time synchronisation (chrony or systemd-timesyncd) on these nodes against the "
+        "control plane's time source",
+    )
+
+
+# --- NVLink -----------------------------------------------------------------
+
+
+def _has_nvlink_fabric(gpus: Iterable[Any]) -> bool:
+    """Whether a node takes part in a multi-node NVLink fabric (or tries to).
+
+    A lone machine's NVSwitch reports a completed fabric with a cluster UUID
+    of zeros; that is no domain, and its cards are not "unjoined".
+    """
+    for g in gpus:
+        state = (g.fabric_state or "").strip().lower()
+        if gpu_rules.fabric_joined(g.fabric_state, g.fabric_status, g.cluster_uuid):
+            return True
+        if state not in _NO_FABRIC_STATES and state != "completed":
+            return True
+    return False
+
+
+def check_nvlink_joined(inv: Inventory) -> CheckResult:
+    """Cards not joined to the NVLink fabric on a node that has one."""
+    found: dict[str, list[str]] = {}
+    for n in inv.nodes:
+        gpus = list(n.gpus.all())
+        if not _has_nvlink_fabric(gpus):
+            continue
+        for g in gpus:
+            if not gpu_rules.fabric_joined(g.fabric_state, g.fabric_status, g.cluster_uuid):
+                state = g.fabric_state or "no state"
+                status = f", {g.fabric_status}" if g.fabric_status else ""
+                found.setdefault(n.id, []).append(f"GPU {g.index} not joined ({state}{status})")
+    return _verdict(
+        "nvlink_joined",
+        found,
+        fails=set(found),
+        ok="every card of every NVLink node is joined",
+        bad="{n} node(s) with cards not joined to their NVLink fabric",
+        action="check nvidia-fabricmanager on the node and the tray's NVLink cabling; restarting the fabric "
+        "manager drops every card, so drain the node first",
+    )
+
+
+def check_nvlink_bandwidth(inv: Inventory) -> CheckResult:
+    """Joined cards that report less than their full NVLink bandwidth."""
+    found: dict[str, list[str]] = {}
+    for n in inv.nodes:
+        for g in n.gpus.all():
+            joined = gpu_rules.fabric_joined(g.fabric_state, g.fabric_status, g.cluster_uuid)
+            if joined and gpu_rules.bandwidth_degraded(g.fabric_bandwidth):
+                found.setdefault(n.id, []).append(f"GPU {g.index} NVLink bandwidth {g.fabric_bandwidth}")
+    return _verdict(
+        "nvlink_bandwidth",
+        found,
+        fails=set(),
+        ok="no degraded NVLink bandwidth",
+        bad="{n} node(s) with degraded NVLink bandwidth",
+        action="a card with degraded links slows every collective it is in: check the NVLink cables or "
+        "trays and the NVLink error counters (nvidia-smi nvlink -e)",
+    )
+
+
+def check_nvlink_domains(inv: Inventory) -> CheckResult:
+    """A node whose cards are joined to two different NVLink domains."""
+    found: dict[str, list[str]] = {}
+    for n in inv.nodes:
+        domains = sorted(
+            {
+                d
+                for g in n.gpus.all()
+                for d in [gpu_rules.gpu_domain(g.fabric_state, g.fabric_status, g.cluster_uuid, g.clique_id)]
+                if d
+            }
+        )
+        if len(domains) > 1:
+            found[n.id] = [f"cards in {len(domains)} domains: {', '.join(domains)}"]
+    return _verdict(
+        "nvlink_domains",
+        found,
+        fails=set(found),
+        ok="no node is split between NVLink domains",
+        bad="{n} node(s) with cards in two NVLink domains",
+        action="the tray is cabled or configured into two NVLink partitions; fix the partition in the "
+        "fabric manager (or the cabling) so every card of a node is in one domain",
+    )
+
+
+def check_imex(inv: Inventory) -> CheckResult:
+    """IMEX down, or without a channel, on a node that is in an NVLink domain."""
+    found: dict[str, list[str]] = {}
+    for n in inv.nodes:
+        in_domain = bool(n.nvlink_domain) or bool(gpu_rules.node_domain(n.gpus.all()))
+        if not in_domain:
+            continue
+        if not n.imex_up():
+            found[n.id] = [f"IMEX {n.imex_state or 'not reported'}"]
+        elif n.imex_channels <= 0:
+            found[n.id] = ["IMEX up without a channel"]
+    return _verdict(
+        "imex",
+        found,
+        fails=set(found),
+        ok="IMEX is up with a channel on every node in an NVLink domain",
+        bad="{n} node(s) in an NVLink domain without working IMEX",
+        action="start nvidia-imex (systemctl start nvidia-imex) with every domain member in its nodes_config, "
+        "and create a channel (/dev/nvidia-caps-imex-channels/channel0); without it the domain's GPUs "
+        "cannot share memory across nodes",
+    )
+
+
+# --- InfiniBand -------------------------------------------------------------
+
+
+def check_ib_physical_fabric(inv: Inventory) -> CheckResult:
+    """A declared fabric whose adapters are cabled to two physical fabrics."""
+    found: dict[str, list[str]] = {}
+    for n in inv.nodes:
+        ports = inv.ports(n.id)
+        for f in n.fabrics.all():
+            pf = fabric_rules.physical_fabric(f.hcas, ports, inv.canon)
+            if pf.known and not pf.consistent:
+                found.setdefault(n.id, []).append(f"fabric {f.name}: adapters on {', '.join(pf.keys)}")
+    return _verdict(
+        "ib_physical_fabric",
+        found,
+        fails=set(found),
+        ok="every declared fabric sits on one physical fabric",
+        bad="{n} node(s) with a declared fabric cabled to two physical fabrics",
+        action="fix the cabling or the node's agent.yaml (fabrics: name, hcas): NCCL handed adapters on "
+        "two fabrics hangs instead of failing; the planner avoids such nodes meanwhile",
+    )
+
+
+def check_ib_ports(inv: Inventory) -> CheckResult:
+    """Ports of a declared fabric that are not active, or slower than the declared rate."""
+    found: dict[str, list[str]] = {}
+    fails: set[str] = set()
+    for n in inv.nodes:
+        by_hca: dict[str, list[wire.IBPort]] = {}
+        for p in inv.ports(n.id):
+            by_hca.setdefault(p.hca, []).append(p)
+        for f in n.fabrics.all():
+            for hca in f.hcas:
+                for p in by_hca.get(hca, []):
+                    label = scans.port_label(p.hca, p.port)
+                    if not fabric_rules.port_active(p):
+                        found.setdefault(n.id, []).append(f"{label} ({f.name}) is {p.state or 'down'}")
+                        fails.add(n.id)
+                    elif f.rate_gbps and p.rate_gbps and p.rate_gbps < f.rate_gbps:
+                        found.setdefault(n.id, []).append(
+                            f"{label} ({f.name}) at {p.rate_gbps} Gb/s, declared {f.rate_gbps} Gb/s"
+                        )
+    return _verdict(
+        "ib_ports",
+        found,
+        fails=fails,
+        ok="every declared port is active at its declared rate",
+        bad="{n} node(s) with ports down or slow",
+        action="check the cable and the switch port (ibstat, ibportstate); a port that trains below its rate "
+        "usually has a bad cable or transceiver",
+    )
+
+
+def check_ib_subnet_manager(inv: Inventory) -> CheckResult:
+    """InfiniBand ports that see no master subnet manager, and recent SM failovers."""
+    found: dict[str, list[str]] = {}
+    fails: set[str] = set()
+    for n in inv.nodes:
+        for p in inv.ports(n.id):
+            if fabric_rules.port_active(p) and not fabric_rules.port_is_roce(p) and not p.sm_guid:
+                why = f": {p.sm_error}" if p.sm_error else ""
+                found.setdefault(n.id, []).append(f"{scans.port_label(p.hca, p.port)} sees no master SM{why}")
+                fails.add(n.id)
+    for c in inv.sm_changes:
+        found.setdefault(c.node_id, []).append(
+            f"{c.port} master SM {c.from_guid or '?'} -> {c.to_guid or '?'} at {c.at:%Y-%m-%d %H:%M:%S}"
+        )
+    return _verdict(
+        "ib_subnet_manager",
+        found,
+        fails=fails,
+        ok="every InfiniBand port sees a master subnet manager, and none failed over in the last hour",
+        bad="{n} node(s) with subnet-manager trouble",
+        action="with no master SM the fabric cannot route new paths: start opensm (or the switch's SM) on "
+        "a standby; after a failover, find why the old master went (sminfo, the SM's log)",
+    )
+
+
+def _counter_snapshot(ports: list[wire.IBPort]) -> dict[str, dict[str, int]]:
+    return {
+        scans.port_label(p.hca, p.port): {c: int(p.counters[c]) for c in ERROR_COUNTERS if c in p.counters}
+        for p in ports
+    }
+
+
+def _load_baselines(node_ids: list[str]) -> dict[str, dict[str, Any]]:
+    found = cache.get_many([_COUNTER_KEY + n for n in node_ids])
+    return {k[len(_COUNTER_KEY) :]: v for k, v in found.items()}
+
+
+def check_ib_errors(inv: Inventory, *, remember: bool = True) -> CheckResult:
+    """Error counters that rose since the baseline (see the module docstring).
+
+    With `remember`, the baselines are rolled and written back to the cache.
+    """
+    now_s = inv.now.timestamp()
+    window = COUNTER_WINDOW.total_seconds()
+    found: dict[str, list[str]] = {}
+    fails: set[str] = set()
+    updates: dict[str, dict[str, Any]] = {}
+    for node_id in sorted(inv.telemetry):
+        current = _counter_snapshot(inv.ports(node_id))
+        if not current:
+            continue
+        stored = inv.counter_baselines.get(node_id) or {}
+        cur = stored.get("cur")
+        if cur is None:
+            stored = {"prev": None, "cur": {"at": now_s, "ports": current}}
+            updates[node_id] = stored
+        elif now_s - cur["at"] >= window:
+            stored = {"prev": cur, "cur": {"at": now_s, "ports": current}}
+            updates[node_id] = stored
+        base = stored.get("prev") or stored["cur"]
+        for label, counters in sorted(current.items()):
+            before = base["ports"].get(label, {})
+            for name, value in counters.items():
+                old = before.get(name)
+                if old is not None and value > old:
+                    found.setdefault(node_id, []).append(f"{label} {name} +{value - old}")
+                    if name in FAIL_COUNTERS:
+                        fails.add(node_id)
+    if remember and updates:
+        cache.set_many({_COUNTER_KEY + k: v for k, v in updates.items()}, timeout=_COUNTER_TTL_S)
+        inv.counter_baselines.update(updates)
+    return _verdict(
+        "ib_errors",
+        found,
+        fails=fails,
+        ok="no InfiniBand error counter is rising",
+        bad="{n} node(s) with rising InfiniBand error counters",
+        action="reseat or replace the cable of these ports (perfquery shows the counters; ibqueryerrors the "
+        "switch side); a rising link_downed is a link that flaps and breaks running jobs",
+    )
+
+
+def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
+    """Active InfiniBand ports that their fabric's latest ibnetdiscover map does not show."""
+    maps: dict[str, scans.FabricMap] = {}
+    found: dict[str, list[str]] = {}
+    for n in inv.nodes:
+        for p in inv.ports(n.id):
+            key = fabric_rules.fabric_key(p, inv.canon)
+            scan = inv.scans.get(key) if key.startswith("sm:") else None
+            if scan is None or not scan.output:
+                continue
+            if key not in maps:
+                maps[key] = scans.parse_ibnetdiscover(scan.output)
+            if maps[key].has_port(port_guid=p.port_guid, node_guid=p.node_guid) is False:
+                when = scan.output_at or scan.at
+                found.setdefault(n.id, []).append(
+                    f"{scans.port_label(p.hca, p.port)} ({p.port_guid or p.node_guid}) absent from the scan of "
+                    f"{key} taken {when:%Y-%m-%d %H:%M:%S}"
+                )
+    return _verdict(
+        "ib_scan_coverage",
+        found,
+        fails=set(),
+        ok="every active InfiniBand port appears in its fabric's latest scan",
+        bad="{n} node(s) with ports missing from their fabric's map",
+        action="a port the map lacks is cabled elsewhere or came up after the scan: compare `ibstat` on the "
+        "node with the switch's port, and wait for the next scan before recabling",
+    )
+
+
+# --- GPUs, engines, replicas ------------------------------------------------
+
+
+def check_gpu_health(inv: Inventory) -> CheckResult:
+    """The wear and health problems agents report for their cards."""
+    found: dict[str, list[str]] = {}
+    fails: set[str] = set()
+    for n in inv.nodes:
+        sensors = {s.get("index"): s for s in (inv.telemetry.get(n.id) or {}).get("gpus") or []}
+        for g in n.gpus.all():
+            problems = list(g.problems or [])
+            if g.ecc_errors:
+                problems.append(f"{g.ecc_errors} uncorrected ECC errors")
+                fails.add(n.id)
+            sensor = sensors.get(g.index) or {}
+            wear_data = sensor.get("wear")
+            if wear_data:
+                try:
+                    wear = wire.GPUWear.model_validate(wear_data)
+                except ValueError:
+                    wear = None
+                if wear is not None:
+                    problems.extend(gpu_rules.wear_problems(wear))
+                    if wear.remap_failure or wear.remapped_rows_uncorrectable > 0 or wear.retired_pages_dbe > 0:
+                        fails.add(n.id)
+            problems.extend(p for p in sensor.get("problems") or [] if p not in problems)
+            for p in problems:
+                found.setdefault(n.id, []).append(f"GPU {g.index}: {p}")
+    return _verdict(
+        "gpu_health",
+        found,
+        fails=fails,
+        ok="no GPU reports wear or health problems",
+        bad="{n} node(s) with GPU problems",
+        action="drain the node and reset the card (pending remaps and retirements need one); a card out of "
+        "spare rows or with uncorrectable errors needs replacing",
+    )
+
+
+def check_engine_installs(inv: Inventory) -> CheckResult:
+    """Engine installations that failed."""
+    found: dict[str, list[str]] = {}
+    for i in inv.failed_installs:
+        detail = f": {i.detail}" if i.detail else ""
+        found.setdefault(i.node_id, []).append(f"{i.engine} {i.version} failed{detail}".replace("  ", " "))
+    return _verdict(
+        "engine_installs",
+        found,
+        fails=set(found),
+        ok="no engine installation failed",
+        bad="{n} node(s) with a failed engine installation",
+        action="read the detail, fix the cause (disk space, network, a wheel for this CUDA), and reinstall "
+        "the engine on the node from the admin",
+    )
+
+
+def check_replicas_pending(inv: Inventory) -> CheckResult:
+    """Replicas waiting for a place, with the planner's reason."""
+    if not inv.pending_replicas:
+        return CheckResult("replicas_pending", Result.PASS, "no replica is waiting for a place")
+    details = [
+        f"{r.deployment.name}/{str(r.id)[:8]}: {r.reason or 'no reason recorded yet'}" for r in inv.pending_replicas
+    ]
+    return CheckResult(
+        "replicas_pending",
+        Result.WARN,
+        f"{len(details)} replica(s) pending",
+        "the reason says what is missing (free GPUs, a fabric, memory, power): free capacity, uncordon "
+        "nodes, or change the deployment's profile or selector",
+        [],
+        details,
+    )
+
+
+CHECKS: tuple[Callable[[Inventory], CheckResult], ...] = (
+    check_nodes_reachable,
+    check_clock_skew,
+    check_nvlink_joined,
+    check_nvlink_bandwidth,
+    check_nvlink_domains,
+    check_imex,
+    check_ib_physical_fabric,
+    check_ib_ports,
+    check_ib_subnet_manager,
+    check_ib_errors,
+    check_ib_scan_coverage,
+    check_gpu_health,
+    check_engine_installs,
+    check_replicas_pending,
+)
+
+CHECK_NAMES: tuple[str, ...] = tuple(c.__name__.removeprefix("check_") for c in CHECKS)
+
+
+def run_checks(inv: Inventory) -> list[CheckResult]:
+    """Every check over one snapshot, in a fixed order."""
+    return [check(inv) for check in CHECKS]
+
+
+def run(*, now: dt.datetime) -> list[CheckResult]:
+    """Load the inventory and run every check."""
+    return run_checks(load_inventory(now=now))
+
+
+def overall(results: Iterable[CheckResult]) -> Result:
+    """The worst verdict among the results (pass when there are none)."""
+    worst = Result.PASS
+    for r in results:
+        if _SEVERITY[r.result] > _SEVERITY[worst]:
+            worst = r.result
+    return worst
+
+
+def report(results: list[CheckResult], *, now: dt.datetime) -> dict[str, Any]:
+    """The doctor's answer as JSON-able data (the API's and `doctor --json`'s shape)."""
+    return {"at": now.isoformat(), "result": str(overall(results)), "checks": [r.as_dict() for r in results]}

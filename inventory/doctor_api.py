@@ -1,0 +1,52 @@
+"""`GET /api/v1/doctor`: the doctor's checks for scripts and dashboards."""
+
+from __future__ import annotations
+
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema
+from rest_framework import serializers
+from rest_framework.permissions import BasePermission
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from inventory import doctor
+
+
+class CanViewNodes(BasePermission):
+    """The doctor tells where every node's trouble is: it needs the permission to view nodes."""
+
+    def has_permission(self, request, view) -> bool:
+        user = request.user
+        return bool(user and user.is_authenticated and user.has_perm("inventory.view_node"))
+
+
+class CheckResultSerializer(serializers.Serializer):
+    """One check's answer."""
+
+    name = serializers.CharField()
+    result = serializers.ChoiceField(choices=[r.value for r in doctor.Result])
+    summary = serializers.CharField()
+    action = serializers.CharField(allow_blank=True)
+    nodes = serializers.ListField(child=serializers.CharField())
+    details = serializers.ListField(child=serializers.CharField())
+
+
+class DoctorReportSerializer(serializers.Serializer):
+    """The doctor's report: the worst verdict and every check."""
+
+    at = serializers.DateTimeField()
+    result = serializers.ChoiceField(choices=[r.value for r in doctor.Result])
+    checks = CheckResultSerializer(many=True)
+
+
+class DoctorView(APIView):
+    """Run every doctor check now."""
+
+    permission_classes = [CanViewNodes]
+
+    @extend_schema(responses=DoctorReportSerializer)
+    def get(self, request: Request) -> Response:
+        now = timezone.now()
+        results = doctor.run(now=now)
+        return Response(DoctorReportSerializer(doctor.report(results, now=now)).data)

@@ -1,0 +1,236 @@
+"""What a heartbeat changes in the inventory, at a small constant cost.
+
+A heartbeat arrives every few seconds from every node, so its cost is the
+control plane's scaling limit. The lease (last_seen) is one UPDATE that also
+returns what the rest needs; everything momentary goes to the cache; durable
+facts (GPU fabric state, engine installs, IMEX) are written only when they
+differ from what was last applied, which the cache remembers, so a
+steady-state heartbeat writes one row.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connection
+
+from agents import wire
+from inventory import fabric as fabric_rules
+from inventory import gpus as gpu_rules
+from inventory.models import GPU, EngineInstall, Node, NodeState
+from inventory.nodes import change_state, record_event
+
+# Cumulative byte counters and the bytes each unit counts. sysfs's
+# port_xmit_data / port_rcv_data count 4-octet words (InfiniBand spec).
+TX_COUNTERS = (("port_xmit_data", 4), ("tx_bytes", 1))
+RX_COUNTERS = (("port_rcv_data", 4), ("rx_bytes", 1))
+
+
+@dataclass(frozen=True)
+class Touched:
+    """A node's row as a heartbeat left it."""
+
+    state: str
+    imex_state: str
+    imex_channels: int
+    nvlink_domain: str
+
+
+def touch(node_id: str, *, now: dt.datetime) -> Touched | None:
+    """Renew a node's lease and bring an unreachable or lost node back to ready.
+
+    One statement renews the lease and returns the row, so the caller needs no
+    other read. Cordoned and draining are the operator's and stay. None for a
+    node that does not exist.
+    """
+    table = Node._meta.db_table
+    with connection.cursor() as cur:
+        cur.execute(
+            f"UPDATE {table} SET last_seen = %s, unreachable_since = NULL WHERE id = %s "
+            "RETURNING state, imex_state, imex_channels, nvlink_domain",
+            [now, node_id],
+        )
+        row = cur.fetchone()
+    if row is None:
+        return None
+    state = row[0]
+    if state in (NodeState.UNREACHABLE, NodeState.LOST) and change_state(
+        node_id, NodeState.READY, now=now, expected=state, reason="heartbeat resumed", actor_name="agent"
+    ):
+        state = NodeState.READY
+    return Touched(state=state, imex_state=row[1], imex_channels=row[2], nvlink_domain=row[3])
+
+
+def port_key(port: Any) -> str:
+    """A port's name within its node: "mlx5_0/1"."""
+    return f"{port.hca}/{port.port}"
+
+
+def _counter(counters: Mapping[str, int], names: tuple[tuple[str, int], ...]) -> int | None:
+    for name, unit in names:
+        if name in counters:
+            return counters[name] * unit
+    return None
+
+
+def _rate(now_value: int | None, before: int | None, seconds: float) -> float:
+    # A counter that went backwards was reset (driver reload, reboot): no rate
+    # is better than a huge negative one.
+    if now_value is None or before is None or seconds <= 0 or now_value < before:
+        return 0.0
+    return (now_value - before) * 8 / seconds
+
+
+def telemetry(hb: wire.Heartbeat, previous: Mapping[str, Any] | None, *, now: dt.datetime) -> dict[str, Any]:
+    """The cache entry for a heartbeat, with port rates from the counters' change since the previous one.
+
+    Rates are zero on the first heartbeat and after a counter reset. The
+    interval is the agent's own clock when both heartbeats carry it (the
+    network's jitter is not the port's), else the server's.
+    """
+    server_at = now.timestamp()
+    prev_ports: dict[str, Mapping[str, Any]] = {}
+    interval = 0.0
+    if previous:
+        prev_ports = {f"{p['hca']}/{p['port']}": p for p in previous.get("ib_ports") or []}
+        if hb.at is not None and previous.get("agent_at") is not None:
+            interval = hb.at - previous["agent_at"]
+        else:
+            interval = server_at - (previous.get("at") or server_at)
+    ports = []
+    for p in hb.ib_ports or []:
+        d = p.model_dump(mode="json")
+        before = prev_ports.get(port_key(p))
+        before_counters = before.get("counters") or {} if before else {}
+        d["tx_bps"] = _rate(_counter(p.counters, TX_COUNTERS), _counter(before_counters, TX_COUNTERS), interval)
+        d["rx_bps"] = _rate(_counter(p.counters, RX_COUNTERS), _counter(before_counters, RX_COUNTERS), interval)
+        ports.append(d)
+    return {
+        "at": server_at,
+        "agent_at": hb.at,
+        "load": hb.load.model_dump(mode="json") if hb.load is not None else None,
+        "gpus": [g.model_dump(mode="json") for g in hb.gpus or []],
+        "ib_ports": ports,
+        "shards": [{"shard_id": s.shard_id, "state": str(s.state)} for s in hb.shards],
+        "applied": dict((previous or {}).get("applied") or {}),
+    }
+
+
+def record_sm_changes(
+    node_id: str, ports: Iterable[Any], previous: Mapping[str, Any] | None, *, now: dt.datetime
+) -> int:
+    """Record each port now seeing a different master subnet manager than at the previous heartbeat.
+
+    A port going down (no master) is not a change of master; a failover is.
+    """
+    if not previous:
+        return 0
+    before = {f"{p['hca']}/{p['port']}": p.get("sm_guid") or "" for p in previous.get("ib_ports") or []}
+    changed = 0
+    for p in ports:
+        old = fabric_rules.canonical_guid(before.get(port_key(p), ""))
+        new = fabric_rules.canonical_guid(p.sm_guid)
+        if old and new and old != new:
+            fabric_rules.record_sm_change(at=now, node_id=node_id, port=port_key(p), from_guid=old, to_guid=new)
+            changed += 1
+    return changed
+
+
+def digest(items: Iterable[wire.Message]) -> str:
+    """A short fingerprint of a report, to skip writing what was already applied."""
+    h = hashlib.blake2b(digest_size=12)
+    for i in items:
+        h.update(i.model_dump_json().encode())
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def apply_gpu_fabrics(
+    node_id: str, reports: Iterable[wire.GPUFabricReport], *, current_domain: str, now: dt.datetime
+) -> str:
+    """Update the cards' NVLink fabric state and the node's domain; returns the domain.
+
+    A fabric-manager restart drops every card at once, which is why the agent
+    re-reads this once a minute. Cards the agent did not report keep their
+    state; a report for a card the inventory lacks is ignored (registration
+    owns the list of cards).
+    """
+    rows = list(
+        GPU.objects.filter(node_id=node_id).only(
+            "id", "index", "fabric_state", "fabric_status", "cluster_uuid", "clique_id", "fabric_bandwidth"
+        )
+    )
+    by_index = {g.index: g for g in rows}
+    for r in reports:
+        row = by_index.get(r.index)
+        if row is None:
+            continue
+        f = r.fabric
+        values = {
+            "fabric_state": f.state if f else "",
+            "fabric_status": f.status if f else "",
+            "cluster_uuid": f.cluster_uuid if f else "",
+            "clique_id": f.clique_id if f else "",
+            "fabric_bandwidth": f.bandwidth if f else "",
+        }
+        if any(getattr(row, k) != v for k, v in values.items()):
+            for k, v in values.items():
+                setattr(row, k, v)
+            GPU.objects.filter(pk=row.pk).update(**values)
+    domain = gpu_rules.node_domain(rows)
+    if domain != current_domain:
+        Node.objects.filter(id=node_id).update(nvlink_domain=domain)
+        record_event(
+            node_id,
+            "nvlink",
+            f"NVLink domain {current_domain or '(none)'} -> {domain or '(none)'}",
+            now=now,
+            actor_name="agent",
+            data={"from": current_domain, "to": domain},
+        )
+    return domain
+
+
+def apply_engine_installs(node_id: str, installs: Iterable[wire.EngineInstall]) -> int:
+    """Record where each engine's installation stands; returns the rows written.
+
+    Only differences are written; an engine the agent no longer lists is forgotten.
+    """
+    wanted = {i.engine: i for i in installs}
+    existing = {e.engine: e for e in EngineInstall.objects.filter(node_id=node_id)}
+    written = 0
+    gone = set(existing) - set(wanted)
+    if gone:
+        written += EngineInstall.objects.filter(node_id=node_id, engine__in=gone).delete()[0]
+    for engine, i in wanted.items():
+        values = {"version": i.version, "variant": i.variant, "state": i.state, "detail": i.detail}
+        row = existing.get(engine)
+        if row is None:
+            EngineInstall.objects.create(node_id=node_id, engine=engine, **values)
+            written += 1
+        elif any(getattr(row, k) != v for k, v in values.items()):
+            for k, v in values.items():
+                setattr(row, k, v)
+            row.save(update_fields=[*values, "updated_at"])
+            written += 1
+    return written
+
+
+def apply_imex(node_id: str, imex: wire.IMEX, *, touched: Touched, now: dt.datetime) -> bool:
+    """Record a change of nvidia-imex state or channels; False when nothing changed."""
+    if imex.state == touched.imex_state and imex.channels == touched.imex_channels:
+        return False
+    Node.objects.filter(id=node_id).update(imex_state=imex.state, imex_channels=imex.channels)
+    record_event(
+        node_id,
+        "imex",
+        f"IMEX {touched.imex_state or '(unknown)'} -> {imex.state or '(unknown)'}, channels {imex.channels}",
+        now=now,
+        actor_name="agent",
+        data={"state": imex.state, "channels": imex.channels},
+    )
+    return True

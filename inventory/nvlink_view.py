@@ -1,0 +1,182 @@
+"""Multi-node NVLink domains as racks: which trays are in, and what keeps the others out.
+
+One function gathers it for the /admin/nvlink page and the /api/v1/nvlink
+endpoint alike. A tray (a node) belongs to the rack of the domain its cards
+report even when it is not in (a card still joining, IMEX down): those are
+exactly the trays an operator has to see.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from inventory import gpus as gpu_rules
+from inventory.models import GPU, Node, NodeState
+
+# The rack for trays whose cards report an NVLink fabric but name no domain.
+NO_DOMAIN = ""
+
+
+class CardState:
+    """How a card is drawn: lit, pulsing red, amber."""
+
+    JOINED = "joined"
+    NOT_JOINED = "not-joined"
+    DEGRADED = "degraded"
+
+
+class TrayState:
+    """A tray as a whole: in the domain, in with reduced bandwidth, or out."""
+
+    JOINED = "joined"
+    DEGRADED = "degraded"
+    OUT = "out"
+
+
+@dataclass
+class Card:
+    """One GPU chip on a tray."""
+
+    index: int
+    state: str
+    fabric_state: str
+    fabric_status: str
+    bandwidth: str
+    uuid: str
+
+
+@dataclass
+class Tray:
+    """One node of a rack, its cards, and why it is out (empty when it is in)."""
+
+    node_id: str
+    hostname: str
+    node_state: str
+    reachable: bool
+    imex_state: str
+    imex_channels: int
+    imex_up: bool
+    state: str
+    cards: list[Card] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Rack:
+    """One NVLink domain ("" for trays whose cards name none)."""
+
+    domain: str
+    trays: list[Tray] = field(default_factory=list)
+
+    @property
+    def joined(self) -> int:
+        """Trays fully in (degraded bandwidth still counts as in)."""
+        return sum(1 for t in self.trays if t.state != TrayState.OUT)
+
+    @property
+    def cluster_uuid(self) -> str:
+        """The fabric's cluster UUID, the domain without its clique."""
+        return self.domain.split("/", 1)[0]
+
+    @property
+    def clique(self) -> str:
+        """The clique within the cluster, "" when the driver gave none."""
+        return self.domain.split("/", 1)[1] if "/" in self.domain else ""
+
+
+def _reported(g: GPU) -> bool:
+    """Whether a card reports an NVLink fabric at all (a PCIe card does not)."""
+    s = (g.fabric_state or "").strip().lower()
+    return bool(s) and s not in ("n/a", "not supported")
+
+
+def _candidate_domain(node: Node, cards: list[GPU]) -> str:
+    """The domain a tray belongs to: its own, else the one most of its cards name."""
+    if node.nvlink_domain:
+        return node.nvlink_domain
+    named = Counter(d for g in cards for d in [g.nvlink_domain] if d)
+    if named:
+        return sorted(named.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
+    # Cards still joining often already know their cluster: draw them in its rack.
+    for g in cards:
+        uuid = (g.cluster_uuid or "").strip()
+        if uuid and uuid.upper() != "N/A" and uuid.strip("0-"):
+            clique = (g.clique_id or "").strip()
+            return f"{uuid}/{clique}" if clique and clique.upper() != "N/A" else uuid
+    return NO_DOMAIN
+
+
+def tray(node: Node, domain: str, cards: list[GPU]) -> Tray:
+    """Draw one node as a tray of `domain`: each card's state and what keeps the tray out."""
+    reasons: list[str] = []
+    warnings: list[str] = []
+    drawn: list[Card] = []
+    for g in sorted(cards, key=lambda c: c.index):
+        d = g.nvlink_domain
+        if d and d == domain:
+            degraded = gpu_rules.bandwidth_degraded(g.fabric_bandwidth)
+            state = CardState.DEGRADED if degraded else CardState.JOINED
+            if degraded:
+                warnings.append(f"GPU {g.index} NVLink bandwidth degraded ({g.fabric_bandwidth})")
+        else:
+            state = CardState.NOT_JOINED
+            if d:
+                reasons.append(f"GPU {g.index} joined another domain ({d})")
+            else:
+                said = ", ".join(x for x in (g.fabric_state, g.fabric_status) if x) or "no fabric reported"
+                reasons.append(f"GPU {g.index} not joined ({said})")
+        drawn.append(Card(g.index, state, g.fabric_state, g.fabric_status, g.fabric_bandwidth, g.uuid))
+    if not drawn:
+        reasons.append("no GPUs reported")
+    if not gpu_rules.imex_up(node.imex_state):
+        reasons.append(f"IMEX down ({node.imex_state or 'not reported'})")
+    elif node.imex_channels <= 0:
+        reasons.append("no IMEX channel")
+    if not node.reachable:
+        reasons.append(f"node not ready ({node.state}, heartbeats missing)")
+    elif node.state != NodeState.READY:
+        reasons.append(f"node not ready ({node.state})")
+    if reasons:
+        state = TrayState.OUT
+    elif warnings:
+        state = TrayState.DEGRADED
+    else:
+        state = TrayState.JOINED
+    return Tray(
+        node_id=node.id,
+        hostname=node.hostname,
+        node_state=node.state,
+        reachable=node.reachable,
+        imex_state=node.imex_state,
+        imex_channels=node.imex_channels,
+        imex_up=gpu_rules.imex_up(node.imex_state),
+        state=state,
+        cards=drawn,
+        reasons=reasons,
+        warnings=warnings,
+    )
+
+
+def racks(nodes: Iterable[Node] | None = None) -> list[Rack]:
+    """Every NVLink domain as a rack of trays, domains in name order, the domainless rack last.
+
+    Nodes whose cards report no NVLink fabric (PCIe cards, an HGX box without
+    multi-node NVLink) are left out: there is nothing to join.
+    `nodes` should come with their GPUs prefetched.
+    """
+    if nodes is None:
+        nodes = Node.objects.prefetch_related("gpus").order_by("id")
+    by_domain: dict[str, Rack] = {}
+    for node in nodes:
+        cards = list(node.gpus.all())
+        if not any(_reported(g) for g in cards) and not node.nvlink_domain:
+            continue
+        domain = _candidate_domain(node, cards)
+        rack = by_domain.setdefault(domain, Rack(domain))
+        rack.trays.append(tray(node, domain, cards))
+    for rack in by_domain.values():
+        rack.trays.sort(key=lambda t: t.node_id)
+    return sorted(by_domain.values(), key=lambda r: (r.domain == NO_DOMAIN, r.domain))

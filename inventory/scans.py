@@ -1,0 +1,261 @@
+"""Fabric scans: reading ibnetdiscover's map, and choosing who draws it next.
+
+One port per physical fabric runs `ibnetdiscover` every few minutes (the
+agent does the running; the control plane only asks). The map tells how many
+switches and adapters the fabric has, and, more usefully, which of our own
+adapters it does not show: a port that believes it is up on a fabric whose
+map lacks it is cabled to something else, or sits behind a broken link.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+
+from agents import commands, wire
+from agents.models import Command, CommandKind
+from inventory import fabric as fabric_rules
+from inventory import telemetry
+from inventory.models import Node, NodeState
+
+# --- parsing ----------------------------------------------------------------
+
+# A node's header: `Switch  36 "S-0008f10500200b50"  # "desc" enhanced port 0 lid 9 lmc 0`,
+# `Ca  2 "H-0008f10403960984"  # "desc"`, `Rt ...` for routers.
+_HEADER = re.compile(
+    r'^(?P<kind>Switch|Ca|Rt)\s+(?P<ports>\d+)\s+"(?P<type>[SHR])-(?P<guid>[0-9A-Fa-fx]+)"(?P<rest>.*)$'
+)
+# A switch's port 0 GUID: `switchguid=0x8f10500200b50(8f10500200b50)`.
+_SWITCHGUID = re.compile(r"^switchguid=(?P<guid>0x[0-9A-Fa-f]+)(?:\((?P<port>[0-9A-Fa-fx]+)\))?")
+# A connectivity line: `[4]  "H-003048c749cd0000"[1](3048c749cd0001)  # ...` on a switch,
+# `[1](78e7d103002297fd)  "S-0002c90200417670"[22]  # ...` on an adapter.
+_LINK = re.compile(
+    r"^\[(?P<port>\d+)\](?:\((?P<local>[0-9A-Fa-fx]+)\))?\s*"
+    r'"(?P<ptype>[SHR])-(?P<pguid>[0-9A-Fa-fx]+)"\[(?P<pport>\d+)\](?:\((?P<pportguid>[0-9A-Fa-fx]+)\))?'
+)
+_DESC = re.compile(r'#\s*"(?P<desc>[^"]*)"')
+
+_KIND = {"Switch": "switch", "Ca": "ca", "Rt": "router"}
+
+
+@dataclass(frozen=True)
+class ScanNode:
+    """One node of a fabric map: a switch, an adapter (CA) or a router."""
+
+    kind: str
+    guid: str
+    ports: int
+    description: str
+    port_guids: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class FabricMap:
+    """What an ibnetdiscover text says: its nodes, and every node and port GUID it names."""
+
+    nodes: tuple[ScanNode, ...] = ()
+    node_guids: frozenset[str] = frozenset()
+    port_guids: frozenset[str] = frozenset()
+    links: int = 0
+
+    @property
+    def switches(self) -> int:
+        """How many switches the map shows."""
+        return sum(1 for n in self.nodes if n.kind == "switch")
+
+    @property
+    def cas(self) -> int:
+        """How many channel adapters (HCAs) the map shows."""
+        return sum(1 for n in self.nodes if n.kind == "ca")
+
+    @property
+    def routers(self) -> int:
+        """How many routers the map shows."""
+        return sum(1 for n in self.nodes if n.kind == "router")
+
+    def has_port(self, *, port_guid: str = "", node_guid: str = "") -> bool | None:
+        """Whether the map shows an adapter's port: by its port GUID, else by its node GUID.
+
+        None when the port gives neither GUID, so nothing can be said.
+        """
+        pg = fabric_rules.canonical_guid(port_guid)
+        if pg:
+            return pg in self.port_guids
+        ng = fabric_rules.canonical_guid(node_guid)
+        if ng:
+            return ng in self.node_guids
+        return None
+
+
+@dataclass
+class _Building:
+    kind: str
+    guid: str
+    ports: int
+    description: str
+    port_guids: list[str] = field(default_factory=list)
+
+
+def _guid(raw: str | None) -> str:
+    return fabric_rules.canonical_guid(raw or "")
+
+
+def parse_ibnetdiscover(text: str) -> FabricMap:
+    """Read ibnetdiscover's default topology output.
+
+    Lines it does not recognise (comments, `vendid=`, chassis headings, an
+    `ibwarn:` on stderr mixed in) are skipped rather than refused: a partial
+    map is still worth counting. Every GUID comes out in one spelling
+    (inventory.fabric.canonical_guid) so it compares with what sysfs says.
+    """
+    nodes: list[_Building] = []
+    node_guids: set[str] = set()
+    port_guids: set[str] = set()
+    links = 0
+    pending_switch_port = ""
+    current: _Building | None = None
+    for raw in (text or "").splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SWITCHGUID.match(line)
+        if m:
+            pending_switch_port = _guid(m.group("port") or m.group("guid"))
+            continue
+        m = _HEADER.match(line)
+        if m:
+            desc = _DESC.search(m.group("rest"))
+            current = _Building(
+                kind=_KIND[m.group("kind")],
+                guid=_guid(m.group("guid")),
+                ports=int(m.group("ports")),
+                description=desc.group("desc") if desc else "",
+            )
+            if current.kind == "switch" and pending_switch_port:
+                current.port_guids.append(pending_switch_port)
+            pending_switch_port = ""
+            nodes.append(current)
+            node_guids.add(current.guid)
+            port_guids.update(current.port_guids)
+            continue
+        m = _LINK.match(line)
+        if m and current is not None:
+            links += 1
+            local = _guid(m.group("local"))
+            if local:
+                current.port_guids.append(local)
+                port_guids.add(local)
+            node_guids.add(_guid(m.group("pguid")))
+            peer_port = _guid(m.group("pportguid"))
+            if peer_port:
+                port_guids.add(peer_port)
+    built = tuple(
+        ScanNode(kind=n.kind, guid=n.guid, ports=n.ports, description=n.description, port_guids=tuple(n.port_guids))
+        for n in nodes
+    )
+    return FabricMap(nodes=built, node_guids=frozenset(node_guids), port_guids=frozenset(port_guids), links=links)
+
+
+# --- scheduling -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScanOrder:
+    """The port chosen to scan one physical fabric."""
+
+    key: str
+    node_id: str
+    hca: str
+    port: int
+
+
+def ports_of(data: Mapping[str, Any] | None) -> list[wire.IBPort]:
+    """A node's IB ports from its telemetry, as wire messages (bad entries skipped)."""
+    out = []
+    for p in (data or {}).get("ib_ports") or []:
+        try:
+            out.append(wire.IBPort.model_validate(p))
+        except ValueError:
+            continue
+    return out
+
+
+def plan_scans(
+    states: Mapping[str, str], ports: Mapping[str, list[wire.IBPort]], *, busy: Iterable[str] = ()
+) -> list[ScanOrder]:
+    """Pick one active port per InfiniBand fabric to run ibnetdiscover, skipping `busy` fabrics.
+
+    `states` maps node id to state for the nodes that can receive a command
+    (reachable ones); `ports` their IB ports. A ready node is preferred: a
+    cordoned one still answers but is often cordoned for being sick. RoCE
+    networks have no subnet manager to ask and are never scanned. Among equals
+    the choice is stable (lowest node, adapter, port), so the same port keeps
+    drawing the map and two maps compare.
+    """
+    every = [p for node_ports in ports.values() for p in node_ports]
+    canon = fabric_rules.canonical_sms(every)
+    skip = set(busy)
+    best: dict[str, tuple[tuple, ScanOrder]] = {}
+    for node_id, node_ports in ports.items():
+        state = states.get(node_id)
+        if state is None:
+            continue
+        for p in node_ports:
+            key = fabric_rules.fabric_key(p, canon)
+            if not key.startswith("sm:") or key in skip:
+                continue
+            rank = (state != NodeState.READY, node_id, p.hca, p.port)
+            if key not in best or rank < best[key][0]:
+                best[key] = (rank, ScanOrder(key=key, node_id=node_id, hca=p.hca, port=p.port))
+    return [best[k][1] for k in sorted(best)]
+
+
+def scan_pending_window() -> dt.timedelta:
+    """How long an unacknowledged scan command keeps its fabric from getting another.
+
+    One interval plus the scan's own timeout: an agent that is merely slow is
+    not asked twice, one that never answered is asked again next round.
+    """
+    return dt.timedelta(seconds=settings.LLMGW_FABRIC_SCAN_INTERVAL + settings.LLMGW_FABRIC_SCAN_TIMEOUT)
+
+
+def schedule_fabric_scans(*, now: dt.datetime) -> list[ScanOrder]:
+    """Queue a ScanFabric for every InfiniBand fabric that has no recent one outstanding.
+
+    A fabric whose last command went unacknowledged past the window gets a
+    new one, and the old one is dropped: an agent that comes back should run
+    one scan, not a backlog of them.
+    """
+    reachable = dict(
+        Node.objects.filter(unreachable_since__isnull=True)
+        .exclude(state__in=[NodeState.UNREACHABLE, NodeState.LOST])
+        .values_list("id", "state")
+    )
+    found = telemetry.get_many(reachable)
+    ports = {node_id: ports_of(data) for node_id, data in found.items()}
+    since = now - scan_pending_window()
+    outstanding = Command.objects.filter(kind=CommandKind.SCAN_FABRIC, acked_at__isnull=True)
+    busy = {p.get("key", "") for p in outstanding.filter(created_at__gte=since).values_list("payload", flat=True)}
+    orders = plan_scans(reachable, ports, busy=busy)
+    with transaction.atomic():
+        for order in orders:
+            outstanding.filter(payload__key=order.key).delete()
+            commands.enqueue(
+                order.node_id,
+                wire.ScanFabric(
+                    key=order.key, hca=order.hca, port=order.port, timeout_s=settings.LLMGW_FABRIC_SCAN_TIMEOUT
+                ),
+                now=now,
+            )
+    return orders
+
+
+def port_label(hca: str, port: int | str) -> str:
+    """How a port is named in scans and reports: "mlx5_0/1"."""
+    return f"{hca}/{port}"

@@ -1,0 +1,189 @@
+"""Inventory API shapes: output serializers apart from the validators of what operators send."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from inventory import operations
+from inventory.models import GPU, FabricAttachment, Node
+from inventory.resources import free_gpu_indices
+
+
+class GPUSerializer(serializers.ModelSerializer):
+    """A GPU as the API shows it."""
+
+    node = serializers.CharField(source="node_id", read_only=True)
+    nvlink_domain = serializers.CharField(read_only=True)
+    healthy = serializers.BooleanField(read_only=True)
+
+    class Meta:
+        model = GPU
+        fields = [
+            "node",
+            "index",
+            "uuid",
+            "name",
+            "gpu_class",
+            "memory_total_mb",
+            "numa_node",
+            "pci_bus_id",
+            "nvlink_peers",
+            "nic_paths",
+            "fabric_state",
+            "fabric_status",
+            "cluster_uuid",
+            "clique_id",
+            "fabric_bandwidth",
+            "nvlink_domain",
+            "ecc_errors",
+            "healthy",
+            "problems",
+        ]
+        read_only_fields = fields
+
+
+class FabricAttachmentSerializer(serializers.ModelSerializer):
+    """A node's declared fabric."""
+
+    class Meta:
+        model = FabricAttachment
+        fields = ["name", "hcas", "rate_gbps"]
+        read_only_fields = fields
+
+
+class NodeSerializer(serializers.ModelSerializer):
+    """A node with its GPUs, fabrics, labels and how many GPUs are free.
+
+    Needs `gpus`, `fabrics` and `allocated_gpus` prefetched (the viewset does).
+    """
+
+    gpus = GPUSerializer(many=True, read_only=True)
+    fabrics = FabricAttachmentSerializer(many=True, read_only=True)
+    reachable = serializers.BooleanField(read_only=True)
+    imex_up = serializers.SerializerMethodField()
+    gpus_total = serializers.SerializerMethodField()
+    gpus_free = serializers.SerializerMethodField()
+    gpu_classes = serializers.SerializerMethodField()
+    effective_labels = serializers.DictField(source="labels", child=serializers.CharField(), read_only=True)
+
+    class Meta:
+        model = Node
+        fields = [
+            "id",
+            "hostname",
+            "mgmt_addr",
+            "state",
+            "reachable",
+            "unreachable_since",
+            "last_seen",
+            "registered_at",
+            "agent_version",
+            "gpus_total",
+            "gpus_free",
+            "gpu_classes",
+            "memory_total_mb",
+            "cpu_count",
+            "agent_labels",
+            "operator_labels",
+            "effective_labels",
+            "nvlink_domain",
+            "imex_state",
+            "imex_channels",
+            "imex_up",
+            "fabrics",
+            "gpus",
+        ]
+        read_only_fields = fields
+
+    def get_imex_up(self, node: Node) -> bool:
+        return node.imex_up()
+
+    def get_gpus_total(self, node: Node) -> int:
+        return len(node.gpus.all())
+
+    def get_gpus_free(self, node: Node) -> int:
+        return len(free_gpu_indices(node.gpus.all(), [a.gpu_index for a in node.allocated_gpus.all()]))
+
+    def get_gpu_classes(self, node: Node) -> list[str]:
+        return sorted({g.gpu_class for g in node.gpus.all() if g.gpu_class})
+
+
+class ActionInput(serializers.Serializer):
+    """What an operator may say with cordon, uncordon or drain."""
+
+    reason = serializers.CharField(required=False, allow_blank=True, max_length=500, default="")
+
+
+class LabelsInput(serializers.Serializer):
+    """Operator labels: PUT replaces them all; PATCH sets some and removes those given as null."""
+
+    labels = serializers.DictField(child=serializers.CharField(allow_blank=True, allow_null=True, max_length=63))
+
+    def validate_labels(self, value: dict) -> dict:
+        partial = bool(self.context.get("partial"))
+        errors = {}
+        checked = {}
+        for k, v in value.items():
+            if v is None:
+                if not partial:
+                    errors[k] = ["null removes a label, only with PATCH"]
+                    continue
+                if not operations.LABEL_KEY.match(k):
+                    errors[k] = ["not a valid label key"]
+                checked[k] = None
+                continue
+            try:
+                operations.validate_labels({k: v})
+            except operations.LabelError as exc:
+                errors[k] = [exc.message]
+                continue
+            checked[k] = v
+        if errors:
+            raise serializers.ValidationError(errors)
+        return checked
+
+
+class AffectedReplicaSerializer(serializers.Serializer):
+    """A replica an action touches."""
+
+    replica_id = serializers.CharField()
+    deployment = serializers.CharField()
+    replica_state = serializers.CharField()
+    shards = serializers.ListField(child=serializers.CharField())
+
+
+class CardSerializer(serializers.Serializer):
+    """One GPU on an NVLink tray."""
+
+    index = serializers.IntegerField()
+    state = serializers.CharField()
+    fabric_state = serializers.CharField()
+    fabric_status = serializers.CharField()
+    bandwidth = serializers.CharField()
+    uuid = serializers.CharField()
+
+
+class TraySerializer(serializers.Serializer):
+    """One node of an NVLink domain."""
+
+    node_id = serializers.CharField()
+    hostname = serializers.CharField()
+    node_state = serializers.CharField()
+    reachable = serializers.BooleanField()
+    imex_state = serializers.CharField()
+    imex_channels = serializers.IntegerField()
+    imex_up = serializers.BooleanField()
+    state = serializers.CharField()
+    cards = CardSerializer(many=True)
+    reasons = serializers.ListField(child=serializers.CharField())
+    warnings = serializers.ListField(child=serializers.CharField())
+
+
+class RackSerializer(serializers.Serializer):
+    """One NVLink domain ("" for cards that name none) with its trays."""
+
+    domain = serializers.CharField()
+    cluster_uuid = serializers.CharField()
+    clique = serializers.CharField()
+    joined = serializers.IntegerField()
+    trays = TraySerializer(many=True)

@@ -1,0 +1,273 @@
+"""What agents tell placement: shards found running at registration, and shard states at heartbeats.
+
+A node may only speak about its own shards: every lookup is filtered by the
+authenticated node, so a report naming another node's shard changes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from django.db import connection, transaction
+
+from agents import commands, wire
+from agents.models import Command, CommandKind
+from placement.models import PlacementEvent, Replica, ReplicaState, Shard
+
+log = logging.getLogger(__name__)
+
+# A shard in one of these is over: a report of it running again is a process
+# the control plane has given up on (the node was lost, the replica was
+# released), and it must be stopped, not revived.
+TERMINAL = frozenset({wire.ShardState.STOPPED, wire.ShardState.FAILED})
+LIVE = frozenset(set(wire.ShardState) - TERMINAL)
+MAX_REASON = 512
+GONE_REPLICA = frozenset({ReplicaState.STOPPED, ReplicaState.FAILED})
+
+
+def _uuid(value: str) -> uuid.UUID | None:
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        return None
+
+
+def allowed(old: str, new: str) -> bool:
+    """Whether an agent's report may move a shard from `old` to `new`.
+
+    Stopped and failed are final (a restarted shard is a new shard), except
+    that a failed shard may be reported stopped once its process is gone.
+    """
+    if old == new:
+        return False
+    if old == wire.ShardState.STOPPED:
+        return False
+    if old == wire.ShardState.FAILED:
+        return new == wire.ShardState.STOPPED
+    return True
+
+
+@dataclass
+class SyncResult:
+    """What a registration's or heartbeat's shard report did."""
+
+    adopted: list[str] = field(default_factory=list)
+    fenced: list[str] = field(default_factory=list)
+    changed: list[tuple[str, str, str]] = field(default_factory=list)  # (shard id, from, to)
+    failed_missing: list[str] = field(default_factory=list)
+
+
+def _fence(node_id: str, targets: list[tuple[str, str, str]], result: SyncResult, *, now: dt.datetime) -> None:
+    """Queue a StopShard for each (shard id, replica id, reason), unless one is already pending."""
+    if not targets:
+        return
+    key_len = commands.SHARD_KEY_LEN
+    already = set(
+        Command.objects.filter(
+            node_id=node_id,
+            kind=CommandKind.STOP_SHARD,
+            acked_at__isnull=True,
+            shard_id__in=[t[0][:key_len] for t in targets],
+        ).values_list("shard_id", flat=True)
+    )
+    for shard_id, replica_id, reason in targets:
+        result.fenced.append(shard_id)
+        if shard_id[:key_len] in already:
+            continue
+        already.add(shard_id[:key_len])
+        message = wire.StopShard(shard_id=shard_id, replica_id=replica_id, reason=reason[:MAX_REASON])
+        commands.enqueue(node_id, message, now=now)
+
+
+def _set_states(changes: list[tuple[dict, str, str, int | None, str]], *, now: dt.datetime, actor: str) -> list:
+    """Compare-and-set each shard's state; an event row for each that moved. Returns the moves made."""
+    events = []
+    moved = []
+    for row, new, reason, exit_code, kind in changes:
+        n = Shard.objects.filter(id=row["id"], state=row["state"]).update(
+            state=new, reason=reason, exit_code=exit_code, updated_at=now
+        )
+        if not n:
+            # Someone else moved it first; their move stands.
+            continue
+        moved.append((str(row["id"]), row["state"], new))
+        events.append(
+            PlacementEvent(
+                at=now,
+                deployment_id=row["replica__deployment_id"],
+                replica_id=row["replica_id"],
+                shard_id=row["id"],
+                kind=kind,
+                from_state=row["state"],
+                to_state=new,
+                reason=reason,
+                actor_name=actor,
+            )
+        )
+    if events:
+        PlacementEvent.objects.bulk_create(events)
+    return moved
+
+
+_ROW_FIELDS = ("id", "state", "reason", "exit_code", "replica_id", "replica__deployment_id", "replica__state")
+
+
+def _shard_rows(node_id: str, ids: list[uuid.UUID]) -> dict[uuid.UUID, dict]:
+    # Hand-written SQL: this read runs on every heartbeat that lists shards.
+    # Portable: the ids adapted as the backend stores them, one placeholder each.
+    shard, replica = Shard._meta.db_table, Replica._meta.db_table
+    pk = Shard._meta.pk
+    params = [pk.get_db_prep_value(i, connection) for i in ids]
+    marks = ", ".join(["%s"] * len(params))
+    with connection.cursor() as cur:
+        cur.execute(
+            f"SELECT s.id, s.state, s.reason, s.exit_code, s.replica_id, r.deployment_id, r.state "
+            f"FROM {shard} s JOIN {replica} r ON r.id = s.replica_id WHERE s.node_id = %s AND s.id IN ({marks})",
+            [node_id, *params],
+        )
+        rows = {}
+        for row in cur.fetchall():
+            d = dict(zip(_ROW_FIELDS, row, strict=True))
+            d["id"] = pk.to_python(d["id"])
+            d["replica_id"] = pk.to_python(d["replica_id"])
+            rows[d["id"]] = d
+        return rows
+
+
+def record_shard_states(node_id: str, statuses: Iterable[wire.ShardStatus], *, now: dt.datetime) -> SyncResult:
+    """Record the shard states a heartbeat reports; fence what should no longer run.
+
+    One read for all of them; a write only for a shard whose state, reason or
+    exit code changed, and an event for each change of state. An unknown state
+    was already read as failed by the wire schema. A shard reported alive that
+    the control plane has written off (failed after its node was lost, its
+    replica released or deleted) gets a StopShard: that is the fence after a
+    node comes back from a partition without restarting its agent.
+    """
+    result = SyncResult()
+    reports = {}
+    for s in statuses:
+        sid = _uuid(s.shard_id)
+        if sid is not None:
+            reports[sid] = s
+    if not reports:
+        return result
+    rows = _shard_rows(node_id, list(reports))
+    changes = []
+    fence = []
+    for sid, s in reports.items():
+        row = rows.get(sid)
+        state = wire.ShardState(s.state)
+        if row is None:
+            if state in LIVE:
+                fence.append((str(sid), s.replica_id, "shard unknown to the control plane"))
+            continue
+        old = row["state"]
+        if old in TERMINAL and state in LIVE:
+            fence.append((str(sid), str(row["replica_id"]), f"shard is {old} in the control plane: {row['reason']}"))
+            continue
+        if allowed(old, state):
+            changes.append((row, str(state), s.reason, s.exit_code, "shard_state"))
+        elif old == state and (s.reason != row["reason"] or s.exit_code != row["exit_code"]) and old not in TERMINAL:
+            # Same state, new detail (a loading shard's progress): the row, no event.
+            Shard.objects.filter(id=sid, state=old).update(reason=s.reason, exit_code=s.exit_code, updated_at=now)
+    result.changed = _set_states(changes, now=now, actor="agent")
+    _fence(node_id, fence, result, now=now)
+    return result
+
+
+def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt.datetime) -> SyncResult:
+    """At registration: adopt the shards the control plane knows, fence the rest, fail what vanished.
+
+    A known shard of a live replica, placed on this node, is adopted as it
+    runs, with the state the agent reports (no restart: a model takes minutes
+    to load). A shard this control plane does not know, one placed elsewhere,
+    one it has written off, or one whose replica is gone or stopped gets a
+    StopShard: after a node comes back from lost, its old processes would
+    otherwise hold GPUs the planner has given away. A shard the control plane
+    thinks runs here but the agent does not report is dead, unless its
+    StartShard is still waiting for the agent.
+    """
+    result = SyncResult()
+    reports: dict[uuid.UUID, wire.RunningShard] = {}
+    fence = []
+    for r in running:
+        sid = _uuid(r.shard_id)
+        if sid is None:
+            # Not even a shard id of ours: stop it under the name the agent gave.
+            fence.append((r.shard_id, r.replica_id, "shard unknown to the control plane"))
+        else:
+            reports[sid] = r
+    rows = {r["id"]: r for r in Shard.objects.filter(node_id=node_id).values(*_ROW_FIELDS)}
+    changes = []
+    for sid, r in reports.items():
+        row = rows.get(sid)
+        state = wire.ShardState(r.state)
+        if row is None:
+            fence.append((str(sid), r.replica_id, "shard unknown to the control plane"))
+        elif row["replica__state"] in GONE_REPLICA:
+            fence.append((str(sid), str(row["replica_id"]), f"replica is {row['replica__state']}"))
+        elif row["state"] in TERMINAL:
+            if state in LIVE:
+                fence.append((str(sid), str(row["replica_id"]), f"shard is {row['state']}: {row['reason']}"))
+        else:
+            result.adopted.append(str(sid))
+            if row["state"] != state:
+                changes.append((row, str(state), "adopted at registration", None, "adopted"))
+    # Known live shards the agent did not report.
+    missing = [
+        row for sid, row in rows.items() if sid not in reports and row["state"] in (LIVE - {wire.ShardState.PENDING})
+    ]
+    if missing:
+        waiting = set(
+            Command.objects.filter(
+                node_id=node_id,
+                kind=CommandKind.START_SHARD,
+                acked_at__isnull=True,
+                shard_id__in=[str(r["id"]) for r in missing],
+            ).values_list("shard_id", flat=True)
+        )
+        for row in missing:
+            if str(row["id"]) not in waiting:
+                changes.append(
+                    (row, wire.ShardState.FAILED.value, "not running when the agent registered", None, "shard_state")
+                )
+                result.failed_missing.append(str(row["id"]))
+    result.changed = _set_states(changes, now=now, actor="agent")
+    _fence(node_id, fence, result, now=now)
+    return result
+
+
+def fail_node_shards(node_id: str, *, reason: str, now: dt.datetime) -> list[str]:
+    """Mark every shard of a node that is not over as failed (the node is lost); returns their ids.
+
+    The reconciler then releases those replicas whole and rebuilds them: one
+    dead shard makes the others useless.
+    """
+    rows = list(Shard.objects.filter(node_id=node_id).exclude(state__in=TERMINAL).values(*_ROW_FIELDS))
+    moved = _set_states(
+        [(row, wire.ShardState.FAILED.value, reason, None, "shard_state") for row in rows], now=now, actor="system"
+    )
+    return [m[0] for m in moved]
+
+
+def queue_reconcile() -> bool:
+    """Ask the reconciler to run once this transaction commits, if this build has one."""
+    from llmgw.celery import app
+
+    try:
+        import placement.tasks  # noqa: F401
+    except ModuleNotFoundError as exc:
+        # Only the module's absence means "no reconciler here"; a broken one must fail loudly.
+        if exc.name != "placement.tasks":
+            raise
+        return False
+    task = app.tasks.get("placement.reconcile")
+    if task is None:
+        return False
+    transaction.on_commit(lambda: task.apply_async(), robust=True)
+    return True

@@ -1,0 +1,176 @@
+"""Engine command lines as exact argv snapshots, per engine and version; and the shard environment."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents import wire
+from agents.node import engines
+
+
+def _start(engine: str, *, tp=1, pp=1, nnodes=1, rank=0, **kw) -> wire.StartShard:
+    profile = wire.EngineProfile(
+        name="llama-70b-tp8",
+        engine=engine,
+        tp=tp,
+        pp=pp,
+        nodes=nnodes,
+        model_path=kw.pop("model_path", "/models/Llama-3.3-70B-Instruct"),
+        served_model_name="llama-3.3-70b",
+        args=kw.pop("args", ["--max-model-len", "32768"]),
+        env=kw.pop("env", {}),
+    )
+    return wire.StartShard(
+        id="c1",
+        replica_id="r1",
+        shard_id="r1-0",
+        rank=rank,
+        nnodes=nnodes,
+        leader_addr=kw.pop("leader_addr", "10.0.0.11" if nnodes > 1 else ""),
+        leader_port=kw.pop("leader_port", 29500 if nnodes > 1 else None),
+        http_port=8001,
+        gpu_indices=kw.pop("gpu_indices", [0, 1, 2, 3, 4, 5, 6, 7]),
+        profile=profile,
+        **kw,
+    )
+
+
+def test_vllm_single_node():
+    assert engines.build(_start("vllm", tp=8), version="0.10.2").argv == [
+        "vllm", "serve", "/models/Llama-3.3-70B-Instruct",
+        "--host", "0.0.0.0", "--port", "8001",
+        "--served-model-name", "llama-3.3-70b",
+        "--tensor-parallel-size", "8", "--pipeline-parallel-size", "1",
+        "--max-model-len", "32768",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.11.2", ""])
+def test_vllm_multinode_leader_and_worker(version):
+    leader = engines.build(_start("vllm", tp=8, pp=2, nnodes=2, rank=0), version=version)
+    assert leader.argv == [
+        "vllm", "serve", "/models/Llama-3.3-70B-Instruct",
+        "--host", "0.0.0.0", "--port", "8001",
+        "--served-model-name", "llama-3.3-70b",
+        "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2",
+        "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.11", "--master-port", "29500",
+        "--max-model-len", "32768",
+    ]  # fmt: skip
+    assert leader.health_path == "/health"
+    worker = engines.build(_start("vllm", tp=8, pp=2, nnodes=2, rank=1), version=version)
+    assert worker.argv == [
+        "vllm", "serve", "/models/Llama-3.3-70B-Instruct",
+        "--host", "0.0.0.0", "--port", "8001",
+        "--served-model-name", "llama-3.3-70b",
+        "--tensor-parallel-size", "8", "--pipeline-parallel-size", "2",
+        "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.11", "--master-port", "29500",
+        "--headless",
+        "--max-model-len", "32768",
+    ]  # fmt: skip
+    assert worker.health_path is None
+
+
+def test_vllm_before_0_11_refuses_multinode():
+    with pytest.raises(engines.EngineError, match=r"vllm 0.10.2 spans nodes only through Ray; .* >= 0.11"):
+        engines.build(_start("vllm", tp=8, nnodes=2, rank=0), version="0.10.2")
+
+
+def test_multinode_needs_a_leader():
+    with pytest.raises(engines.EngineError, match="needs leader_addr and leader_port"):
+        engines.build(_start("sglang", tp=16, nnodes=2, leader_addr=""), version="0.5.2")
+
+
+def test_sglang_single_and_multinode():
+    assert engines.build(_start("sglang", tp=8), version="0.5.2").argv == [
+        "python3", "-m", "sglang.launch_server", "--model-path", "/models/Llama-3.3-70B-Instruct",
+        "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "llama-3.3-70b",
+        "--tp", "8",
+        "--max-model-len", "32768",
+    ]  # fmt: skip
+    worker = engines.build(_start("sglang", tp=16, pp=2, nnodes=2, rank=1, args=[]), version="0.5.2")
+    assert worker.argv == [
+        "python3", "-m", "sglang.launch_server", "--model-path", "/models/Llama-3.3-70B-Instruct",
+        "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "llama-3.3-70b",
+        "--tp", "16", "--pp-size", "2",
+        "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.11:29500",
+    ]  # fmt: skip
+    assert worker.health_path is None
+
+
+def test_sglang_old_version_has_no_pp():
+    with pytest.raises(engines.EngineError, match=r"sglang 0\.4\.6 has no pipeline parallelism"):
+        engines.build(_start("sglang", tp=8, pp=2), version="0.4.6")
+
+
+def test_llama_server():
+    start = _start("llama.cpp", model_path="/models/qwen2.5-7b-q4_k_m.gguf", args=["-c", "8192"], gpu_indices=[3])
+    assert engines.build(start, version="b6500").argv == [
+        "llama-server", "-m", "/models/qwen2.5-7b-q4_k_m.gguf",
+        "--host", "0.0.0.0", "--port", "8001", "--alias", "llama-3.3-70b",
+        "--n-gpu-layers", "999",
+        "-c", "8192",
+    ]  # fmt: skip
+    cpu = _start("llama-server", model_path="/m.gguf", args=[], gpu_indices=[])
+    assert engines.build(cpu).argv == [
+        "llama-server",
+        "-m",
+        "/m.gguf",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8001",
+        "--alias",
+        "llama-3.3-70b",
+    ]
+    with pytest.raises(engines.EngineError, match="llama-server runs on one node"):
+        engines.build(_start("llama-server", nnodes=2), version="b6500")
+
+
+def test_echo():
+    start = _start("echo", args=["--load-seconds", "2"], model_path="")
+    assert engines.build(start, python="/venv/bin/python").argv == [
+        "/venv/bin/python", "-m", "agents.node.echo", "--host", "127.0.0.1", "--port", "8001",
+        "--served-model-name", "llama-3.3-70b", "--load-seconds", "2",
+    ]  # fmt: skip
+
+
+def test_a_model_path_with_spaces_stays_one_argument():
+    argv = engines.build(_start("vllm", model_path="/models/my model; rm -rf /")).argv
+    assert argv[2] == "/models/my model; rm -rf /"
+
+
+def test_unknown_engine():
+    with pytest.raises(engines.EngineError, match="unknown engine 'tgi'"):
+        engines.build(_start("tgi"))
+
+
+def test_env_multinode_nvlink_domain():
+    start = _start("vllm", gpu_indices=[0, 1, 2, 3], hcas=["mlx5_0", "mlx5_1"], nvlink_domain="c0ffee", nnodes=2)
+    start.profile.env = {"VLLM_LOGGING_LEVEL": "DEBUG", "CUDA_VISIBLE_DEVICES": "7", "NCCL_IB_HCA": "mlx5_9"}
+    assert engines.build(start, mgmt_interface="eth0").env == {
+        "VLLM_LOGGING_LEVEL": "DEBUG",
+        "NCCL_SOCKET_IFNAME": "=eth0",
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "NCCL_MNNVL_ENABLE": "1",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        # The placement's GPUs and fabric, whatever the profile says.
+        "CUDA_VISIBLE_DEVICES": "0,1,2,3",
+        "NCCL_IB_HCA": "=mlx5_0,mlx5_1",
+    }
+
+
+def test_env_single_node_no_fabric():
+    start = _start("vllm", gpu_indices=[5], mgmt_interface="bond1")
+    assert engines.build(start, mgmt_interface="eth0").env == {
+        "NCCL_SOCKET_IFNAME": "=bond1",
+        "GLOO_SOCKET_IFNAME": "bond1",
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": "5",
+    }
+
+
+def test_version_tuple():
+    assert engines.version_tuple("0.11.0rc1") == (0, 11, 0)
+    assert engines.version_tuple("0.6.3.post1+cu124") == (0, 6, 3)
+    assert engines.version_tuple("b6500") == (6500,)
+    assert engines.version_tuple("") == ()

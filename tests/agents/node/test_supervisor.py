@@ -1,0 +1,189 @@
+"""The supervisor: echo shards started, watched, failed, stopped and adopted, as real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from agents import wire
+from agents.node.supervisor import Supervisor, TransitionError, proc_identity
+from tests.agents.node.helpers import echo_start, wait_for
+
+S = wire.ShardState
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def sup(tmp_path):
+    sups: list[Supervisor] = []
+
+    def make(**kw) -> Supervisor:
+        s = Supervisor(tmp_path / "state", keep_finished_s=60, **kw)
+        sups.append(s)
+        return s
+
+    yield make
+    # Never leave an engine behind.
+    for s in sups:
+        for shard in s.shards.values():
+            if shard.pid:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(shard.pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(shard.pid, 0)
+        s.close()
+
+
+def _state(s: Supervisor, shard_id: str) -> S:
+    s.poll()
+    return s.shards[shard_id].st
+
+
+def test_echo_shard_loading_then_ready_with_env(sup, tmp_path):
+    s = sup(mgmt_interface="eth9")
+    cmd = echo_start("s1", load=0.6, gpu_indices=[2, 3], hcas=["mlx5_0", "mlx5_1"], nvlink_domain="dom-a")
+    shard = s.start(cmd)
+    assert shard.st == S.STARTING
+    assert _state(s, "s1") == S.LOADING
+    wait_for(lambda: _state(s, "s1") == S.READY)
+    raw = Path(f"/proc/{shard.pid}/environ").read_bytes().decode()
+    env = dict(kv.split("=", 1) for kv in raw.split("\0") if "=" in kv)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["NCCL_IB_HCA"] == "=mlx5_0,mlx5_1"
+    assert env["NCCL_SOCKET_IFNAME"] == "=eth9"
+    assert env["GLOO_SOCKET_IFNAME"] == "eth9"
+    assert env["NCCL_MNNVL_ENABLE"] == "1"
+    # Its own session: a stop signals its whole process group.
+    assert os.getpgid(shard.pid) == shard.pid
+    record = json.loads((tmp_path / "state" / "shards" / "s1.json").read_text())
+    assert (record["pid"], record["state"]) == (shard.pid, "ready")
+    # Idempotent: the same start again is the same shard, not a second process.
+    assert s.start(cmd).pid == shard.pid
+    assert [x.state for x in s.statuses()] == [S.READY]
+
+
+def test_killed_shard_is_failed_with_exit_code_and_log(sup):
+    s = sup()
+    shard = s.start(echo_start("s1", load=0))
+    wait_for(lambda: _state(s, "s1") == S.READY)
+    os.kill(shard.pid, signal.SIGKILL)
+    wait_for(lambda: _state(s, "s1") == S.FAILED)
+    (st,) = s.statuses()
+    assert (st.state, st.exit_code, st.reason) == (S.FAILED, -9, "the engine was killed by SIGKILL")
+    assert any("echo: serving 'demo'" in line for line in st.log_tail)
+    # Nothing left to adopt.
+    assert s.running() == []
+
+
+def test_startup_timeout_fails_the_shard(sup):
+    s = sup(kill_grace_s=0.2)
+    shard = s.start(echo_start("s1", load=30, startup_timeout_s=0.5))
+    pid = shard.pid
+    wait_for(lambda: _state(s, "s1") == S.FAILED)
+    assert s.shards["s1"].reason == "not ready after 0.5s"
+    wait_for(lambda: (s.poll(), proc_identity(pid) is None)[1])
+
+
+def test_stop_sigterm(sup):
+    s = sup()
+    shard = s.start(echo_start("s1", load=0))
+    wait_for(lambda: _state(s, "s1") == S.READY)
+    s.stop("s1", grace_s=5, reason="drain")
+    assert s.shards["s1"].st == S.DRAINING
+    wait_for(lambda: _state(s, "s1") == S.STOPPED)
+    assert s.shards["s1"].exit_code == 0  # echo exits cleanly on SIGTERM
+    assert proc_identity(shard.pid) is None
+    # Stopping again is a no-op.
+    assert s.stop("s1").st == S.STOPPED
+
+
+def test_stop_escalates_to_sigkill_after_grace(sup):
+    s = sup()
+    s.start(echo_start("s1", load=0, args=["--ignore-sigterm"]))
+    wait_for(lambda: _state(s, "s1") == S.READY)
+    s.stop("s1", grace_s=0.5)
+    s.poll()
+    assert s.shards["s1"].st == S.DRAINING
+    wait_for(lambda: _state(s, "s1") == S.STOPPED, timeout=5)
+    assert s.shards["s1"].exit_code == -9
+
+
+def test_restart_adopts_running_shard_then_stops_it(sup, tmp_path):
+    first = sup()
+    shard = first.start(echo_start("s1", load=0, replica_id="rep-7", gpu_indices=[1]))
+    wait_for(lambda: _state(first, "s1") == S.READY)
+    first.close()
+    # The agent restarts: a new supervisor over the same state directory.
+    second = sup()
+    (running,) = second.running()
+    assert (running.shard_id, running.replica_id, running.pid, running.gpu_indices) == ("s1", "rep-7", shard.pid, [1])
+    wait_for(lambda: _state(second, "s1") == S.READY)
+    second.stop("s1", grace_s=5)
+    wait_for(lambda: _state(second, "s1") == S.STOPPED)
+    assert proc_identity(shard.pid) is None
+    first.shards.clear()
+
+
+def test_record_with_reused_pid_is_not_adopted(sup, tmp_path):
+    state = tmp_path / "state" / "shards"
+    state.mkdir(parents=True)
+    # Our own pid, but another start time and command line: not the engine.
+    mine = proc_identity(os.getpid())
+    rec = {
+        "shard_id": "old",
+        "pid": os.getpid(),
+        "proc_start": mine[0] + 1,
+        "argv": ["vllm", "serve"],
+        "state": "ready",
+    }
+    (state / "old.json").write_text(json.dumps(rec))
+    s = sup()
+    assert s.running() == []
+    (st,) = s.statuses()
+    assert (st.shard_id, st.state, st.reason) == (
+        "old",
+        S.FAILED,
+        "the engine process ended while the agent was not running",
+    )
+    assert not (state / "old.json").exists()
+
+
+def test_gpu_conflict_and_unknown_engine_fail_without_starting(sup):
+    s = sup()
+    s.start(echo_start("s1", load=0, gpu_indices=[0, 1]))
+    other = s.start(echo_start("s2", load=0, gpu_indices=[1]))
+    assert (other.st, other.reason, other.pid) == (S.FAILED, "GPU 1 is held by shard s1", None)
+    bad = echo_start("s3")
+    bad.profile.engine = "tgi"
+    assert s.start(bad).reason == "shard s3: unknown engine 'tgi' (known: vllm, sglang, llama-server, echo)"
+
+
+def test_missing_engine_binary_fails(sup):
+    s = sup(base_env={"PATH": "/nonexistent"})
+    cmd = echo_start("s1")
+    cmd.profile.engine, cmd.profile.model_path = "llama-server", "/models/x.gguf"
+    shard = s.start(cmd)
+    assert shard.st == S.FAILED
+    assert shard.reason.startswith("cannot start llama-server")
+
+
+def test_log_rotation_keeps_backups(sup, tmp_path):
+    s = sup(log_backups=2)
+    log = s.log_path("s1")
+    log.write_text("first run\n")
+    s.start(echo_start("s1", load=0))
+    wait_for(lambda: _state(s, "s1") == S.READY)
+    assert (tmp_path / "state" / "logs" / "s1.log.1").read_text() == "first run\n"
+
+
+def test_invalid_transition_refused(sup):
+    s = sup()
+    shard = s.start(echo_start("s1", load=0))
+    wait_for(lambda: _state(s, "s1") == S.READY)
+    with pytest.raises(TransitionError):
+        s._move(shard, S.LOADING)

@@ -1,0 +1,54 @@
+"""A heartbeat costs a small, constant number of SQL queries, whatever it carries."""
+
+from __future__ import annotations
+
+import pytest
+
+from agents import commands, wire
+from tests.agents.conftest import heartbeat_payload, make_shard, post
+
+pytestmark = pytest.mark.django_db
+
+
+def realistic(shards, *, at: float, counters: int, **extra) -> dict:
+    return heartbeat_payload(
+        at=at,
+        counters=counters,
+        shards=[{"shard_id": str(s.id), "replica_id": str(s.replica_id), "state": "ready"} for s in shards],
+        engine_installs=[{"engine": "vllm", "version": "0.11.0", "state": "ready"}],
+        imex={"state": "UP", "channels": 2048},
+        **extra,
+    )
+
+
+def test_steady_state_heartbeat_query_count(client, joined, now, django_assert_num_queries):
+    shards = [make_shard("node-a", now=now, rank=0), *[make_shard("node-a", now=now) for _ in range(3)]]
+    fabrics = [
+        {"index": i, "fabric": {"state": "Completed", "status": "Success", "cluster_uuid": "c1", "clique_id": "7"}}
+        for i in range(8)
+    ]
+    # The first one applies installs, IMEX and fabrics; the ones after find nothing new.
+    assert (
+        post(client, "heartbeat", realistic(shards, at=1.0, counters=10, gpu_fabrics=fabrics), joined).status_code
+        == 200
+    )
+    # Credential lookup, lease update (returning the node), shards read, pending commands.
+    with django_assert_num_queries(4 + 2):  # + the savepoint pair of the test's transaction
+        resp = post(client, "heartbeat", realistic(shards, at=6.0, counters=20, gpu_fabrics=fabrics), joined)
+    assert resp.status_code == 200
+    with django_assert_num_queries(6):
+        resp = post(client, "heartbeat", realistic(shards, at=11.0, counters=30), joined)
+    assert resp.status_code == 200
+
+
+def test_heartbeat_with_a_command_and_an_ack(client, joined, now, django_assert_num_queries):
+    shards = [make_shard("node-a", now=now) for _ in range(4)]
+    post(client, "heartbeat", realistic(shards, at=1.0, counters=10), joined)
+    cmd = commands.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=now)
+    # + marking the delivered command.
+    with django_assert_num_queries(7):
+        assert len(post(client, "heartbeat", realistic(shards, at=2.0, counters=10), joined).json()["commands"]) == 1
+    # + the acknowledgement; nothing left to mark.
+    with django_assert_num_queries(7):
+        body = post(client, "heartbeat", realistic(shards, at=3.0, counters=10, acks=[str(cmd.id)]), joined).json()
+    assert body["commands"] == []

@@ -1,0 +1,294 @@
+"""The agent endpoints over HTTP: authentication, the node authorizer, bad input, commands."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from django.utils import timezone
+
+from agents import commands, credentials, wire
+from agents.models import Command, JoinToken, NodeCredential
+from agents.views import MAX_HEARTBEAT_BODY
+from inventory.models import GPU, FabricScan, Node, NodeEvent
+from tests.agents.conftest import heartbeat_payload, post
+from tests.factories import register_payload
+
+pytestmark = pytest.mark.django_db
+
+
+def test_join_with_bootstrap_token_issues_a_credential_stored_hashed(client, join_token):
+    resp = post(client, "register", register_payload("node-a"), join_token)
+    assert resp.status_code == 200
+    body = resp.json()
+    secret = body["credential"]
+    assert secret.startswith("llmgw-node-") and len(secret) > 40
+    assert body["node_id"] == "node-a"
+    assert body["heartbeat_interval_s"] == 5.0
+    cred = NodeCredential.objects.get(node_id="node-a")
+    assert cred.token_hash == credentials.hash_secret(secret)
+    assert secret not in cred.token_hash
+    assert cred.issued_by == "bootstrap token"
+    assert GPU.objects.filter(node_id="node-a").count() == 8
+
+
+def test_reregistration_with_own_credential_issues_none(client, joined):
+    resp = post(client, "register", register_payload("node-a", hostname="renamed"), joined)
+    assert resp.status_code == 200
+    assert resp.json()["credential"] is None
+    assert Node.objects.get(id="node-a").hostname == "renamed"
+    assert NodeCredential.objects.get(node_id="node-a").token_hash == credentials.hash_secret(joined)
+
+
+@pytest.mark.parametrize("header", [None, "Bearer", "Bearer nonsense", "Basic abc", "Bearer llmgw-node-wrong"])
+def test_missing_or_wrong_credentials_are_401(client, joined, header):
+    extra = {"HTTP_AUTHORIZATION": header} if header else {}
+    for path, body in [("register", register_payload("node-a")), ("heartbeat", heartbeat_payload())]:
+        resp = client.post(f"/api/v1/agent/{path}", data=body, content_type="application/json", **extra)
+        assert resp.status_code == 401
+        assert resp["WWW-Authenticate"].startswith("Bearer")
+        assert resp.json() == {"detail": "missing or invalid credentials", "errors": []}
+
+
+def test_operator_session_is_not_an_agent(client, operator, viewer):
+    for user in (operator, viewer):
+        client.force_login(user)
+        resp = post(client, "heartbeat", heartbeat_payload(), None)
+        assert resp.status_code == 401
+
+
+def test_credential_of_another_node_is_403_without_detail(client, join_token, joined):
+    other = post(client, "register", register_payload("node-b"), join_token).json()["credential"]
+    Node.objects.filter(id="node-b").update(hostname="secret-host")
+    before = NodeEvent.objects.count()
+    for path, body in [
+        ("heartbeat", heartbeat_payload("node-b")),
+        ("register", register_payload("node-b")),
+        ("scans", {"node_id": "node-b", "key": "sm:0x1", "output": "x"}),
+        ("rotate", {"node_id": "node-b"}),
+        ("heartbeat", heartbeat_payload("node-zzz")),
+    ]:
+        resp = post(client, path, body, joined)
+        assert resp.status_code == 403, path
+        assert resp.json() == {"detail": "this credential does not authorise requests about that node", "errors": []}
+        assert b"node-b" not in resp.content and b"secret-host" not in resp.content
+    assert NodeEvent.objects.count() == before
+    assert Node.objects.get(id="node-b").hostname == "secret-host"
+    assert post(client, "heartbeat", heartbeat_payload("node-b"), other).status_code == 200
+
+
+def test_join_token_cannot_take_over_a_node_until_reset(client, join_token, joined, now):
+    resp = post(client, "register", register_payload("node-a"), join_token)
+    assert resp.status_code == 403
+    assert NodeCredential.objects.get(node_id="node-a").token_hash == credentials.hash_secret(joined)
+
+    assert credentials.reset("node-a", now=now)
+    assert post(client, "heartbeat", heartbeat_payload(), joined).status_code == 401
+    resp = post(client, "register", register_payload("node-a"), join_token)
+    assert resp.status_code == 200
+    fresh = resp.json()["credential"]
+    assert fresh and fresh != joined
+    assert post(client, "heartbeat", heartbeat_payload(), fresh).status_code == 200
+    assert NodeEvent.objects.filter(node_id="node-a", kind="credential").count() == 3
+
+
+def test_join_token_cannot_heartbeat(client, join_token, joined):
+    assert post(client, "heartbeat", heartbeat_payload(), join_token).status_code == 401
+    assert post(client, "scans", {"node_id": "node-a", "key": "k"}, join_token).status_code == 401
+
+
+def test_admin_join_token_expiry_and_use_limit(client, now):
+    t0 = timezone.now()
+    token, secret = credentials.create_join_token(
+        name="rack 7", expires_at=t0 + dt.timedelta(hours=1), max_uses=1, now=t0
+    )
+    assert post(client, "register", register_payload("node-a"), secret).status_code == 200
+    token.refresh_from_db()
+    assert token.uses == 1
+    # Used up: a second node is refused, and nothing of it is written.
+    assert post(client, "register", register_payload("node-b"), secret).status_code == 401
+    assert not Node.objects.filter(id="node-b").exists()
+
+    expired, old = credentials.create_join_token(
+        name="old", expires_at=t0 - dt.timedelta(seconds=1), max_uses=None, now=t0
+    )
+    assert post(client, "register", register_payload("node-c"), old).status_code == 401
+    revoked, gone = credentials.create_join_token(
+        name="r", expires_at=t0 + dt.timedelta(hours=1), max_uses=None, now=t0
+    )
+    assert credentials.revoke_join_token(revoked.id, now=t0)
+    assert post(client, "register", register_payload("node-d"), gone).status_code == 401
+    assert JoinToken.objects.get(id=expired.id).uses == 0
+
+
+def test_join_token_use_is_not_counted_when_the_registration_is_refused(client, now):
+    t0 = timezone.now()
+    token, secret = credentials.create_join_token(name="x", expires_at=t0 + dt.timedelta(hours=1), max_uses=1, now=t0)
+    bad = register_payload("node-a", gpus=[{"index": 0, "compute_capability": "x" * 40}])
+    assert post(client, "register", bad, secret).status_code == 400
+    token.refresh_from_db()
+    assert token.uses == 0
+
+
+def test_wrong_content_type_is_415(client, joined):
+    resp = client.post(
+        "/api/v1/agent/heartbeat",
+        data="node_id=node-a",
+        content_type="text/plain",
+        HTTP_AUTHORIZATION=f"Bearer {joined}",
+    )
+    assert resp.status_code == 415
+    assert resp.json()["detail"] == "the body must be application/json"
+
+
+def test_oversized_body_is_413(client, joined):
+    body = heartbeat_payload(padding="x" * (MAX_HEARTBEAT_BODY + 1))
+    resp = post(client, "heartbeat", body, joined)
+    assert resp.status_code == 413
+    assert resp.json()["detail"] == f"the body must be at most {MAX_HEARTBEAT_BODY} bytes"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field", "problem"),
+    [
+        ("heartbeat", b"{not json", "(body)", "Invalid JSON"),
+        ("heartbeat", [1, 2], "(body)", "Input should be an object"),
+        ("heartbeat", {"node_id": "node-a", "gpus": [{"index": 64}]}, "gpus.0.index", "Input should be less than 64"),
+        ("heartbeat", {"node_id": "node-a", "shards": [{"shard_id": "s"}]}, "shards.0.state", "Field required"),
+        (
+            "heartbeat",
+            {"node_id": "node-a", "ib_ports": [{"hca": "m", "port": 1, "counters": {"x": -1}}]},
+            "ib_ports.0.counters.x",
+            "Input should be greater than or equal to 0",
+        ),
+        ("register", {"node_id": "node a"}, "node_id", "String should match pattern"),
+        (
+            "register",
+            register_payload("node-a", gpus=[{"index": 0, "compute_capability": "9" * 17}]),
+            "gpus.0.compute_capability",
+            "String should have at most 16 characters",
+        ),
+        (
+            "register",
+            register_payload("node-a", gpus=[{"index": 1}, {"index": 1}]),
+            "gpus",
+            "Value error, GPU index 1 appears twice",
+        ),
+        ("scans", {"node_id": "node-a"}, "key", "Field required"),
+    ],
+)
+def test_bad_input_is_400_naming_the_field(client, joined, path, body, field, problem):
+    resp = post(client, path, body, joined)
+    assert resp.status_code == 400, resp.content
+    errors = resp.json()["errors"]
+    assert any(e["field"] == field and e["problem"].startswith(problem) for e in errors), errors
+
+
+def test_bad_registration_writes_nothing(client, joined):
+    node = Node.objects.get(id="node-a")
+    events = NodeEvent.objects.count()
+    bad = register_payload("node-a", hostname="changed", gpus=[{"index": 0, "pci_bus_id": "p" * 65}])
+    assert post(client, "register", bad, joined).status_code == 400
+    assert Node.objects.get(id="node-a").hostname == node.hostname
+    assert GPU.objects.filter(node_id="node-a").count() == 8
+    assert NodeEvent.objects.count() == events
+
+
+def test_commands_are_delivered_until_acknowledged_never_after(client, joined, now):
+    cmd = commands.enqueue("node-a", wire.InstallEngine(engine="vllm", version="0.11.0"), now=now)
+    first = post(client, "heartbeat", heartbeat_payload(), joined).json()["commands"]
+    assert first == [
+        {"kind": "install_engine", "id": str(cmd.id), "engine": "vllm", "version": "0.11.0", "variant": ""}
+    ]
+    again = post(client, "heartbeat", heartbeat_payload(), joined).json()["commands"]
+    assert again == first
+    cmd.refresh_from_db()
+    assert cmd.deliveries == 2 and cmd.first_delivered_at is not None and cmd.acked_at is None
+    acked = post(client, "heartbeat", heartbeat_payload(acks=[str(cmd.id)]), joined).json()["commands"]
+    assert acked == []
+    cmd.refresh_from_db()
+    assert cmd.acked_at is not None and cmd.deliveries == 2
+    assert post(client, "heartbeat", heartbeat_payload(), joined).json()["commands"] == []
+
+
+def test_acks_of_another_nodes_commands_are_ignored(client, join_token, joined, now):
+    post(client, "register", register_payload("node-b"), join_token)
+    theirs = commands.enqueue("node-b", wire.InstallEngine(engine="vllm"), now=now)
+    assert post(client, "heartbeat", heartbeat_payload(acks=[str(theirs.id), "not-a-uuid"]), joined).status_code == 200
+    assert Command.objects.get(id=theirs.id).acked_at is None
+
+
+def test_scan_upload_keeps_the_text_and_acknowledges(client, joined, now):
+    cmd = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    resp = post(
+        client,
+        "scans",
+        {
+            "node_id": "node-a",
+            "command_id": str(cmd.id),
+            "key": "sm:0x1",
+            "hca": "mlx5_0",
+            "port": 1,
+            "output": "Switch 36 ...",
+            "took_s": 2.5,
+        },
+        joined,
+    )
+    assert resp.status_code == 200
+    assert resp.json()["has_output"] is True and resp.json()["error"] == ""
+    scan = FabricScan.objects.get(key="sm:0x1")
+    assert (scan.node_id, scan.port, scan.output, scan.took_s) == ("node-a", "mlx5_0/1", "Switch 36 ...", 2.5)
+    assert Command.objects.get(id=cmd.id).acked_at is not None
+    failed = post(client, "scans", {"node_id": "node-a", "key": "sm:0x1", "error": "timeout"}, joined).json()
+    assert failed["error"] == "timeout" and failed["has_output"] is True
+
+
+def test_rotation_keeps_the_old_secret_until_the_new_one_is_used(client, joined):
+    resp = post(client, "rotate", {"node_id": "node-a"}, joined)
+    assert resp.status_code == 200
+    new = resp.json()["credential"]
+    assert new and new != joined
+    # The answer may have been lost: the old secret still works.
+    assert post(client, "heartbeat", heartbeat_payload(), joined).status_code == 200
+    assert post(client, "heartbeat", heartbeat_payload(), new).status_code == 200
+    assert NodeCredential.objects.get(node_id="node-a").previous_hash is None
+    assert post(client, "heartbeat", heartbeat_payload(), joined).status_code == 401
+
+
+def test_operator_requested_rotation_is_announced_in_heartbeats(client, joined, now):
+    assert post(client, "heartbeat", heartbeat_payload(), joined).json()["rotate_credential"] is None
+    assert credentials.request_rotation("node-a", now=now)
+    assert post(client, "heartbeat", heartbeat_payload(), joined).json()["rotate_credential"] is True
+    new = post(client, "rotate", {"node_id": "node-a"}, joined).json()["credential"]
+    assert post(client, "heartbeat", heartbeat_payload(), new).json()["rotate_credential"] is None
+
+
+def test_wire_schemas_are_in_the_openapi_document(client, operator):
+    # OpenAPI 3.1: its schemas are JSON Schema 2020-12, which pydantic writes.
+    client.force_login(operator)
+    doc = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    assert doc["openapi"] == "3.1.0"
+    for path in ("register", "heartbeat", "scans", "rotate"):
+        assert f"/api/v1/agent/{path}" in doc["paths"]
+    schemas = doc["components"]["schemas"]
+    # Request bodies get a "Request" suffix (COMPONENT_SPLIT_REQUEST).
+    for name in (
+        "RegisterRequest",
+        "RegisterResponse",
+        "HeartbeatRequest",
+        "HeartbeatResponse",
+        "StartShard",
+        "StopShard",
+        "ScanFabric",
+        "InstallEngine",
+        "ScanUploadRequest",
+        "GPUSensor",
+        "IBPort",
+        "Problem",
+    ):
+        assert name in schemas, name
+    hb = doc["paths"]["/api/v1/agent/heartbeat"]["post"]
+    assert hb["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/HeartbeatRequest"
+    }
+    assert schemas["ShardStatus"]["properties"]["state"]["$ref"] == "#/components/schemas/ShardState"

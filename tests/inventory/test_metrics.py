@@ -1,0 +1,220 @@
+"""/metrics: llmgw's metrics parsed with prometheus_client's own parser, and the scrape's query count."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import pytest
+from django.core.cache import cache
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from inventory import doctor, telemetry
+from inventory.models import GPU, AllocatedGPU, Allocation, Node, NodeState
+from inventory.nodes import change_state
+from placement.models import Deployment, EngineProfile, Replica, ReplicaState
+from tests.factories import gpu_payload, make_node
+from tests.inventory.ibports import ib_port, put
+
+pytestmark = pytest.mark.django_db
+
+CLUSTER = "c1a5e7e2-7c9b-4d1a-9f1e-2b3c4d5e6f70"
+JOINED = {"state": "Completed", "status": "Success", "cluster_uuid": CLUSTER, "clique_id": "7", "bandwidth": "Full"}
+
+
+def scrape(client) -> dict[str, dict[tuple, float]]:
+    """llmgw's samples by name, each keyed by its sorted label pairs."""
+    resp = client.get("/metrics")
+    assert resp.status_code == 200
+    out: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(resp.content.decode()):
+        for s in family.samples:
+            if s.name.startswith("llmgw_"):
+                out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def lbl(**kw) -> tuple:
+    return tuple(sorted(kw.items()))
+
+
+@pytest.fixture
+def cluster():
+    now = timezone.now().replace(microsecond=0)
+    seen = now - dt.timedelta(seconds=30)
+    gpus = [gpu_payload(0, fabric=JOINED), gpu_payload(1, fabric={**JOINED, "state": "In Progress"})]
+    make_node("tray-1", now=seen, gpus=gpus, imex={"state": "UP", "channels": 1})
+    make_node("pcie-1", now=seen, gpus=1)
+    change_state("pcie-1", "cordoned", now=now)
+    alloc = Allocation.objects.create(node_id="tray-1", replica_id=uuid.uuid4(), shard_id=uuid.uuid4())
+    AllocatedGPU.objects.create(allocation=alloc, node_id="tray-1", gpu_index=1)
+    put(
+        "tray-1",
+        now=now,
+        gpus=[
+            {"index": 0, "util_percent": 87.0, "temp_c": 61.0, "power_w": 612.5},
+            {"index": 1, "util_percent": -1, "temp_c": 40.0, "power_w": 95.0},
+        ],
+        ports=[
+            ib_port(
+                "mlx5_0",
+                counters={"symbol_error": 3, "link_downed": 1, "port_xmit_data": 123456},
+                tx_bps=400e9,
+                rx_bps=8e9,
+            )
+        ],
+    )
+    profile = EngineProfile.objects.create(name="p", engine="vllm")
+    dep = Deployment.objects.create(name="llama", served_model="llama", profile=profile, replicas=3)
+    Deployment.objects.create(name="idle", served_model="idle", profile=profile, replicas=0)
+    for state in (ReplicaState.READY, ReplicaState.READY, ReplicaState.PENDING):
+        Replica.objects.create(deployment=dep, state=state, created_at=now, updated_at=now)
+    return now
+
+
+def test_node_and_gpu_metrics(client, cluster):
+    m = scrape(client)
+    states = m["llmgw_node_state"]
+    assert states[lbl(node="tray-1", state="ready")] == 1.0
+    assert states[lbl(node="pcie-1", state="cordoned")] == 1.0
+    assert sum(v for k, v in states.items() if dict(k)["node"] == "pcie-1") == 1.0
+    assert len(states) == 2 * len(NodeState.values)
+    ages = m["llmgw_node_heartbeat_age_seconds"]
+    assert set(ages) == {lbl(node="tray-1"), lbl(node="pcie-1")}
+    # Thirty seconds old when made, plus however long the scrape took.
+    assert 30.0 <= ages[lbl(node="tray-1")] < 40.0
+    assert m["llmgw_gpu_nvlink_joined"] == {
+        lbl(node="tray-1", gpu="0"): 1.0,
+        lbl(node="tray-1", gpu="1"): 0.0,
+        lbl(node="pcie-1", gpu="0"): 0.0,
+    }
+    assert m["llmgw_imex_up"] == {lbl(node="tray-1"): 1.0}
+    assert m["llmgw_gpu_allocated"] == {
+        lbl(node="tray-1", gpu="0"): 0.0,
+        lbl(node="tray-1", gpu="1"): 1.0,
+        lbl(node="pcie-1", gpu="0"): 0.0,
+    }
+    # An unmeasured utilisation (-1) is left out, not reported as idle.
+    assert m["llmgw_gpu_utilization_ratio"] == {lbl(node="tray-1", gpu="0"): 0.87}
+    assert m["llmgw_gpu_temperature_celsius"] == {lbl(node="tray-1", gpu="0"): 61.0, lbl(node="tray-1", gpu="1"): 40.0}
+    assert m["llmgw_gpu_power_watts"] == {lbl(node="tray-1", gpu="0"): 612.5, lbl(node="tray-1", gpu="1"): 95.0}
+
+
+def test_ib_port_metrics(client, cluster):
+    m = scrape(client)
+    assert m["llmgw_ib_port_rate_bytes"] == {
+        lbl(node="tray-1", hca="mlx5_0", port="1", direction="tx"): 50e9,
+        lbl(node="tray-1", hca="mlx5_0", port="1", direction="rx"): 1e9,
+    }
+    # Only error counters, under the _total suffix of a Prometheus counter.
+    assert m["llmgw_ib_port_errors_total"] == {
+        lbl(node="tray-1", hca="mlx5_0", port="1", counter="symbol_error"): 3.0,
+        lbl(node="tray-1", hca="mlx5_0", port="1", counter="link_downed"): 1.0,
+    }
+
+
+def test_replica_and_doctor_metrics(client, cluster):
+    m = scrape(client)
+    replicas = m["llmgw_replicas"]
+    assert replicas[lbl(deployment="llama", state="ready")] == 2.0
+    assert replicas[lbl(deployment="llama", state="pending")] == 1.0
+    assert replicas[lbl(deployment="llama", state="failed")] == 0.0
+    assert replicas[lbl(deployment="idle", state="ready")] == 0.0
+    assert len(replicas) == 2 * len(ReplicaState.values)
+    checks = m["llmgw_doctor_checks"]
+    assert len(checks) == 3 * len(doctor.CHECK_NAMES)
+    expected = {
+        "nvlink_joined": "fail",
+        "replicas_pending": "warn",
+        "nodes_reachable": "pass",
+        "imex": "pass",
+        "clock_skew": "pass",
+    }
+    for check, result in expected.items():
+        for value in ("pass", "warn", "fail"):
+            assert checks[lbl(check=check, result=value)] == (1.0 if value == result else 0.0), (check, value)
+
+
+def test_registering_does_not_touch_the_database(django_assert_num_queries):
+    from prometheus_client import CollectorRegistry
+
+    from inventory.metrics import LlmgwCollector
+
+    with django_assert_num_queries(0):
+        CollectorRegistry().register(LlmgwCollector())
+
+
+# The scrape's queries: the doctor's snapshot (nodes, their GPUs, their
+# fabrics, scans, recent SM changes, failed installs, pending replicas), then
+# held GPUs, deployments and replica counts.
+SCRAPE_QUERIES = 10
+
+
+def build_nodes(count: int, *, now: dt.datetime) -> None:
+    Node.objects.bulk_create(
+        [Node(id=f"node-{i:04d}", state=NodeState.READY, last_seen=now, imex_state="UP") for i in range(count)]
+    )
+    GPU.objects.bulk_create(
+        [GPU(node_id=f"node-{i:04d}", index=g, name="NVIDIA H100 80GB HBM3") for i in range(count) for g in range(8)]
+    )
+    ports = [ib_port(f"mlx5_{h}", counters={"symbol_error": 0, "link_downed": 0}) for h in range(8)]
+    sensors = [{"index": g, "util_percent": 50.0, "temp_c": 50.0, "power_w": 500.0} for g in range(8)]
+    at = now.timestamp()
+    cache.set_many(
+        {
+            telemetry.key(f"node-{i:04d}"): {"at": at, "agent_at": at, "gpus": sensors, "ib_ports": ports}
+            for i in range(count)
+        }
+    )
+
+
+def test_scrape_query_count_is_constant(client, django_assert_num_queries, cluster):
+    with django_assert_num_queries(SCRAPE_QUERIES):
+        small = scrape(client)
+    assert len(small["llmgw_node_state"]) == 2 * len(NodeState.values)
+
+
+def test_scrape_query_count_at_1000_nodes(client, django_assert_num_queries):
+    now = timezone.now()
+    build_nodes(1000, now=now)
+    with django_assert_num_queries(SCRAPE_QUERIES):
+        m = scrape(client)
+    assert len(m["llmgw_node_state"]) == 1000 * len(NodeState.values)
+    assert len(m["llmgw_gpu_allocated"]) == 8000
+    assert len(m["llmgw_ib_port_rate_bytes"]) == 1000 * 8 * 2
+    assert m["llmgw_gpu_power_watts"][lbl(node="node-0999", gpu="7")] == 500.0
+
+
+METRIC_NAMES = {
+    "llmgw_node_state",
+    "llmgw_node_heartbeat_age_seconds",
+    "llmgw_gpu_nvlink_joined",
+    "llmgw_imex_up",
+    "llmgw_gpu_utilization_ratio",
+    "llmgw_gpu_temperature_celsius",
+    "llmgw_gpu_power_watts",
+    "llmgw_gpu_allocated",
+    "llmgw_ib_port_rate_bytes",
+    "llmgw_ib_port_errors_total",
+    "llmgw_replicas",
+    "llmgw_doctor_checks",
+}
+
+
+def test_collector_exports_exactly_the_documented_names(client, cluster):
+    assert set(scrape(client)) == METRIC_NAMES
+
+
+def test_grafana_dashboard_uses_every_metric_and_no_other():
+    import json
+    import re
+    from pathlib import Path
+
+    from django.conf import settings
+
+    dash = json.loads((Path(settings.BASE_DIR) / "deploy" / "grafana" / "llmgw.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    used = {name for e in exprs for name in re.findall(r"llmgw_[a-z_]+", e)}
+    assert used == METRIC_NAMES
+    assert dash["uid"] == "llmgw"

@@ -1,0 +1,125 @@
+"""Operator actions on nodes: cordon, uncordon, drain, labels, forget."""
+
+import uuid
+
+import pytest
+
+from inventory import operations, telemetry
+from inventory.allocation import allocate
+from inventory.models import Node, NodeEvent, NodeState
+from inventory.nodes import TransitionError, change_state
+from tests.factories import make_node
+from tests.inventory.cockpit_fixtures import put_telemetry, replica_on
+
+pytestmark = pytest.mark.django_db
+
+
+def test_cordon_records_who_and_when(now, operator):
+    make_node("n1", now=now)
+    assert operations.cordon("n1", now=now, actor=operator) == NodeState.CORDONED
+    assert Node.objects.get(id="n1").state == "cordoned"
+    ev = NodeEvent.objects.get(node_id="n1", kind="state")
+    assert (ev.actor, ev.actor_name, ev.at) == (operator, "operator", now)
+    assert ev.message == "ready -> cordoned: cordon by operator"
+
+
+def test_uncordon_from_cordoned_and_draining(now):
+    make_node("n1", now=now)
+    make_node("n2", now=now)
+    operations.cordon("n1", now=now)
+    operations.drain("n2", now=now)
+    operations.uncordon("n1", now=now)
+    operations.uncordon("n2", now=now)
+    assert list(Node.objects.values_list("state", flat=True)) == ["ready", "ready"]
+
+
+def test_uncordon_refuses_an_unreachable_node(now):
+    make_node("n1", now=now)
+    change_state("n1", "unreachable", now=now)
+    with pytest.raises(TransitionError, match="unreachable is not an operator's hold"):
+        operations.uncordon("n1", now=now)
+
+
+def test_cordon_twice_is_refused_with_a_reason(now):
+    make_node("n1", now=now)
+    operations.cordon("n1", now=now)
+    with pytest.raises(TransitionError, match="already cordoned"):
+        operations.cordon("n1", now=now)
+
+
+def test_drain_impact_lists_live_replicas_only(now):
+    make_node("n1", now=now)
+    live = replica_on("n1", now=now, deployment="llama", state="ready")
+    replica_on("n1", now=now, deployment="qwen", state="stopped")
+    replica_on("n1", now=now, deployment="mistral", state="failed")
+    (verdict,) = operations.impact("drain", Node.objects.filter(id="n1"))
+    assert verdict.allowed
+    assert [(r.replica_id, r.deployment, r.shards) for r in verdict.replicas] == [
+        (str(live.id), "llama", ("rank 0 (ready, GPUs 0,1)",))
+    ]
+
+
+def test_drain_progress_counts_down_to_empty(now):
+    make_node("n1", now=now)
+    replica = replica_on("n1", now=now)
+    operations.drain("n1", now=now)
+    progress = operations.drain_progress(Node.objects.get(id="n1"))
+    assert progress.draining and not progress.done
+    assert [r.replica_id for r in progress.remaining] == [str(replica.id)]
+    replica.shards.update(state="stopped")
+    assert operations.drain_progress(Node.objects.get(id="n1")).done
+
+
+def test_validate_labels_names_the_bad_key():
+    assert operations.validate_labels({"rack": "r12", "topology.example.com/zone": "a"}) == {
+        "rack": "r12",
+        "topology.example.com/zone": "a",
+    }
+    with pytest.raises(operations.LabelError) as err:
+        operations.validate_labels({"rack": "r1", "bad key": "x"})
+    assert err.value.field == "bad key"
+    with pytest.raises(operations.LabelError) as err:
+        operations.validate_labels({"rack": "x" * 64})
+    assert err.value.field == "rack"
+    with pytest.raises(operations.LabelError) as err:
+        operations.validate_labels({"rack": "has space"})
+    assert err.value.field == "rack"
+
+
+def test_parse_label_lines():
+    assert operations.parse_label_lines("rack = r1\n\n# comment\npool=batch\n") == {"rack": "r1", "pool": "batch"}
+    with pytest.raises(operations.LabelError) as err:
+        operations.parse_label_lines("rack=r1\nnonsense\n")
+    assert err.value.field == "line 2"
+
+
+def test_removing_an_operator_label_brings_the_agents_back(now, operator):
+    make_node("n1", now=now, labels={"rack": "r1", "gpu": "h100"})
+    assert operations.change_labels("n1", {"rack": "r9"}, now=now, actor=operator) == {"rack": "r9", "gpu": "h100"}
+    assert operations.patch_labels("n1", {"rack": None, "pool": "batch"}, now=now, actor=operator) == {
+        "rack": "r1",
+        "gpu": "h100",
+        "pool": "batch",
+    }
+    events = list(NodeEvent.objects.filter(node_id="n1", kind="labels").order_by("id"))
+    assert [(e.actor_name, e.data["to"]) for e in events] == [
+        ("operator", {"rack": "r9"}),
+        ("operator", {"pool": "batch"}),
+    ]
+
+
+def test_forget_refused_while_holding_allocations_or_shards(now):
+    make_node("n1", now=now)
+    allocate(node_id="n1", replica_id=uuid.uuid4(), shard_id=uuid.uuid4(), gpu_indices=[0])
+    replica_on("n1", now=now, state="stopped")
+    with pytest.raises(operations.ForgetRefused, match="n1 still holds 1 allocation and 1 shard"):
+        operations.forget("n1")
+    assert Node.objects.filter(id="n1").exists()
+
+
+def test_forget_removes_node_and_telemetry(now):
+    make_node("n1", now=now)
+    put_telemetry("n1")
+    operations.forget("n1")
+    assert not Node.objects.filter(id="n1").exists()
+    assert telemetry.get("n1") is None

@@ -1,0 +1,168 @@
+"""Adoption and fencing at registration, shard states from heartbeats."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import pytest
+
+from agents import wire
+from agents.models import Command
+from placement import agent_sync
+from placement.models import PlacementEvent, Shard
+from tests.agents.conftest import make_shard
+from tests.factories import make_node
+
+pytestmark = pytest.mark.django_db
+
+
+def running(shard, state="ready", **kw) -> wire.RunningShard:
+    return wire.RunningShard(replica_id=str(shard.replica_id), shard_id=str(shard.id), state=state, **kw)
+
+
+def status(shard_id, state, **kw) -> wire.ShardStatus:
+    return wire.ShardStatus.model_validate({"shard_id": str(shard_id), "state": state, **kw})
+
+
+def stops(node_id="node-a") -> list[tuple[str, str]]:
+    return [(c.shard_id, c.payload["reason"]) for c in Command.objects.filter(node_id=node_id, kind="stop_shard")]
+
+
+def test_known_shards_are_adopted_as_they_run(now):
+    make_node("node-a", now=now)
+    ready = make_shard("node-a", now=now, state="ready")
+    loading = make_shard("node-a", now=now, state="starting")
+    result = agent_sync.adopt_running("node-a", [running(ready), running(loading, "loading")], now=now)
+    assert sorted(result.adopted) == sorted([str(ready.id), str(loading.id)])
+    assert result.fenced == [] and stops() == []
+    assert Shard.objects.get(id=loading.id).state == "loading"
+    ev = PlacementEvent.objects.get()
+    assert (ev.kind, ev.from_state, ev.to_state, ev.shard_id, ev.actor_name) == (
+        "adopted",
+        "starting",
+        "loading",
+        loading.id,
+        "agent",
+    )
+
+
+def test_unknown_gone_and_written_off_shards_are_fenced(now):
+    make_node("node-a", now=now)
+    make_node("node-b", now=now)
+    stranger = wire.RunningShard(replica_id="r", shard_id=str(uuid.uuid4()), state="ready")
+    alien = wire.RunningShard(replica_id="r", shard_id="not-ours", state="ready")
+    elsewhere = make_shard("node-b", now=now)
+    stopped_replica = make_shard("node-a", now=now, replica_state="stopped")
+    lost = make_shard("node-a", now=now, state="failed")
+    Shard.objects.filter(id=lost.id).update(reason="node lost")
+    result = agent_sync.adopt_running(
+        "node-a", [stranger, alien, running(elsewhere), running(stopped_replica), running(lost)], now=now
+    )
+    assert result.adopted == []
+    assert sorted(stops()) == sorted(
+        [
+            (stranger.shard_id, "shard unknown to the control plane"),
+            ("not-ours", "shard unknown to the control plane"),
+            (str(elsewhere.id), "shard unknown to the control plane"),
+            (str(stopped_replica.id), "replica is stopped"),
+            (str(lost.id), "shard is failed: node lost"),
+        ]
+    )
+    # The other node's shard is untouched, and a second registration does not queue the stops twice.
+    assert Shard.objects.get(id=elsewhere.id).state == "ready"
+    agent_sync.adopt_running("node-a", [stranger, running(lost)], now=now)
+    assert Command.objects.filter(kind="stop_shard").count() == 5
+
+
+def test_shards_not_reported_at_registration_are_failed_unless_still_to_start(now):
+    make_node("node-a", now=now)
+    vanished = make_shard("node-a", now=now, state="ready")
+    pending = make_shard("node-a", now=now, state="pending")
+    starting = make_shard("node-a", now=now, state="starting")
+    from agents import commands
+
+    commands.enqueue(
+        "node-a",
+        wire.StartShard(
+            replica_id=str(starting.replica_id),
+            shard_id=str(starting.id),
+            http_port=8000,
+            profile=wire.EngineProfile(engine="echo"),
+        ),
+        now=now,
+    )
+    result = agent_sync.adopt_running("node-a", [], now=now)
+    assert result.failed_missing == [str(vanished.id)]
+    assert {s.id: s.state for s in Shard.objects.all()} == {
+        vanished.id: "failed",
+        pending.id: "pending",
+        starting.id: "starting",
+    }
+    assert Shard.objects.get(id=vanished.id).reason == "not running when the agent registered"
+
+
+def test_heartbeat_states_are_recorded_with_events(now):
+    make_node("node-a", now=now)
+    s1 = make_shard("node-a", now=now, state="starting")
+    s2 = make_shard("node-a", now=now, state="ready")
+    later = now + dt.timedelta(seconds=5)
+    result = agent_sync.record_shard_states(
+        "node-a", [status(s1.id, "loading", reason="42%"), status(s2.id, "ready")], now=later
+    )
+    assert result.changed == [(str(s1.id), "starting", "loading")]
+    row = Shard.objects.get(id=s1.id)
+    assert (row.state, row.reason, row.updated_at) == ("loading", "42%", later)
+    assert PlacementEvent.objects.count() == 1
+    # Same state, new detail: the row changes, no event.
+    agent_sync.record_shard_states("node-a", [status(s1.id, "loading", reason="80%")], now=later)
+    assert Shard.objects.get(id=s1.id).reason == "80%" and PlacementEvent.objects.count() == 1
+
+
+def test_unknown_state_reads_as_failed(now):
+    make_node("node-a", now=now)
+    s = make_shard("node-a", now=now, state="ready")
+    agent_sync.record_shard_states("node-a", [status(s.id, "hibernating", exit_code=137)], now=now)
+    row = Shard.objects.get(id=s.id)
+    assert (row.state, row.exit_code) == ("failed", 137)
+
+
+def test_terminal_states_stick_and_live_reports_of_them_are_fenced(now):
+    make_node("node-a", now=now)
+    s = make_shard("node-a", now=now, state="failed")
+    result = agent_sync.record_shard_states("node-a", [status(s.id, "ready")], now=now)
+    assert Shard.objects.get(id=s.id).state == "failed"
+    assert result.fenced == [str(s.id)] and len(stops()) == 1
+    agent_sync.record_shard_states("node-a", [status(s.id, "ready")], now=now)
+    assert len(stops()) == 1
+    agent_sync.record_shard_states("node-a", [status(s.id, "stopped")], now=now)
+    assert Shard.objects.get(id=s.id).state == "stopped"
+
+
+def test_a_node_cannot_report_another_nodes_shard(now):
+    make_node("node-a", now=now)
+    make_node("node-b", now=now)
+    theirs = make_shard("node-b", now=now, state="ready")
+    agent_sync.record_shard_states("node-a", [status(theirs.id, "failed")], now=now)
+    assert Shard.objects.get(id=theirs.id).state == "ready"
+    assert PlacementEvent.objects.count() == 0
+
+
+def test_fail_node_shards(now):
+    make_node("node-a", now=now)
+    live = make_shard("node-a", now=now, state="ready")
+    done = make_shard("node-a", now=now, state="stopped")
+    assert agent_sync.fail_node_shards("node-a", reason="node lost", now=now) == [str(live.id)]
+    assert Shard.objects.get(id=live.id).reason == "node lost"
+    assert Shard.objects.get(id=done.id).state == "stopped"
+    ev = PlacementEvent.objects.get()
+    assert (ev.from_state, ev.to_state, ev.reason, ev.actor_name) == ("ready", "failed", "node lost", "system")
+
+
+def test_queue_reconcile_only_when_the_reconciler_exists(now, django_capture_on_commit_callbacks):
+    from llmgw.celery import app
+
+    with django_capture_on_commit_callbacks() as callbacks:
+        queued = agent_sync.queue_reconcile()
+    assert queued == ("placement.reconcile" in app.tasks)
+    assert len(callbacks) == (1 if queued else 0)
