@@ -72,19 +72,50 @@ def _stop_shards(shards: list[dict[str, Any]], *, reason: str, now: dt.datetime)
             continue
         commands.enqueue(
             s["node_id"],
-            wire.StopShard(shard_id=str(s["id"]), replica_id=str(s["replica_id"]), reason=reason[:2000]),
+            wire.StopShard(
+                shard_id=str(s["id"]), replica_id=str(s["replica_id"]), grace_s=STOP_GRACE_S, reason=reason[:2000]
+            ),
             now=now,
         )
 
 
+# How long a stopping replica keeps its GPUs when its agent never says its
+# shards ended: the StopShard grace period and then some.
+STOP_GRACE_S = 30.0
+DRAIN_TIMEOUT_S = STOP_GRACE_S + 60.0
+
+
+def _gone(s: dict[str, Any]) -> bool:
+    """Whether a shard's process is over (or unreachable for good)."""
+    return s["state"] in replicas.SHARD_DONE or s["node__state"] == NodeState.LOST
+
+
 def retire(rep: _Replica, new_state: str, *, reason: str, now: dt.datetime) -> bool:
-    """Stop a replica whole: its state, its shards stopped, its allocations released."""
+    """Give a replica up whole: its shards told to stop and its allocations released.
+
+    A planned stop (scale down, replaced) whose processes still run goes
+    through DRAINING and keeps its GPUs until they have ended: an agent
+    refuses to start a new shard on cards an old one still holds. A failed
+    replica is released at once, so it is placed again without waiting.
+    """
+    stopping = new_state == RS.STOPPED and not all(_gone(s) for s in rep.shards)
     with transaction.atomic():
-        if not replicas.change_state(rep.row, new_state, now=now, reason=reason):
+        target = RS.DRAINING if stopping else new_state
+        if not replicas.change_state(rep.row, target, now=now, reason=reason):
             return False
         _stop_shards(rep.shards, reason=reason, now=now)
-        allocation.release_replica(rep.row.id)
+        if not stopping:
+            allocation.release_replica(rep.row.id)
     return True
+
+
+def _drained(rep: _Replica, now: dt.datetime) -> str:
+    """Why a draining replica is finished ("" while its processes may still run)."""
+    if all(_gone(s) for s in rep.shards):
+        return "all shards stopped"
+    if (now - rep.row.updated_at).total_seconds() > DRAIN_TIMEOUT_S:
+        return f"shards not reported stopped within {DRAIN_TIMEOUT_S:g} s; released"
+    return ""
 
 
 def _health(rep: _Replica, profile: EngineProfile, now: dt.datetime) -> tuple[str, str] | None:
@@ -145,6 +176,14 @@ def reconcile(*, now: dt.datetime) -> Report:
     for dep_id, reps in by_dep.items():
         profile = deployments[dep_id].profile
         for rep in reps:
+            if rep.row.state == RS.DRAINING:
+                why = _drained(rep, now)
+                if why:
+                    with transaction.atomic():
+                        if replicas.change_state(rep.row, RS.STOPPED, now=now, reason=rep.row.reason or why):
+                            allocation.release_replica(rep.row.id)
+                            report.stopped += 1
+                continue
             verdict = _health(rep, profile, now)
             if verdict is None:
                 continue
@@ -163,8 +202,9 @@ def reconcile(*, now: dt.datetime) -> Report:
             for rep in reps:
                 if rep.row.id in moved:
                     rep.row.state = new
+    # Draining replicas are on their way out: they count for nothing below.
     for dep_id in by_dep:
-        by_dep[dep_id] = [r for r in by_dep[dep_id] if r.row.state in replicas.LIVE_STATES]
+        by_dep[dep_id] = [r for r in by_dep[dep_id] if r.row.state in replicas.LIVE_STATES - {RS.DRAINING}]
 
     new_rows: list[Replica] = []
     for dep_id, dep in deployments.items():

@@ -38,6 +38,12 @@ def all_ready(now, **filters) -> None:
         set_shard_state(s.id, "ready", now=now, reason="health check passed")
 
 
+def stopped(now, **filters) -> None:
+    """What heartbeats report once the agents have stopped what they were told to."""
+    for s in Shard.objects.filter(replica__state="draining", **filters).exclude(state__in=["stopped", "failed"]):
+        set_shard_state(s.id, "stopped", now=now, reason="stop requested")
+
+
 def commands(kind, node_id=None):
     qs = Command.objects.filter(kind=kind)
     if node_id:
@@ -163,10 +169,17 @@ def test_drain_starts_the_new_replica_before_stopping_the_old(now):
     assert states(dep) == ["ready", "starting"]
     all_ready(now, replica=new)
     report = reconcile(now=now + dt.timedelta(seconds=30))
+    # The old one stops only now, and keeps its GPUs until its process has ended.
+    assert states(dep) == ["draining", "ready"]
+    assert [c.node_id for c in commands("stop_shard")] == [node_id]
+    assert report.drained == []
+    assert Allocation.objects.filter(replica_id=old.id).count() == 1
+    stopped(now)
+    report = reconcile(now=now + dt.timedelta(seconds=35))
     assert states(dep) == ["ready", "stopped"]
     old.refresh_from_db()
     assert (old.state, old.reason) == ("stopped", f"replaced by {new.id}")
-    assert [c.node_id for c in commands("stop_shard")] == [node_id]
+    assert not Allocation.objects.filter(replica_id=old.id).exists()
     assert report.drained == [node_id]
     drained = NodeEvent.objects.filter(node_id=node_id, kind="drained")
     assert [e.message for e in drained] == ["no replicas left; uncordon to use it again"]
@@ -187,9 +200,13 @@ def test_profile_change_rolls_one_replica_at_a_time(now, profile):
     reconcile(now=now)
     assert states(dep) == ["ready", "ready", "starting"]
     all_ready(now)
-    reconcile(now=now)  # first old one stopped, second roll begins
-    assert states(dep) == ["ready", "ready", "starting", "stopped"]
+    reconcile(now=now)  # first old one stopping, second roll begins
+    assert states(dep) == ["draining", "ready", "ready", "starting"]
+    stopped(now)
     all_ready(now)
+    reconcile(now=now)
+    assert states(dep) == ["draining", "ready", "ready", "stopped"]
+    stopped(now)
     reconcile(now=now)
     assert states(dep) == ["ready", "ready", "stopped", "stopped"]
     fps = set(Replica.objects.filter(deployment=dep, state="ready").values_list("profile_fp", flat=True))
@@ -207,9 +224,19 @@ def test_scale_down_stops_the_least_useful_first(now, profile):
     dep.save()
     report = reconcile(now=now)
     assert report.stopped == 2
+    # The two that were starting drain; nothing was ever ready there to lose.
+    assert states(dep) == ["draining", "draining", "ready"]
+    assert len(commands("stop_shard")) == 2
+    assert Allocation.objects.count() == 3
+    # One reports stopped; the other's agent never answers and is released after the timeout.
+    stopped(now, replica_id=Replica.objects.filter(state="draining").order_by("id").first().id)
+    reconcile(now=now + dt.timedelta(seconds=1))
+    assert states(dep) == ["draining", "ready", "stopped"]
+    reconcile(now=now + dt.timedelta(seconds=91))
     assert states(dep) == ["ready", "stopped", "stopped"]
     assert Allocation.objects.count() == 1
-    assert len(commands("stop_shard")) == 2
+    late = PlacementEvent.objects.filter(to_state="stopped").order_by("at").last()
+    assert late.reason == "scaled down"
 
 
 def test_paused_deployments_are_left_alone(now, profile):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from rest_framework.test import APIClient
 
-from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica
+from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.reconciler import reconcile
 from tests.factories import make_node
 
@@ -197,5 +197,8 @@ def test_deleting_a_deployment_with_live_replicas_is_refused(operator, dep, now)
     r = c.delete(f"/api/v1/deployments/{dep.id}/")
     assert r.status_code == 409 and r.json() == {"replicas": ["1 replicas still live: scale to 0 first"]}
     c.post(f"/api/v1/deployments/{dep.id}/scale/", {"replicas": 0}, format="json")
+    reconcile(now=now)  # told to stop: draining
+    assert c.delete(f"/api/v1/deployments/{dep.id}/").status_code == 409
+    Shard.objects.update(state="stopped")  # the agent reports it ended
     reconcile(now=now)
     assert c.delete(f"/api/v1/deployments/{dep.id}/").status_code == 204
