@@ -11,11 +11,7 @@ import os
 import sys
 import time
 
-<<<<<<< HEAD
-BENCHES: list[str] = ["planner", "reconcile"]
-=======
-BENCHES: list[str] = ["heartbeat"]
->>>>>>> main
+BENCHES: list[str] = ["heartbeat", "planner", "reconcile"]
 
 
 def main(argv: list[str]) -> int:
