@@ -46,6 +46,7 @@ class ProfileOut(serializers.ModelSerializer):
         ]
 
     def get_fingerprint(self, obj: EngineProfile) -> str:
+        """The hash whose change rolls the deployment's replicas."""
         return obj.fingerprint()
 
 

@@ -202,3 +202,17 @@ def test_deleting_a_deployment_with_live_replicas_is_refused(operator, dep, now)
     Shard.objects.update(state="stopped")  # the agent reports it ended
     reconcile(now=now)
     assert c.delete(f"/api/v1/deployments/{dep.id}/").status_code == 204
+
+
+def test_an_agent_credential_is_not_an_operator(client, settings):
+    """A node's credential talks to the agent endpoints only: placement refuses it."""
+    from tests.agents.conftest import JOIN, post
+    from tests.factories import register_payload
+
+    settings.LLMGW_JOIN_TOKEN = JOIN
+    cred = post(client, "register", register_payload("node-a"), JOIN).json()["credential"]
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {cred}"}
+    for name in LISTS:
+        assert client.get(f"/api/v1/{name}/", **auth).status_code in (401, 403)
+    r = client.post("/api/v1/placement/dry-run", {}, content_type="application/json", **auth)
+    assert r.status_code in (401, 403)
