@@ -230,6 +230,18 @@ CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
     "schedule": env_seconds("LLMGW_LIVENESS_INTERVAL", 10.0),
 }
 
+# Placement: the first HTTP port a shard gets on a node, and how often the
+# reconciler runs (it is also queued by events).
+LLMGW_SHARD_PORT_BASE = int(os.environ.get("LLMGW_SHARD_PORT_BASE", "18000"))
+# Unique shard ports across the whole cluster, for simulated fleets sharing one host.
+LLMGW_SHARD_PORTS_UNIQUE = os.environ.get("LLMGW_SHARD_PORTS_UNIQUE", "") in ("1", "true", "yes")
+LLMGW_RECONCILE_INTERVAL = env_seconds("LLMGW_RECONCILE_INTERVAL", 10.0)
+CELERY_BEAT_SCHEDULE["placement-reconcile"] = {
+    "task": "placement.reconcile",
+    "schedule": LLMGW_RECONCILE_INTERVAL,
+    "options": {"expires": LLMGW_RECONCILE_INTERVAL},
+}
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
