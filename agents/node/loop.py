@@ -33,6 +33,7 @@ import pydantic
 
 from agents import wire
 from agents.node.config import Config
+from agents.node.shardload import ShardMeter
 from agents.node.supervisor import Supervisor
 
 log = logging.getLogger("llmgw.agent")
@@ -150,6 +151,7 @@ class Agent:
         self._lock = threading.Lock()
         self._last_fabrics = 0.0
         self._previous_sample: Any = None
+        self._shard_meter = ShardMeter()
         self._problems: set[str] = set()
         self.stop_event = threading.Event()
 
@@ -286,15 +288,7 @@ class Agent:
     # --- heartbeat --------------------------------------------------------
 
     def _shard_loads(self) -> dict[str, wire.ShardLoad]:
-        page = os.sysconf("SC_PAGE_SIZE")
-        out = {}
-        for shard_id, pid in self.supervisor.pids().items():
-            try:
-                rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            out[shard_id] = wire.ShardLoad(rss_bytes=rss_pages * page)
-        return out
+        return self._shard_meter.measure(self.supervisor.pids())
 
     def heartbeat_body(self) -> wire.Heartbeat:
         """What this heartbeat says: sensors, shard states, engine installs, acks."""

@@ -72,7 +72,7 @@ def nvlink_errors_from_nvml(links: list[dict[str, Any]] | None) -> tuple[int, in
 
     `links` is what `query_device` records per link: {link, active, crc_flit, crc_data, replay,
     recovery}, a counter None where NVML answered NotSupported. A link that is down is skipped: its
-    counters describe a link that carries nothing, and a link being down is reported on its own.
+    counters describe a link that carries no traffic (they may be stale from before it went down).
     A card without NVLink has no link readings and keeps -1 (not read), never 0 (read, clean).
     """
     totals: list[int] = []
