@@ -261,6 +261,15 @@ class Agent:
         return r
 
     @staticmethod
+    def _detail(r: httpx.Response) -> str:
+        """The control plane's own words for a refusal (its `detail`), else the start of the body."""
+        try:
+            detail = r.json().get("detail")
+        except (ValueError, AttributeError):
+            detail = None
+        return f"HTTP {r.status_code}: {detail if isinstance(detail, str) else r.text[:200]}"
+
+    @staticmethod
     def _why(r: httpx.Response) -> str:
         return f"HTTP {r.status_code}: {r.text[:500]}"
 
@@ -311,8 +320,12 @@ class Agent:
             if not token:
                 raise Refused("no credential yet and no join_token or join_token_file in agent.yaml")
             r = self._post("/api/v1/agent/register", body, token)
-            if r.status_code in (401, 403):
-                raise Refused(f"the join token was refused ({r.status_code}): check join_token in agent.yaml")
+            if r.status_code == 401:
+                raise Refused("the join token was refused (401): check join_token in agent.yaml")
+            if r.status_code == 403:
+                # A valid token, but this node id already holds a credential
+                # (its state directory was lost): the control plane says so.
+                raise Refused(f"the join token was refused: {self._detail(r)}")
         if r.status_code != 200:
             raise Refused(f"registration refused: {self._why(r)}")
         try:

@@ -86,6 +86,8 @@ class ControlPlane(ThreadingHTTPServer):
         self.scans: list[dict] = []
         # Credential rotation: whether heartbeats ask for it, and the status the rotate endpoint fails with.
         self.rotate = False
+        # Node ids that hold a credential: a join token cannot take them over.
+        self.taken: set[str] = set()
         self.rotate_fails: int | None = None
         self.lock = threading.Lock()
 
@@ -119,6 +121,8 @@ class CPHandler(BaseHTTPRequestHandler):
                 return self._send(503, {"detail": "down"})
             if self.path == "/api/v1/agent/register":
                 wire.Register.model_validate(body)
+                if token == JOIN and body["node_id"] in cp.taken:
+                    return self._send(403, {"detail": "this node id is registered with its own credential"})
                 if token == JOIN:
                     cp.issued += 1
                     cred = f"cred-{cp.issued}"
@@ -280,6 +284,15 @@ def test_bad_join_token_is_refused_not_fatal(make_agent, cp):
     agent.config = config_mod.parse({**_cfg_dict(agent), "join_token": "wrong"})
     with pytest.raises(Refused, match="join token was refused"):
         agent.register()
+
+
+def test_join_refused_for_a_node_with_a_credential_says_why(make_agent, cp):
+    cp.taken.add("gpu-01")
+    with pytest.raises(Refused) as exc:
+        make_agent().register()
+    assert str(exc.value) == (
+        "the join token was refused: HTTP 403: this node id is registered with its own credential"
+    )
 
 
 def _cfg_dict(agent):
