@@ -30,8 +30,17 @@ def _kill_leftover_agents(workdir: Path) -> None:
             pass
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_simulated_agents_register_and_stop_with_the_command(live_server, tmp_path, sig):
+def _ignore_sigint():
+    # As a shell starts a command in the background.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(
+    ("sig", "preexec"),
+    [(signal.SIGTERM, None), (signal.SIGINT, _ignore_sigint), (signal.SIGHUP, None)],
+    ids=["sigterm", "sigint-started-in-background", "sighup"],
+)
+def test_simulated_agents_register_and_stop_with_the_command(live_server, tmp_path, sig, preexec):
     now = dt.datetime.now(dt.UTC)
     _, join = credentials.create_join_token(name="sim", expires_at=now + dt.timedelta(hours=1), max_uses=2, now=now)
     workdir = tmp_path / "sim"
@@ -50,6 +59,7 @@ def test_simulated_agents_register_and_stop_with_the_command(live_server, tmp_pa
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=preexec,
     )
     try:
         wait_for(lambda: Node.objects.count() == 2, timeout=30)

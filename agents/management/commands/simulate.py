@@ -60,9 +60,12 @@ class Command(BaseCommand):
         except ValueError as e:
             raise CommandError(str(e)) from e
         # The agents run in sessions of their own (a Ctrl-C meant for this
-        # command must not reach them first), so a SIGTERM to this command is
-        # turned into the same orderly stop, or the agents would outlive it.
-        signal.signal(signal.SIGTERM, _interrupt)
+        # command must not reach them first), so every way of stopping this
+        # command becomes the same orderly stop, or the agents would outlive
+        # it. SIGINT too: a command started in the background by a shell
+        # inherits SIGINT ignored, and Ctrl-C would then do nothing.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _interrupt)
         fleet.start()
         for n in fleet.nodes:
             domain = f", NVLink domain {n.domain}" if n.domain else ""
