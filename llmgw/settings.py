@@ -120,6 +120,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # beside a writer, and the busy timeout makes a writer wait its turn
     # instead of failing with "database is locked".
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+    # SQLite creates the file, not its directory: a fresh checkout has no var/.
+    Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
     DATABASES["default"]["OPTIONS"] = {
         "timeout": 20,
         "transaction_mode": "IMMEDIATE",
