@@ -55,6 +55,7 @@ class Report:
     failed: int = 0
     stopped: int = 0
     conflicts: int = 0
+    orphans_released: int = 0
     drained: list[str] = field(default_factory=list)
 
 
@@ -168,6 +169,7 @@ def _load(deployment_ids: list[int]) -> dict[int, list[_Replica]]:
 def reconcile(*, now: dt.datetime) -> Report:
     """One reconcile pass over every deployment that is not paused. Idempotent."""
     report = Report()
+    report.orphans_released = release_orphans()
     deployments = {d.id: d for d in Deployment.objects.filter(paused=False).select_related("profile")}
     by_dep = _load(list(deployments))
 
@@ -317,6 +319,20 @@ def reconcile(*, now: dt.datetime) -> Report:
     # 6. Draining nodes with nothing left.
     report.drained = finish_drains(now=now)
     return report
+
+
+def release_orphans() -> int:
+    """Free the claims of replicas that no longer exist.
+
+    Allocations name their replica by id, not by a foreign key (inventory does
+    not depend on placement), so a replica deleted with its deployment, or
+    lost in a database restore, would otherwise hold its GPUs for ever. Its
+    processes, if any still run, are fenced by the agent sync when reported.
+    A committed allocation always has its replica committed beside it, so
+    this cannot free a placement in flight.
+    """
+    _, per_model = Allocation.objects.exclude(replica_id__in=Replica.objects.values("id")).delete()
+    return per_model.get(Allocation._meta.label, 0)
 
 
 def _place(row: Replica, dep: Deployment, snap: snapshots.Snapshot, *, now: dt.datetime) -> str:

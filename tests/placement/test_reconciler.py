@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 
 import pytest
 from django.core.cache import cache
 
 from agents.models import Command
+from inventory import allocation
 from inventory.models import AllocatedGPU, Allocation, NodeEvent
 from inventory.nodes import change_state as node_state
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
-from placement.reconciler import reconcile
+from placement.reconciler import reconcile, release_orphans
 from placement.replicas import set_shard_state
 from placement.tasks import LOCK_KEY, reconcile_task
 from tests.factories import make_node
@@ -302,4 +304,18 @@ def test_steady_state_queries_do_not_grow_with_deployments(now, profile, django_
 
     small = counted(2)
     big = counted(6)
-    assert small == big == 4
+    assert small == big == 5
+
+
+def test_claims_of_a_deleted_replica_are_released(now):
+    make_node("n1", now=now)
+    gone, kept = uuid.uuid4(), uuid.uuid4()
+    allocation.allocate(node_id="n1", replica_id=gone, shard_id=uuid.uuid4(), gpu_indices=[0, 1])
+    dep = Deployment.objects.create(
+        name="kept", served_model="m", profile=EngineProfile.objects.create(name="p", engine="echo"), replicas=0
+    )
+    Replica.objects.create(id=kept, deployment=dep, state="stopped", created_at=now, updated_at=now)
+    allocation.allocate(node_id="n1", replica_id=kept, shard_id=uuid.uuid4(), gpu_indices=[2])
+    assert release_orphans() == 1
+    assert allocation.held_gpu_indices("n1") == [2]
+    assert release_orphans() == 0
