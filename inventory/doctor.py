@@ -390,8 +390,13 @@ def _counter_snapshot(ports: list[wire.IBPort]) -> dict[str, dict[str, int]]:
     }
 
 
+def counter_key(node_id: str) -> str:
+    """The cache key of a node's counter baselines."""
+    return _COUNTER_KEY + node_id
+
+
 def _load_baselines(node_ids: list[str]) -> dict[str, dict[str, Any]]:
-    found = cache.get_many([_COUNTER_KEY + n for n in node_ids])
+    found = cache.get_many([counter_key(n) for n in node_ids])
     return {k[len(_COUNTER_KEY) :]: v for k, v in found.items()}
 
 
@@ -585,3 +590,7 @@ def overall(results: Iterable[CheckResult]) -> Result:
 def report(results: list[CheckResult], *, now: dt.datetime) -> dict[str, Any]:
     """The doctor's answer as JSON-able data (the API's and `doctor --json`'s shape)."""
     return {"at": now.isoformat(), "result": str(overall(results)), "checks": [r.as_dict() for r in results]}
+
+
+def forget_cached() -> None:
+    """Drop the cached doctor result (none is cached yet)."""

@@ -1,0 +1,245 @@
+"""A /metrics scrape and the doctor at 1,000 and 5,000 nodes, in a throwaway database.
+
+Each node has 8 GPUs joined to an NVLink domain, a declared fabric of 8
+InfiniBand adapters with error counters, and its telemetry in the cache, as a
+heartbeat leaves it; every fabric has a scan. Measured: a full scrape through
+Django's URL routing (django-prometheus' view, llmgw's collector and the text
+exposition), the doctor alone, each with its SQL query count, and the size
+of the output. Target: a scrape well inside Prometheus' default 10 s timeout
+at 5,000 nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+SIZES = (1000, 5000)
+GPUS = 8
+PORTS = 8
+FABRICS = 4
+NODES_PER_DOMAIN = 18
+SM_STANDBY = "0x0002c90300a1b2ff"
+
+
+def _sm(fabric: int) -> str:
+    return f"0x0002c90300a1b2{fabric + 1:02x}"
+
+
+def _guid(node: int, hca: int, *, port: bool) -> str:
+    return f"0xa088c203{node:06x}{hca:02x}{1 if port else 0:02x}"
+
+
+def _port(node: int, hca: int) -> dict:
+    from agents import wire
+
+    counters = {
+        "symbol_error": node % 3,
+        "link_downed": 0,
+        "link_error_recovery": 0,
+        "port_rcv_errors": 0,
+        "port_rcv_remote_physical_errors": 0,
+        "port_rcv_switch_relay_errors": 0,
+        "port_xmit_discards": 5,
+        "local_link_integrity_errors": 0,
+        "excessive_buffer_overrun_errors": 0,
+        "port_xmit_data": 10**12 + node,
+        "port_rcv_data": 10**12 + hca,
+        "port_xmit_packets": 10**9,
+        "port_rcv_packets": 10**9,
+    }
+    p = {
+        "hca": f"mlx5_{hca}",
+        "port": 1,
+        "state": "4: ACTIVE",
+        "phys_state": "5: LinkUp",
+        "rate_gbps": 400,
+        "link_layer": "InfiniBand",
+        "counters": counters,
+        "node_guid": _guid(node, hca, port=False),
+        "port_guid": _guid(node, hca, port=True),
+        "gid_prefix": "fe80:0000:0000:0000",
+        "sm_guid": _sm(node % FABRICS),
+        "sm_lid": 1,
+        "sm_priority": 15,
+        "sm_state": "master",
+    }
+    if node < FABRICS and hca == 0:
+        p["sms"] = [{"guid": _sm(node), "lid": 1, "priority": 15, "state": "master"}]
+        p["sms"] += [{"guid": SM_STANDBY.replace("ff", f"f{node}"), "lid": 2, "priority": 14, "state": "standby"}]
+    # Stored the way the heartbeat stores it: validated, dumped, with rates beside.
+    return wire.IBPort.model_validate(p).model_dump(mode="json") | {"tx_bps": 1.5e10 + hca, "rx_bps": 1.2e10 + node}
+
+
+def _scan_text(nodes: list[int], fabric: int) -> str:
+    """An ibnetdiscover map of one fabric: a switch and every adapter port on it."""
+    lines = [f"switchguid=0x{fabric + 1:016x}", f'Switch  64 "S-{fabric + 1:016x}"  # "leaf {fabric}" port 0 lid 1']
+    for i, node in enumerate(nodes):
+        for h in range(PORTS):
+            lines.append(f'[{i % 64 + 1}]  "H-{_guid(node, h, port=False)[2:]}"[1]({_guid(node, h, port=True)[2:]})')
+    for node in nodes:
+        for h in range(PORTS):
+            lines.append(f'Ca  1 "H-{_guid(node, h, port=False)[2:]}"  # "node-{node:05d} mlx5_{h}"')
+            lines.append(f'[1]({_guid(node, h, port=True)[2:]})  "S-{fabric + 1:016x}"[1]  # lid 2 lmc 0')
+    return "\n".join(lines) + "\n"
+
+
+def _populate(count: int, now) -> list[str]:
+    from django.core.cache import cache
+
+    from inventory import telemetry
+    from inventory.models import GPU, FabricAttachment, FabricScan, Node
+
+    ids = [f"node-{i:05d}" for i in range(count)]
+    Node.objects.bulk_create(
+        [
+            Node(
+                id=n,
+                mgmt_addr=f"10.1.{i // 256}.{i % 256}",
+                state="ready",
+                last_seen=now,
+                imex_state="UP",
+                imex_channels=1,
+                nvlink_domain=f"dom-{i // NODES_PER_DOMAIN}",
+            )
+            for i, n in enumerate(ids)
+        ],
+        batch_size=2000,
+    )
+    GPU.objects.bulk_create(
+        [
+            GPU(
+                node_id=n,
+                index=g,
+                name="NVIDIA GB200",
+                gpu_class="GB200-186GB",
+                fabric_state="Completed",
+                fabric_status="Success",
+                cluster_uuid=f"c1a5e7e2-7c9b-4d1a-9f1e-{i // NODES_PER_DOMAIN:012x}",
+                clique_id="7",
+                fabric_bandwidth="Full",
+            )
+            for i, n in enumerate(ids)
+            for g in range(GPUS)
+        ],
+        batch_size=5000,
+    )
+    FabricAttachment.objects.bulk_create(
+        [FabricAttachment(node_id=n, name="ib0", hcas=[f"mlx5_{h}" for h in range(PORTS)], rate_gbps=400) for n in ids],
+        batch_size=5000,
+    )
+    for f in range(FABRICS):
+        members = [i for i in range(count) if i % FABRICS == f]
+        FabricScan.objects.create(
+            key=f"sm:{_sm(f)}", at=now, output_at=now, node_id=ids[f], port="mlx5_0/1",
+            output=_scan_text(members, f), took_s=2.0,
+        )  # fmt: skip
+    at = now.timestamp()
+    sensors = [
+        {"index": g, "util_percent": 50.0 + g, "temp_c": 60.0, "power_w": 700.0 + g, "memory_used_mb": 1000}
+        for g in range(GPUS)
+    ]
+    cache.set_many(
+        {
+            telemetry.key(n): {
+                "at": at,
+                "agent_at": at + 0.2,
+                "load": None,
+                "gpus": sensors,
+                "ib_ports": [_port(i, h) for h in range(PORTS)],
+            }
+            for i, n in enumerate(ids)
+        }
+    )
+    return ids
+
+
+class _Counter:
+    """Counts the statements a block sends to the database."""
+
+    def __init__(self, connection) -> None:
+        self.connection, self.count = connection, 0
+
+    def __call__(self, execute, sql, params, many, context):
+        self.count += 1
+        return execute(sql, params, many, context)
+
+    def __enter__(self):
+        self._cm = self.connection.execute_wrapper(self)
+        self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._cm.__exit__(*exc)
+
+
+def _timed(fn, connection, repeat: int = 3) -> tuple[float, int, object]:
+    """The best of `repeat` runs (seconds), its query count and its value."""
+    best, queries, value = float("inf"), 0, None
+    for _ in range(repeat):
+        with _Counter(connection) as q:
+            started = time.perf_counter()
+            value = fn()
+            took = time.perf_counter() - started
+        if took < best:
+            best, queries = took, q.count
+    return best, queries, value
+
+
+def _forget(ids: list[str]) -> None:
+    from django.core.cache import cache
+
+    from inventory import doctor, telemetry
+
+    cache.delete_many([telemetry.key(n) for n in ids] + [doctor.counter_key(n) for n in ids])
+    doctor.forget_cached()
+
+
+def run() -> list[str]:
+    import django
+
+    django.setup()
+    from django.db import connection
+    from django.test import Client
+    from django.test.utils import setup_test_environment
+    from django.utils import timezone
+
+    from inventory import doctor
+    from inventory.models import FabricScan, Node
+
+    sizes = [int(s) for s in os.environ.get("LLMGW_BENCH_METRICS_NODES", "").split(",") if s] or SIZES
+    lines: list[str] = []
+    old_name = connection.settings_dict["NAME"]
+    connection.settings_dict.setdefault("TEST", {})["NAME"] = f"{old_name}_bench_metrics"
+    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
+    setup_test_environment()  # the test client's host, as the tests have it
+    client = Client()
+    try:
+        for count in sizes:
+            Node.objects.all().delete()
+            FabricScan.objects.all().delete()
+            now = timezone.now()
+            ids = _populate(count, now)
+            try:
+                # The first scrape writes the doctor's counter baselines: warm up once.
+                assert client.get("/metrics").status_code == 200
+
+                def scrape_fresh():
+                    doctor.forget_cached()
+                    return client.get("/metrics")
+
+                took, queries, resp = _timed(scrape_fresh, connection)
+                size = len(resp.content)
+                took_cached, queries_cached, _ = _timed(lambda: client.get("/metrics"), connection)
+                took_doc, queries_doc, results = _timed(lambda: doctor.run(now=timezone.now()), connection)
+                verdicts = {str(r.result) for r in results}
+            finally:
+                _forget(ids)
+            lines.append(
+                f"{count:,} nodes: scrape {took:.2f} s, {queries} SQL queries, {size / 1e6:.1f} MB; "
+                f"doctor alone {took_doc:.2f} s, {queries_doc} queries (verdicts {sorted(verdicts)}); "
+                f"scrape within the doctor's cache window {took_cached:.2f} s, {queries_cached} queries"
+            )
+    finally:
+        connection.creation.destroy_test_db(old_name, verbosity=0)
+    return lines
