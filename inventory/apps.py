@@ -6,10 +6,3 @@ class InventoryConfig(AppConfig):
 
     name = "inventory"
     default_auto_field = "django.db.models.BigAutoField"
-
-    def ready(self) -> None:
-        # /metrics (django-prometheus) serves the default registry; llmgw's
-        # collector joins it once per process.
-        from inventory import metrics
-
-        metrics.register()

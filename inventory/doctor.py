@@ -22,13 +22,23 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from django.conf import settings
 from django.core.cache import cache
 
 from agents import wire
 from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules
 from inventory import scans, telemetry
-from inventory.models import EngineInstall, EngineInstallState, FabricScan, Node, NodeState, SMChange
+from inventory.models import (
+    GPU,
+    EngineInstall,
+    EngineInstallState,
+    FabricAttachment,
+    FabricScan,
+    Node,
+    NodeState,
+    SMChange,
+)
 
 # Clock skew between an agent and the control plane: a few seconds is noise,
 # half a minute breaks liveness and makes log timelines lie.
@@ -89,6 +99,36 @@ class CheckResult:
         return d
 
 
+@dataclass(slots=True)
+class GPURow:
+    """The fields of a GPU row the checks and the metrics read (no model instance per card)."""
+
+    index: int
+    fabric_state: str
+    fabric_status: str
+    cluster_uuid: str
+    clique_id: str
+    fabric_bandwidth: str
+    ecc_errors: int
+    problems: list[str]
+
+
+@dataclass(slots=True)
+class FabricRow:
+    """A node's declared fabric as the checks read it."""
+
+    name: str
+    hcas: list[str]
+    rate_gbps: int
+
+
+# The node fields the checks and the metrics read; the others (labels, flags,
+# engine versions: JSON decoded per row) are left in the database.
+_NODE_FIELDS = ("id", "state", "unreachable_since", "last_seen", "imex_state", "imex_channels", "nvlink_domain")
+_GPU_FIELDS = tuple(GPURow.__dataclass_fields__)
+_FABRIC_FIELDS = tuple(FabricRow.__dataclass_fields__)
+
+
 @dataclass
 class Inventory:
     """Everything the checks read, taken at one moment."""
@@ -96,46 +136,70 @@ class Inventory:
     now: dt.datetime
     nodes: list[Node]
     telemetry: dict[str, dict[str, Any]]
-    scans: dict[str, FabricScan]
-    sm_changes: list[SMChange]
-    failed_installs: list[EngineInstall]
-    pending_replicas: list[Any]
+    scans: dict[str, FabricScan] = field(default_factory=dict)
+    sm_changes: list[SMChange] = field(default_factory=list)
+    failed_installs: list[EngineInstall] = field(default_factory=list)
+    pending_replicas: list[Any] = field(default_factory=list)
     counter_baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
-    _ports: dict[str, list[wire.IBPort]] | None = None
+    node_gpus: dict[str, list[GPURow]] = field(default_factory=dict)
+    node_fabrics: dict[str, list[FabricRow]] = field(default_factory=dict)
+    _ports: dict[str, list[Any]] | None = None
     _canon: dict[str, str] | None = None
 
-    def ports(self, node_id: str) -> list[wire.IBPort]:
-        """A node's IB ports from its telemetry."""
+    def gpus(self, node_id: str) -> list[GPURow]:
+        """A node's GPUs, by index."""
+        return self.node_gpus.get(node_id, [])
+
+    def fabrics(self, node_id: str) -> list[FabricRow]:
+        """A node's declared fabrics, by name."""
+        return self.node_fabrics.get(node_id, [])
+
+    def ports(self, node_id: str) -> list[Any]:
+        """A node's IB ports from its telemetry (scans.Port, or wire.IBPort for unusual entries)."""
         if self._ports is None:
             self._ports = {n: scans.ports_of(d) for n, d in self.telemetry.items()}
         return self._ports.get(node_id, [])
 
     @property
     def canon(self) -> dict[str, str]:
-        """Canonical subnet-manager names over every port heard of."""
+        """Canonical subnet-manager names over every port heard of, computed once per snapshot."""
         if self._canon is None:
             self._canon = fabric_rules.canonical_sms(p for n in self.telemetry for p in self.ports(n))
         return self._canon
 
 
-def load_inventory(*, now: dt.datetime) -> Inventory:
-    """Read what the checks need: seven queries and two cache round trips, whatever the cluster's size."""
+def _grouped(rows: Iterable[tuple], make: Callable[..., Any]) -> dict[str, list[Any]]:
+    """Rows whose first column is a node id, made into objects and grouped by node, in row order."""
+    out: dict[str, list[Any]] = {}
+    for node_id, *rest in rows:
+        out.setdefault(node_id, []).append(make(*rest))
+    return out
+
+
+def load_inventory(*, now: dt.datetime, checks: bool = True) -> Inventory:
+    """Read what the checks need: seven queries and two cache round trips, whatever the cluster's size.
+
+    Without `checks`, only what the metrics read besides the doctor's results:
+    nodes, their GPUs and telemetry (two queries, one round trip).
+    """
     from placement.models import Replica, ReplicaState
 
-    nodes = list(Node.objects.prefetch_related("gpus", "fabrics").order_by("id"))
+    nodes = list(Node.objects.only(*_NODE_FIELDS).order_by("id"))
     ids = [n.id for n in nodes]
-    return Inventory(
-        now=now,
-        nodes=nodes,
-        telemetry=telemetry.get_many(ids),
-        scans={s.key: s for s in FabricScan.objects.all()},
-        sm_changes=list(SMChange.objects.filter(at__gte=now - SM_CHANGE_RECENT)),
-        failed_installs=list(EngineInstall.objects.filter(state=EngineInstallState.FAILED).order_by("node_id")),
-        pending_replicas=list(
-            Replica.objects.filter(state=ReplicaState.PENDING).select_related("deployment").order_by("created_at")
-        ),
-        counter_baselines=_load_baselines(ids),
+    gpus = GPU.objects.order_by("node_id", "index").values_list("node_id", *_GPU_FIELDS)
+    inv = Inventory(now=now, nodes=nodes, telemetry=telemetry.get_many(ids), node_gpus=_grouped(gpus, GPURow))
+    if not checks:
+        return inv
+    fabrics = FabricAttachment.objects.order_by("node_id", "name").values_list("node_id", *_FABRIC_FIELDS)
+    inv.node_fabrics = _grouped(fabrics, FabricRow)
+    inv.scans = {s.key: s for s in FabricScan.objects.all()}
+    inv.sm_changes = list(SMChange.objects.filter(at__gte=now - SM_CHANGE_RECENT))
+    inv.failed_installs = list(EngineInstall.objects.filter(state=EngineInstallState.FAILED).order_by("node_id"))
+    inv.pending_replicas = list(
+        Replica.objects.filter(state=ReplicaState.PENDING).select_related("deployment").order_by("created_at")
     )
+    inv.counter_baselines = _load_baselines(ids)
+    return inv
 
 
 def _verdict(name: str, found: dict[str, list[str]], *, fails: set[str], ok: str, bad: str, action: str) -> CheckResult:
@@ -219,7 +283,7 @@ def check_nvlink_joined(inv: Inventory) -> CheckResult:
     """Cards not joined to the NVLink fabric on a node that has one."""
     found: dict[str, list[str]] = {}
     for n in inv.nodes:
-        gpus = list(n.gpus.all())
+        gpus = list(inv.gpus(n.id))
         if not _has_nvlink_fabric(gpus):
             continue
         for g in gpus:
@@ -242,7 +306,7 @@ def check_nvlink_bandwidth(inv: Inventory) -> CheckResult:
     """Joined cards that report less than their full NVLink bandwidth."""
     found: dict[str, list[str]] = {}
     for n in inv.nodes:
-        for g in n.gpus.all():
+        for g in inv.gpus(n.id):
             joined = gpu_rules.fabric_joined(g.fabric_state, g.fabric_status, g.cluster_uuid)
             if joined and gpu_rules.bandwidth_degraded(g.fabric_bandwidth):
                 found.setdefault(n.id, []).append(f"GPU {g.index} NVLink bandwidth {g.fabric_bandwidth}")
@@ -264,7 +328,7 @@ def check_nvlink_domains(inv: Inventory) -> CheckResult:
         domains = sorted(
             {
                 d
-                for g in n.gpus.all()
+                for g in inv.gpus(n.id)
                 for d in [gpu_rules.gpu_domain(g.fabric_state, g.fabric_status, g.cluster_uuid, g.clique_id)]
                 if d
             }
@@ -286,7 +350,7 @@ def check_imex(inv: Inventory) -> CheckResult:
     """IMEX down, or without a channel, on a node that is in an NVLink domain."""
     found: dict[str, list[str]] = {}
     for n in inv.nodes:
-        in_domain = bool(n.nvlink_domain) or bool(gpu_rules.node_domain(n.gpus.all()))
+        in_domain = bool(n.nvlink_domain) or bool(gpu_rules.node_domain(inv.gpus(n.id)))
         if not in_domain:
             continue
         if not n.imex_up():
@@ -313,7 +377,7 @@ def check_ib_physical_fabric(inv: Inventory) -> CheckResult:
     found: dict[str, list[str]] = {}
     for n in inv.nodes:
         ports = inv.ports(n.id)
-        for f in n.fabrics.all():
+        for f in inv.fabrics(n.id):
             pf = fabric_rules.physical_fabric(f.hcas, ports, inv.canon)
             if pf.known and not pf.consistent:
                 found.setdefault(n.id, []).append(f"fabric {f.name}: adapters on {', '.join(pf.keys)}")
@@ -333,10 +397,10 @@ def check_ib_ports(inv: Inventory) -> CheckResult:
     found: dict[str, list[str]] = {}
     fails: set[str] = set()
     for n in inv.nodes:
-        by_hca: dict[str, list[wire.IBPort]] = {}
+        by_hca: dict[str, list[Any]] = {}
         for p in inv.ports(n.id):
             by_hca.setdefault(p.hca, []).append(p)
-        for f in n.fabrics.all():
+        for f in inv.fabrics(n.id):
             for hca in f.hcas:
                 for p in by_hca.get(hca, []):
                     label = scans.port_label(p.hca, p.port)
@@ -383,7 +447,7 @@ def check_ib_subnet_manager(inv: Inventory) -> CheckResult:
     )
 
 
-def _counter_snapshot(ports: list[wire.IBPort]) -> dict[str, dict[str, int]]:
+def _counter_snapshot(ports: list[Any]) -> dict[str, dict[str, int]]:
     return {
         scans.port_label(p.hca, p.port): {c: int(p.counters[c]) for c in ERROR_COUNTERS if c in p.counters}
         for p in ports
@@ -456,7 +520,7 @@ def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
             if scan is None or not scan.output:
                 continue
             if key not in maps:
-                maps[key] = scans.parse_ibnetdiscover(scan.output)
+                maps[key] = scans.fabric_map(key, scan.output)
             if maps[key].has_port(port_guid=p.port_guid, node_guid=p.node_guid) is False:
                 when = scan.output_at or scan.at
                 found.setdefault(n.id, []).append(
@@ -483,7 +547,7 @@ def check_gpu_health(inv: Inventory) -> CheckResult:
     fails: set[str] = set()
     for n in inv.nodes:
         sensors = {s.get("index"): s for s in (inv.telemetry.get(n.id) or {}).get("gpus") or []}
-        for g in n.gpus.all():
+        for g in inv.gpus(n.id):
             problems = list(g.problems or [])
             if g.ecc_errors:
                 problems.append(f"{g.ecc_errors} uncorrected ECC errors")
@@ -592,5 +656,38 @@ def report(results: list[CheckResult], *, now: dt.datetime) -> dict[str, Any]:
     return {"at": now.isoformat(), "result": str(overall(results)), "checks": [r.as_dict() for r in results]}
 
 
+_LATEST_KEY = "doctor:latest"
+
+
+def latest(
+    *, now: dt.datetime, fresh: bool = False, inv: Inventory | None = None
+) -> tuple[dt.datetime, list[CheckResult]]:
+    """The doctor's results and when they were taken, reused for settings.LLMGW_DOCTOR_CACHE seconds.
+
+    Every /metrics scrape (one per Prometheus server, every 15-30 s) and
+    every API call used to rerun every check over the whole cluster; they now
+    share one run, so what they show may be that many seconds old (the
+    returned time says how old). `fresh` runs the checks anyway and stores
+    the result; `inv`, a snapshot taken at `now`, saves reading one again.
+    Two callers that miss at the same moment both run the checks: harmless.
+    """
+    if not fresh:
+        hit = cached(now=now)
+        if hit is not None:
+            return hit
+    results = run_checks(inv if inv is not None else load_inventory(now=now))
+    cache.set(_LATEST_KEY, (now, results), timeout=settings.LLMGW_DOCTOR_CACHE)
+    return now, results
+
+
+def cached(*, now: dt.datetime) -> tuple[dt.datetime, list[CheckResult]] | None:
+    """The stored results when still fresh at `now` (see `latest`), else None."""
+    hit = cache.get(_LATEST_KEY)
+    if hit is not None and 0 <= (now - hit[0]).total_seconds() < settings.LLMGW_DOCTOR_CACHE:
+        return hit
+    return None
+
+
 def forget_cached() -> None:
-    """Drop the cached doctor result (none is cached yet)."""
+    """Drop the stored results, so the next caller runs the checks."""
+    cache.delete(_LATEST_KEY)

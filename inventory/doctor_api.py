@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
@@ -41,12 +41,18 @@ class DoctorReportSerializer(serializers.Serializer):
 
 
 class DoctorView(APIView):
-    """Run every doctor check now."""
+    """The doctor's checks: their latest run, at most settings.LLMGW_DOCTOR_CACHE seconds old.
+
+    `at` says when they ran; `?fresh=1` runs them now.
+    """
 
     permission_classes = [CanViewNodes]
 
-    @extend_schema(responses=DoctorReportSerializer)
+    @extend_schema(
+        responses=DoctorReportSerializer,
+        parameters=[OpenApiParameter("fresh", bool, description="run the checks now rather than reuse a recent run")],
+    )
     def get(self, request: Request) -> Response:
-        now = timezone.now()
-        results = doctor.run(now=now)
-        return Response(DoctorReportSerializer(doctor.report(results, now=now)).data)
+        fresh = request.query_params.get("fresh", "").lower() in ("1", "true", "yes")
+        at, results = doctor.latest(now=timezone.now(), fresh=fresh)
+        return Response(DoctorReportSerializer(doctor.report(results, now=at)).data)

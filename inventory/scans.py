@@ -106,6 +106,21 @@ def _guid(raw: str | None) -> str:
     return fabric_rules.canonical_guid(raw or "")
 
 
+# The last map read per fabric, by its text: a scan changes every few
+# minutes, a scrape comes every few seconds and would parse it again.
+_parsed: dict[str, tuple[str, FabricMap]] = {}
+
+
+def fabric_map(key: str, text: str) -> FabricMap:
+    """parse_ibnetdiscover(text), remembered per fabric key until the text changes (per process)."""
+    hit = _parsed.get(key)
+    if hit is not None and hit[0] == text:
+        return hit[1]
+    parsed = parse_ibnetdiscover(text)
+    _parsed[key] = (text, parsed)
+    return parsed
+
+
 def parse_ibnetdiscover(text: str) -> FabricMap:
     """Read ibnetdiscover's default topology output.
 
@@ -175,10 +190,76 @@ class ScanOrder:
     port: int
 
 
-def ports_of(data: Mapping[str, Any] | None) -> list[wire.IBPort]:
-    """A node's IB ports from its telemetry, as wire messages (bad entries skipped)."""
-    out = []
+# The fields a port's readers use, with their wire types. Telemetry holds
+# what the heartbeat validated and dumped, so an entry of the right shape is
+# read as it is; anything else goes through the wire model (or is skipped).
+_PORT_STR = ("hca", "state", "link_layer", "node_guid", "port_guid", "sm_guid", "sm_error", "network")
+
+
+class Port:
+    """One IB port as telemetry holds it, read without re-validating it.
+
+    Turning every port of a large cluster into a pydantic model on each
+    /metrics scrape cost more than the rest of the doctor: 8,000 ports at
+    1,000 nodes. The inventory.fabric rules take any object with these
+    attributes, so a plain one is enough.
+    """
+
+    __slots__ = (*_PORT_STR, "port", "rate_gbps", "counters", "sms")
+
+    hca: str
+    port: int
+    state: str
+    link_layer: str
+    rate_gbps: int
+    counters: dict[str, int]
+    node_guid: str
+    port_guid: str
+    sm_guid: str
+    sm_error: str
+    network: str
+    sms: list[Any]
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        get = data.get
+        self.hca, self.port = data["hca"], data["port"]
+        self.state, self.link_layer = get("state", ""), get("link_layer", "")
+        self.rate_gbps, self.counters = get("rate_gbps", 0), get("counters", {})
+        self.node_guid, self.port_guid = get("node_guid", ""), get("port_guid", "")
+        self.sm_guid, self.sm_error, self.network = get("sm_guid", ""), get("sm_error", ""), get("network", "")
+        self.sms = []
+
+
+def _plain(data: Any) -> bool:
+    """Whether a telemetry entry has the shape of a validated port dump (no subnet-manager list)."""
+    if type(data) is not dict or data.get("sms"):
+        return False
+    if "hca" not in data:
+        return False
+    for name in _PORT_STR:
+        value = data.get(name, "")
+        if type(value) is not str or len(value) > (4096 if name == "sm_error" else 128):
+            return False
+    port, rate, counters = data.get("port"), data.get("rate_gbps", 0), data.get("counters", {})
+    if type(port) is not int or not 0 <= port <= 255 or type(rate) is not int or not 0 <= rate <= 100_000:
+        return False
+    if type(counters) is not dict or len(counters) > 128:
+        return False
+    return all(type(k) is str and len(k) <= 128 and type(v) is int and 0 <= v < 2**63 for k, v in counters.items())
+
+
+def ports_of(data: Mapping[str, Any] | None) -> list[Port | wire.IBPort]:
+    """A node's IB ports from its telemetry (bad entries skipped).
+
+    Entries shaped as the heartbeat stores them are read as `Port`s; the rest
+    (a port listing its subnet managers, anything unexpected) are validated
+    as wire.IBPort, as before.
+    """
+    out: list[Port | wire.IBPort] = []
     for p in (data or {}).get("ib_ports") or []:
+        if _plain(p):
+            out.append(Port(p))
+            continue
         try:
             out.append(wire.IBPort.model_validate(p))
         except ValueError:
@@ -187,7 +268,7 @@ def ports_of(data: Mapping[str, Any] | None) -> list[wire.IBPort]:
 
 
 def plan_scans(
-    states: Mapping[str, str], ports: Mapping[str, list[wire.IBPort]], *, busy: Iterable[str] = ()
+    states: Mapping[str, str], ports: Mapping[str, list[Any]], *, busy: Iterable[str] = ()
 ) -> list[ScanOrder]:
     """Pick one active port per InfiniBand fabric to run ibnetdiscover, skipping `busy` fabrics.
 

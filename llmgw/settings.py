@@ -220,6 +220,9 @@ LLMGW_SM_CHANGES_KEPT = 500
 # and how long the agent lets it run.
 LLMGW_FABRIC_SCAN_INTERVAL = env_seconds("LLMGW_FABRIC_SCAN_INTERVAL", 600.0)
 LLMGW_FABRIC_SCAN_TIMEOUT = env_seconds("LLMGW_FABRIC_SCAN_TIMEOUT", 120.0)
+# How long the doctor's results are reused by /metrics and GET /api/v1/doctor
+# (a Prometheus scrape interval or less; `manage.py doctor` always runs anew).
+LLMGW_DOCTOR_CACHE = env_seconds("LLMGW_DOCTOR_CACHE", 15.0)
 CELERY_BEAT_SCHEDULE["inventory.schedule_fabric_scans"] = {
     "task": "inventory.schedule_fabric_scans",
     "schedule": LLMGW_FABRIC_SCAN_INTERVAL,

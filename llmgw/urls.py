@@ -4,11 +4,14 @@ from django.contrib import admin
 from django.urls import include, path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from inventory import metrics
+
 urlpatterns = [
     path("admin/", include("inventory.admin_views")),
     path("admin/", admin.site.urls),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="api-docs"),
     path("api/v1/", include("llmgw.api_urls")),
-    path("", include("django_prometheus.urls")),
+    # django-prometheus' metrics followed by llmgw's (inventory.metrics.export).
+    path("metrics", metrics.export, name="metrics"),
 ]
