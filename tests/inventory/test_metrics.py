@@ -218,3 +218,69 @@ def test_grafana_dashboard_uses_every_metric_and_no_other():
     used = {name for e in exprs for name in re.findall(r"llmgw_[a-z_]+", e)}
     assert used == METRIC_NAMES
     assert dash["uid"] == "llmgw"
+
+
+# --- the direct writer, the collector, the doctor's reuse ----------------------
+
+
+def test_render_writes_what_generate_latest_writes(cluster):
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from inventory.metrics import Family, collect_families, render
+
+    families = collect_families()
+    odd = Family("llmgw_odd", "counter", 'a "help"\\ with\na newline', ("zeta", "alpha"))
+    odd.rows += [(('q"uote', "back\\slash"), 1.5e10), (("new\nline", ""), float("inf")), (("a", "b"), 0.1)]
+    families.append(odd)
+
+    class Fixed:
+        def collect(self):
+            return [f.metric() for f in families]
+
+    registry = CollectorRegistry()
+    registry.register(Fixed())
+    assert render(families).encode() == generate_latest(registry)
+
+
+def test_collector_yields_the_same_families(cluster):
+    from prometheus_client import CollectorRegistry
+
+    from inventory.metrics import LlmgwCollector
+
+    registry = CollectorRegistry()
+    registry.register(LlmgwCollector())
+    names = {m.name for m in registry.collect()}
+    assert names == {n.removesuffix("_total") for n in METRIC_NAMES}
+    assert registry.get_sample_value("llmgw_gpu_power_watts", {"node": "tray-1", "gpu": "0"}) == 612.5
+
+
+def test_a_scrape_within_the_window_reuses_the_doctor(client, cluster, django_assert_num_queries, settings):
+    from inventory.nodes import change_state
+
+    settings.LLMGW_DOCTOR_CACHE = 15.0
+    first = scrape(client)
+    assert first["llmgw_doctor_checks"][lbl(check="nodes_reachable", result="pass")] == 1.0
+    change_state("tray-1", "unreachable", now=cluster)
+    # Nodes, GPUs, held GPUs, deployments and replica counts: the doctor's own reads are skipped.
+    with django_assert_num_queries(5):
+        second = scrape(client)
+    assert second["llmgw_doctor_checks"] == first["llmgw_doctor_checks"]
+    assert second["llmgw_node_state"][lbl(node="tray-1", state="unreachable")] == 1.0
+    doctor.forget_cached()
+    third = scrape(client)
+    assert third["llmgw_doctor_checks"][lbl(check="nodes_reachable", result="warn")] == 1.0
+
+
+def test_the_api_says_when_its_checks_ran_and_runs_them_fresh_on_demand(client, viewer, cluster):
+    from inventory.nodes import change_state
+
+    client.force_login(viewer)
+    first = client.get("/api/v1/doctor").json()
+    change_state("tray-1", "unreachable", now=cluster)
+    again = client.get("/api/v1/doctor").json()
+    assert again == first
+    fresh = client.get("/api/v1/doctor?fresh=1").json()
+    assert fresh["at"] > first["at"]
+    reachable = next(c for c in fresh["checks"] if c["name"] == "nodes_reachable")
+    assert (reachable["result"], reachable["nodes"]) == ("warn", ["tray-1"])
+    assert client.get("/api/v1/doctor").json() == fresh

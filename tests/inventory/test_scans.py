@@ -207,3 +207,28 @@ def test_a_failed_scan_keeps_the_last_good_map(two_nodes, now):
     assert (scan.error, scan.at, scan.output_at, scan.took_s) == ("ibnetdiscover timed out", later, now, 120.0)
     m = scans.parse_ibnetdiscover(scan.output)
     assert (m.switches, m.cas) == (2, 4)
+
+
+# --- ports read from telemetry ---------------------------------------------------
+
+PORT_FIELDS = ("hca", "port", "state", "link_layer", "rate_gbps", "counters", "node_guid", "port_guid", "sm_guid")
+
+
+def test_ports_of_reads_stored_ports_as_the_wire_model_would():
+    stored = ib_port("mlx5_3", 2, counters={"symbol_error": 4}, sm_error="") | {"extra": "ignored"}
+    [p] = scans.ports_of({"ib_ports": [stored]})
+    assert isinstance(p, scans.Port)
+    model = wire.IBPort.model_validate(stored)
+    assert {f: getattr(p, f) for f in (*PORT_FIELDS, "sm_error", "network", "sms")} == {
+        f: getattr(model, f) for f in (*PORT_FIELDS, "sm_error", "network", "sms")
+    }
+
+
+def test_ports_of_validates_unusual_entries_and_skips_bad_ones():
+    coerced = ib_port() | {"port": "1"}
+    listed = ib_port(sms=[{"guid": SM_A, "state": "master"}])
+    bad = ib_port() | {"port": 999}
+    ports = scans.ports_of({"ib_ports": [coerced, listed, bad, "junk", {"port": 1}]})
+    assert [type(p) for p in ports] == [wire.IBPort, wire.IBPort]
+    assert [p.port for p in ports] == [1, 1]
+    assert ports[1].sms[0].guid == SM_A
