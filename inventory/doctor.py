@@ -4,7 +4,9 @@ Each check is a plain function over an `Inventory` (a snapshot read in a
 constant number of queries, plus the telemetry cache) and answers pass, warn
 or fail, the nodes it concerns, what it found and what to do. `manage.py
 doctor`, `GET /api/v1/doctor` and the `llmgw_doctor_checks` metric all run
-`run_checks` on the same snapshot.
+`run_checks` on the same snapshot; the last two reuse a run for
+settings.LLMGW_DOCTOR_CACHE seconds (`latest`), so what they show can be
+that old, and the report's `at` says when it ran.
 
 Error counters: a counter's absolute value says little (a port up for a year
 has some symbol errors); a counter that rises does. The doctor keeps, per
