@@ -116,6 +116,8 @@ def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
     reconcile(now=now)
     rep = Replica.objects.get()
     assert (rep.state, rep.fabric, rep.fabric_name) == ("starting", f"sm:{SM_A}", "ib0")
+    # The endpoint is rank 0's: its node's address and HTTP port.
+    assert rep.endpoint == "http://10.0.0.97:18000"
     shards = list(Shard.objects.order_by("rank").values_list("node_id", "rank", "gpu_indices", "hcas"))
     assert shards == [
         ("a", 0, list(range(8)), ["mlx5_0", "mlx5_1"]),
