@@ -122,3 +122,13 @@ def test_first_scan_failing_keeps_the_error(now):
     fabric.set_scan(key="sm:y", at=now, node_id="n1", port="p", output="", error="no such device", took_s=0.1)
     scan = FabricScan.objects.get(key="sm:y")
     assert (scan.output, scan.error, scan.output_at) == ("", "no such device", None)
+
+
+def test_key_is_never_derived_from_the_gid_prefix():
+    # OpenSM's default prefix is fe80:: everywhere: matching it proves nothing.
+    no_sm = wire.IBPort(hca="mlx5_0", port=1, state="ACTIVE", link_layer="InfiniBand", gid_prefix="fe80:0000:0000:0000")
+    assert fabric.fabric_key(no_sm) == ""
+    a = ib(hca="mlx5_0", sm=SM_A).model_copy(update={"gid_prefix": "fe80:0000:0000:0000"})
+    b = ib(hca="mlx5_1", sm=SM_B).model_copy(update={"gid_prefix": "fe80:0000:0000:0000"})
+    assert (fabric.fabric_key(a), fabric.fabric_key(b)) == (f"sm:{SM_A}", f"sm:{SM_B}")
+    assert fabric.physical_fabric(["mlx5_0", "mlx5_1"], [a, b]).consistent is False

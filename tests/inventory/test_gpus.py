@@ -130,3 +130,15 @@ def test_wear_problems_are_short_sentences():
 def test_unreported_wear_has_no_problems():
     assert gpus.wear_problems(None) == []
     assert gpus.wear_problems(wire.GPUWear()) == []
+
+
+@pytest.mark.django_db
+def test_a_node_whose_first_card_is_not_joined_is_in_no_domain(now):
+    cards = [gpu_payload(0, fabric={"state": "In Progress", "status": "N/A", "cluster_uuid": CLUSTER})]
+    cards += [gpu_payload(i, fabric=joined()) for i in range(1, 4)]
+    assert make_node("late", now=now, gpus=cards).nvlink_domain == ""
+
+
+def test_unreported_nvlink_counts_read_as_zero_beside_a_reported_one():
+    assert gpus.wear_problems(wire.GPUWear(nvlink_replay_errors=2)) == ["NVLink errors: 0 CRC, 2 replay, 0 recovery"]
+    assert gpus.wear_problems(wire.GPUWear(nvlink_crc_errors=3)) == ["NVLink errors: 3 CRC, 0 replay, 0 recovery"]

@@ -135,3 +135,13 @@ def test_cordoned_node_stays_cordoned(now):
 
 def test_touch_of_unknown_node_is_none(now):
     assert hb_rules.touch("nobody", now=now) is None
+
+
+def test_a_port_gaining_a_master_is_not_a_failover(now):
+    make_node("node-a", now=now)
+    ports = heartbeat_payload()["ib_ports"]
+    ports[2]["sm_guid"] = ""
+    beat(now, ib_ports=ports)
+    ports[2]["sm_guid"] = "0xA088C20300B3C4FF"
+    beat(now + dt.timedelta(seconds=5), ib_ports=ports)
+    assert SMChange.objects.count() == 0

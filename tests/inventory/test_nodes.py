@@ -142,3 +142,16 @@ def test_reregistration_replaces_gpus_whole(now):
 def test_registration_with_duplicate_gpu_index_is_refused():
     with pytest.raises(ValueError, match="GPU index 0 appears twice"):
         wire.Register.model_validate(register_payload("n1") | {"gpus": [{"index": 0}, {"index": 0}]})
+
+
+def test_engines_probed_tells_none_from_too_old(now):
+    probed = make_node("probed", now=now, engine_versions={}, engines_probed=True)
+    old = make_node("old", now=now, engine_versions={})
+    assert (probed.engine_versions, probed.engines_probed) == ({}, True)
+    assert (old.engine_versions, old.engines_probed) == ({}, False)
+
+
+def test_registration_records_the_agents_features(now):
+    node = make_node("n1", now=now, features=["adoption", "fabric-scan"])
+    assert Node.objects.get(id="n1").features == ["adoption", "fabric-scan"]
+    assert node.features == ["adoption", "fabric-scan"]

@@ -109,3 +109,9 @@ def test_a_node_that_never_looked_constrains_nothing(now):
 def test_wire_storage_none_is_not_empty():
     assert wire.Register(node_id="n").storage is None
     assert wire.Register(node_id="n", storage=[]).storage == []
+
+
+def test_only_a_node_that_looked_and_found_weights_knows_them():
+    assert resources.knows_its_weights(True, []) is False
+    assert resources.knows_its_weights(False, [wire.LocalWeights(path="/models/x")]) is False
+    assert resources.knows_its_weights(True, [wire.LocalWeights(path="/models/x")]) is True

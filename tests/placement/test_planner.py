@@ -324,3 +324,21 @@ def test_request_from_profile_derives_gpus_per_node():
 
     assert ReplicaRequest.from_profile(P()).gpus_per_node == 8
     assert ReplicaRequest.from_profile(P(gpus_per_node=4)).gpus_per_node == 4
+
+
+def test_fabrics_of_unknown_physical_fabric_are_not_joined():
+    unknown = FabricInfo("ib0", ("mlx5_0",), key="", known=False)
+    result = plan(req(nodes=2), snap(node("a", fabrics=(unknown,)), node("b", fabrics=(unknown,))))
+    assert isinstance(result, NoPlace)
+    assert result.reasons["a"] == "fabric ib0: no active adapter reports its physical fabric; needs 2"
+
+
+def test_a_node_not_ready_is_not_a_candidate():
+    s = snap(node("a", state="cordoned"), node("b", held="held: node"), node("c"))
+    assert [n.id for n in s.candidates("", "", 1, spread=False)] == ["c"]
+    assert [n.schedulable for n in s.nodes.values()] == [False, False, True]
+
+
+def test_weights_presence_is_an_exact_path_not_a_prefix():
+    result = plan(req(model_path="/models/llama-70b"), snap(node("a", weights=frozenset({"/models/llama"}))))
+    assert only_reason(result, "a") == "weights /models/llama-70b not present"

@@ -319,3 +319,11 @@ def test_claims_of_a_deleted_replica_are_released(now):
     assert release_orphans() == 1
     assert allocation.held_gpu_indices("n1") == [2]
     assert release_orphans() == 0
+
+
+def test_start_shard_carries_the_profiles_startup_timeout(now):
+    make_node("a", now=now)
+    prof = EngineProfile.objects.create(name="slow", engine="echo", gpus_per_node=1, startup_timeout_s=600)
+    deploy(prof, name="slow")
+    reconcile(now=now)
+    assert [c.payload["startup_timeout_s"] for c in commands("start_shard")] == [600.0]

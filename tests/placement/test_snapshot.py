@@ -116,6 +116,8 @@ def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
     reconcile(now=now)
     rep = Replica.objects.get()
     assert (rep.state, rep.fabric, rep.fabric_name) == ("starting", f"sm:{SM_A}", "ib0")
+    # The endpoint is rank 0's: its node's address and HTTP port.
+    assert rep.endpoint == "http://10.0.0.97:18000"
     shards = list(Shard.objects.order_by("rank").values_list("node_id", "rank", "gpu_indices", "hcas"))
     assert shards == [
         ("a", 0, list(range(8)), ["mlx5_0", "mlx5_1"]),
@@ -125,6 +127,8 @@ def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
 
     p = Command.objects.get(node_id="b").payload
     assert (p["leader_addr"], p["leader_port"], p["nnodes"], p["fabric"]) == ("10.0.0.97", 18001, 2, "ib0")
+    # Only the adapters of the replica's own fabric travel to the agent.
+    assert p["hcas"] == ["mlx5_0", "mlx5_1"]
 
 
 def test_nvlink_domain_replica_gets_mnnvl(now):
@@ -159,3 +163,34 @@ def test_ports_unique_across_the_cluster_for_a_fleet_on_one_host(now, settings):
     snap = snapshots.build(now=now)
     assert snap.cluster_ports == {18000, 18001}
     assert snapshots.build(now=now, unique_ports=False).cluster_ports is None
+
+
+def test_failed_or_unsupported_engine_installs_block_the_engine(now):
+    make_node(
+        "a",
+        now=now,
+        engines_probed=True,
+        engine_versions={"llamacpp": "b4000"},
+        engine_installs=[
+            {"engine": "vllm", "version": "0.8.5", "state": "failed", "detail": "no wheel for aarch64"},
+            {"engine": "sglang", "version": "0.4.6", "state": "unsupported"},
+            {"engine": "trtllm", "version": "0.19", "state": "installing"},
+            {"engine": "tgi", "version": "3.2", "state": "ready"},
+        ],
+    )
+    a = snapshots.build(now=now).nodes["a"]
+    assert dict(a.engines_blocked) == {
+        "vllm": "engine vllm failed: no wheel for aarch64",
+        "sglang": "engine sglang unsupported",
+    }
+    assert a.engines == frozenset({"llamacpp", "tgi"})
+    assert plan(ReplicaRequest(engine="vllm"), snapshots.build(now=now)).reasons == {
+        "a": "engine vllm failed: no wheel for aarch64"
+    }
+
+
+def test_a_node_with_only_shared_storage_has_unknown_local_disk(now):
+    make_node("a", now=now, storage=[{"path": "/filer", "free_bytes": 10**15, "total_bytes": 10**15, "shared": True}])
+    snap = snapshots.build(now=now)
+    assert (snap.nodes["a"].disk_free_bytes, snap.nodes["a"].disk_known) == (0, False)
+    assert plan(ReplicaRequest(model_path="org/model", disk_gb=140), snap).node_ids == ["a"]

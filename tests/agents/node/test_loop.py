@@ -408,3 +408,15 @@ def test_unexpected_error_does_not_end_the_loop(make_agent, cp):
     agent._wait = lambda s: None
     agent.run(max_steps=2)
     assert agent.registered
+
+
+def test_gpu_fabrics_are_read_again_once_a_minute(make_agent, cp):
+    t = [1000.0]
+    agent = make_agent(clock=lambda: t[0])
+    agent.register()
+    t[0] = 1059.0
+    assert agent.heartbeat_body().gpu_fabrics is None
+    t[0] = 1060.0
+    assert [(r.index, r.fabric.cluster_uuid) for r in agent.heartbeat_body().gpu_fabrics] == [(0, "c-1")]
+    t[0] = 1061.0
+    assert agent.heartbeat_body().gpu_fabrics is None

@@ -125,3 +125,9 @@ def test_a_mixed_fleet_fills_each_domain_with_trays_of_one_profile(tmp_path):
         "tray": [domain_uuid("tray", 0), domain_uuid("tray", 0), domain_uuid("tray", 1)],
         "hgx": ["", "", ""],
     }
+
+
+def test_a_fabrics_rate_is_its_slowest_ports(tmp_path):
+    _port(tmp_path, "mlx5_0", layer="InfiniBand", rate="400 Gb/sec (4X NDR)", sm_lid="0x1")
+    _port(tmp_path, "mlx5_1", layer="InfiniBand", rate="200 Gb/sec (4X HDR)", sm_lid="0x1")
+    assert derive_fabrics(tmp_path) == [{"name": "ib-a", "hcas": ["mlx5_0", "mlx5_1"], "rate_gbps": 200}]
