@@ -135,3 +135,28 @@ def test_cordoned_node_stays_cordoned(now):
 
 def test_touch_of_unknown_node_is_none(now):
     assert hb_rules.touch("nobody", now=now) is None
+
+
+def _synchronous_commit() -> str:
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SHOW synchronous_commit")
+        return cur.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeats_transaction_commits_asynchronously_and_only_it(now):
+    from django.db import transaction
+
+    make_node("node-a", now=now)
+    with transaction.atomic():
+        touched = hb_rules.touch("node-a", now=now + dt.timedelta(seconds=5), durable=False)
+        assert _synchronous_commit() == "off"
+    assert touched is not None and touched.state == NodeState.READY
+    assert Node.objects.get(id="node-a").last_seen == now + dt.timedelta(seconds=5)
+    # SET LOCAL: the setting ends with the transaction.
+    assert _synchronous_commit() == "on"
+    with transaction.atomic():
+        hb_rules.touch("node-a", now=now, durable=True)
+        assert _synchronous_commit() == "on"
