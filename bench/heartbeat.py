@@ -1,19 +1,27 @@
-"""Heartbeats per second against the real stack: gunicorn, PostgreSQL, Redis.
+"""Heartbeats per second against the real stack: the production web server, PostgreSQL, Redis.
 
-Creates a fresh database (<test database>_bench), migrates it, starts gunicorn
-on a free loopback port, registers NODES 8-GPU nodes over HTTP (timing each
-registration), gives each node 4 running shards, then drives realistic
-heartbeats (8 GPUs with sensors and wear, 8 IB ports with counters, 4 shards)
-from several load-generator processes, each holding persistent connections,
-for a bounded time. Reports sustained heartbeats/s and latency percentiles.
+Creates a fresh database (<test database>_bench), migrates it, starts the web
+server as `make run` does (scripts/serve.sh: granian, or gunicorn) on a free
+loopback port, registers NODES 8-GPU nodes over HTTP (timing each
+registration), gives each node 4 running shards, then drives heartbeats as
+the agent sends them (8 GPUs with sensors and wear, 8 IB ports with growing
+counters, 4 shards; about 9 KB of JSON) from load-generator processes
+holding keep-alive connections: first as fast as answers come back, then at
+a fixed offered rate with latency measured from each heartbeat's scheduled
+time. Reports heartbeats/s, latency percentiles, and the CPU each heartbeat
+costs the server, PostgreSQL, Redis and the load generator.
 
-The load generator runs on the same cores as the server, so the figure is
-what the server gets while sharing the machine with its own clients.
+The load generator runs on the same cores as the server, so the figures are
+what the server gets while sharing the machine with its own clients (and
+with whatever else runs: the CPU per heartbeat is the figure that does not
+depend on that).
 
-Knobs (environment): BENCH_HB_NODES (default 500), BENCH_HB_SECONDS (10),
-BENCH_HB_WORKERS (gunicorn processes, 3), BENCH_HB_THREADS (threads per
-gunicorn process, 2), BENCH_HB_CLIENTS (load processes, 2),
-BENCH_HB_CONCURRENCY (connections per load process, 4).
+Knobs (environment): BENCH_HB_NODES (default 500), BENCH_HB_SECONDS (10 per
+phase), BENCH_HB_RATE (offered heartbeats/s of the paced phase, 1000; 0
+skips it), BENCH_HB_SERVER (granian or gunicorn), BENCH_HB_WORKERS (server
+processes, one per core), BENCH_HB_THREADS (threads per process, 4),
+BENCH_HB_CLIENTS (load processes, 2), BENCH_HB_CONCURRENCY (connections per
+load process, 8).
 """
 
 from __future__ import annotations
@@ -428,13 +436,10 @@ def _loadavg() -> str:
 
 
 def _server_description(env: dict[str, str]) -> str:
-    """The gunicorn settings the bench's server runs with, as gunicorn.conf.py computes them."""
-    code = (
-        "import runpy; c = runpy.run_path('gunicorn.conf.py'); "
-        "print(f\"gunicorn {c['workers']} {c['worker_class']} workers x {c.get('threads', 1)} threads\")"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
-    return out.stdout.strip()
+    """The server settings scripts/serve.sh runs with."""
+    workers = env.get("WEB_CONCURRENCY") or os.cpu_count()
+    threads = env.get("LLMGW_WEB_THREADS") or 4
+    return f"{env.get('LLMGW_WEB_SERVER') or 'granian'}, {workers} workers x {threads} threads"
 
 
 def run() -> list[str]:
@@ -451,17 +456,14 @@ def run() -> list[str]:
     env = _server_env(db_url, join)
     subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
     port = _free_port()
-    # gunicorn.conf.py (the production settings) plus the bench's own address;
-    # BENCH_HB_WORKERS / BENCH_HB_THREADS / BENCH_HB_WORKER_CLASS override it.
-    for knob, var in (("BENCH_HB_WORKERS", "GUNICORN_WORKERS"), ("BENCH_HB_THREADS", "GUNICORN_THREADS"),
-                      ("BENCH_HB_WORKER_CLASS", "GUNICORN_WORKER_CLASS")):  # fmt: skip
+    # The production server as `make run` starts it (scripts/serve.sh), on the bench's own address.
+    for knob, var in (("BENCH_HB_SERVER", "LLMGW_WEB_SERVER"), ("BENCH_HB_WORKERS", "WEB_CONCURRENCY"),
+                      ("BENCH_HB_THREADS", "LLMGW_WEB_THREADS")):  # fmt: skip
         if os.environ.get(knob):
             env[var] = os.environ[knob]
-    gunicorn = [
-        sys.executable, "-m", "gunicorn", "llmgw.wsgi:application", "--config", str(ROOT / "gunicorn.conf.py"),
-        "--bind", f"127.0.0.1:{port}", "--log-level", "warning",
-    ]  # fmt: skip
-    server = subprocess.Popen(gunicorn, cwd=ROOT, env=env)
+    env["PYTHON"] = sys.executable
+    env["LLMGW_WEB_LOG_LEVEL"] = "warning"
+    server = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh"), f"127.0.0.1:{port}"], cwd=ROOT, env=env)
     lines: list[str] = []
     try:
         _wait_until_up(port, server)

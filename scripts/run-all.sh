@@ -22,7 +22,7 @@ pids+=($!)
 if [ "${DEBUG:-0}" = "1" ]; then
     $BIN/python manage.py runserver --noreload "$ADDR" &
 else
-    $BIN/gunicorn llmgw.wsgi --config gunicorn.conf.py --bind "$ADDR" &
+    ./scripts/serve.sh "$ADDR" &
 fi
 pids+=($!)
 echo "llmgw is up: http://$ADDR/admin/  (Ctrl-C stops web, worker and beat)"
