@@ -114,19 +114,20 @@ def telemetry(hb: wire.Heartbeat, previous: Mapping[str, Any] | None, *, now: dt
             interval = hb.at - previous["agent_at"]
         else:
             interval = server_at - (previous.get("at") or server_at)
-    ports = []
-    for p in hb.ib_ports or []:
-        d = p.model_dump(mode="json")
+    # One serialisation of the whole report: per-card and per-port dumps cost
+    # more than the rest of this function.
+    dumped = hb.model_dump(mode="json", include={"load", "gpus", "ib_ports"})
+    ports = dumped["ib_ports"] or []
+    for p, d in zip(hb.ib_ports or [], ports, strict=True):
         before = prev_ports.get(port_key(p))
         before_counters = before.get("counters") or {} if before else {}
         d["tx_bps"] = _rate(_counter(p.counters, TX_COUNTERS), _counter(before_counters, TX_COUNTERS), interval)
         d["rx_bps"] = _rate(_counter(p.counters, RX_COUNTERS), _counter(before_counters, RX_COUNTERS), interval)
-        ports.append(d)
     return {
         "at": server_at,
         "agent_at": hb.at,
-        "load": hb.load.model_dump(mode="json") if hb.load is not None else None,
-        "gpus": [g.model_dump(mode="json") for g in hb.gpus or []],
+        "load": dumped["load"],
+        "gpus": dumped["gpus"] or [],
         "ib_ports": ports,
         "shards": [{"shard_id": s.shard_id, "state": str(s.state)} for s in hb.shards],
         "applied": dict((previous or {}).get("applied") or {}),
@@ -145,7 +146,11 @@ def record_sm_changes(
     before = {f"{p['hca']}/{p['port']}": p.get("sm_guid") or "" for p in previous.get("ib_ports") or []}
     changed = 0
     for p in ports:
-        old = fabric_rules.canonical_guid(before.get(port_key(p), ""))
+        raw_old = before.get(port_key(p), "")
+        if raw_old == p.sm_guid:
+            # The usual case, and no change whatever the spelling.
+            continue
+        old = fabric_rules.canonical_guid(raw_old)
         new = fabric_rules.canonical_guid(p.sm_guid)
         if old and new and old != new:
             fabric_rules.record_sm_change(at=now, node_id=node_id, port=port_key(p), from_guid=old, to_guid=new)
