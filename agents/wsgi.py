@@ -45,7 +45,11 @@ class AgentHandler(WSGIHandler):
         # CommonMiddleware would call this: a Host outside ALLOWED_HOSTS is a 400.
         request.get_host()
         request.urlconf = __name__
-        return self._get_response(request)
+        response = self._get_response(request)
+        # As CommonMiddleware would: a known length spares the server chunked encoding.
+        if not response.streaming and not response.has_header("Content-Length"):
+            response.headers["Content-Length"] = str(len(response.content))
+        return response
 
 
 def with_agent_fast_path(application: WSGIApp, *, prefix: str = AGENT_PREFIX) -> WSGIApp:

@@ -93,6 +93,7 @@ def test_register_and_heartbeat_without_middleware(app):
     assert "Set-Cookie" not in headers
     assert "X-Frame-Options" not in headers
     assert headers["Content-Type"] == "application/json"
+    assert headers["Content-Length"] == str(len(body))
     status, _, body = call(fast, f"{AGENT_PREFIX}heartbeat", heartbeat_payload(at=1.0), token=credential)
     assert status == 200, body
     assert json.loads(body)["commands"] == []
