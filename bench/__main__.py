@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-BENCHES: list[str] = ["heartbeat"]
+BENCHES: list[str] = ["heartbeat", "planner", "reconcile"]
 
 
 def main(argv: list[str]) -> int:

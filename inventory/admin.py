@@ -21,6 +21,7 @@ from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
+from django.utils.http import urlencode
 
 from inventory import gpus as gpu_rules
 from inventory import node_view, operations, telemetry
@@ -426,6 +427,14 @@ class NodeAdmin(admin.ModelAdmin):
                 labels_url=reverse("admin:inventory_node_labels", args=[quote(node.id)]),
                 forget_refusal=operations.forget_refusal(node),
                 now=timezone.now(),
+                credential=node_view.credential_box(node),
+                # Rotate needs change, reset needs delete: the credential admin offers each by permission.
+                can_manage_credential=request.user.has_perm("agents.change_nodecredential")
+                or request.user.has_perm("agents.delete_nodecredential"),
+                credential_url=reverse("admin:agents_nodecredential_change", args=[quote(node.id)]),
+                credential_actions_url=reverse("admin:agents_nodecredential_changelist")
+                + "?"
+                + urlencode({"node": node.id}),
             )
         return super().change_view(request, object_id, form_url, extra_context=extra)
 

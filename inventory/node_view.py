@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents import wire
+from agents.models import NodeCredential
 from inventory import gpus as gpu_rules
 from inventory import telemetry
 from inventory.models import GPU, Node
@@ -206,4 +207,36 @@ def node_page(node: Node) -> NodePage:
         telemetry_at=(data or {}).get("at"),
         has_telemetry=data is not None,
         load=(data or {}).get("load") or {},
+    )
+
+
+@dataclass
+class CredentialBox:
+    """The node's own credential as its page shows it: whether it has one and its history.
+
+    The secret is never shown (only its hash is kept). There is no per-use
+    timestamp on a credential: a heartbeat is authenticated with it, so the
+    node's last heartbeat is when it was last used.
+    """
+
+    present: bool
+    issued_at: dt.datetime | None = None
+    issued_by: str = ""
+    rotation_requested_at: dt.datetime | None = None
+    rotation_pending: bool = False
+    last_used: dt.datetime | None = None
+
+
+def credential_box(node: Node) -> CredentialBox:
+    """What the node page's Credential box says about `node`'s credential (one query)."""
+    cred = NodeCredential.objects.filter(node_id=node.id).first()
+    if cred is None:
+        return CredentialBox(present=False)
+    return CredentialBox(
+        present=True,
+        issued_at=cred.issued_at,
+        issued_by=cred.issued_by,
+        rotation_requested_at=cred.rotation_requested_at,
+        rotation_pending=cred.previous_hash is not None,
+        last_used=node.last_seen,
     )

@@ -5,13 +5,22 @@ from rest_framework.routers import DefaultRouter
 
 from inventory.api import GPUViewSet, NodeViewSet, NVLinkView
 from inventory.doctor_api import DoctorView
+from placement import views as placement_views
 
 router = DefaultRouter()
 router.register("nodes", NodeViewSet, basename="node")
 router.register("gpus", GPUViewSet, basename="gpu")
+router.register("profiles", placement_views.ProfileViewSet, basename="profile")
+router.register("deployments", placement_views.DeploymentViewSet, basename="deployment")
+router.register("replicas", placement_views.ReplicaViewSet, basename="replica")
+router.register("shards", placement_views.ShardViewSet, basename="shard")
+router.register("placement-events", placement_views.EventViewSet, basename="placement-event")
+router.register("holds", placement_views.HoldViewSet, basename="hold")
+router.register("power-budgets", placement_views.PowerBudgetViewSet, basename="power-budget")
 
 urlpatterns: list = [
     path("agent/", include("agents.urls")),
+    path("placement/dry-run", placement_views.DryRunView.as_view(), name="placement-dry-run"),
     *router.urls,
     re_path(r"^nvlink/?$", NVLinkView.as_view(), name="nvlink"),
     re_path(r"^doctor/?$", DoctorView.as_view(), name="doctor"),

@@ -120,6 +120,8 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # beside a writer, and the busy timeout makes a writer wait its turn
     # instead of failing with "database is locked".
     DATABASES["default"]["CONN_MAX_AGE"] = 0
+    # SQLite creates the file, not its directory: a fresh checkout has no var/.
+    Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
     DATABASES["default"]["OPTIONS"] = {
         "timeout": 20,
         "transaction_mode": "IMMEDIATE",
@@ -228,6 +230,18 @@ CELERY_BEAT_SCHEDULE["inventory.schedule_fabric_scans"] = {
 CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
     "task": "agents.liveness_sweep",
     "schedule": env_seconds("LLMGW_LIVENESS_INTERVAL", 10.0),
+}
+
+# Placement: the first HTTP port a shard gets on a node, and how often the
+# reconciler runs (it is also queued by events).
+LLMGW_SHARD_PORT_BASE = int(os.environ.get("LLMGW_SHARD_PORT_BASE", "18000"))
+# Unique shard ports across the whole cluster, for simulated fleets sharing one host.
+LLMGW_SHARD_PORTS_UNIQUE = os.environ.get("LLMGW_SHARD_PORTS_UNIQUE", "") in ("1", "true", "yes")
+LLMGW_RECONCILE_INTERVAL = env_seconds("LLMGW_RECONCILE_INTERVAL", 10.0)
+CELERY_BEAT_SCHEDULE["placement-reconcile"] = {
+    "task": "placement.reconcile",
+    "schedule": LLMGW_RECONCILE_INTERVAL,
+    "options": {"expires": LLMGW_RECONCILE_INTERVAL},
 }
 
 LOGGING = {

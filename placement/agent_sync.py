@@ -25,6 +25,11 @@ log = logging.getLogger(__name__)
 # released), and it must be stopped, not revived.
 TERMINAL = frozenset({wire.ShardState.STOPPED, wire.ShardState.FAILED})
 LIVE = frozenset(set(wire.ShardState) - TERMINAL)
+# What a fence stops. A shard reported draining is being stopped already (its
+# agent sent SIGTERM and SIGKILLs it at the deadline): fencing it again would
+# queue a fresh StopShard with every heartbeat until it ends, since the first
+# one was acknowledged as soon as it was applied.
+FENCEABLE = LIVE - {wire.ShardState.DRAINING}
 MAX_REASON = 512
 GONE_REPLICA = frozenset({ReplicaState.STOPPED, ReplicaState.FAILED})
 
@@ -163,12 +168,15 @@ def record_shard_states(node_id: str, statuses: Iterable[wire.ShardStatus], *, n
         row = rows.get(sid)
         state = wire.ShardState(s.state)
         if row is None:
-            if state in LIVE:
+            if state in FENCEABLE:
                 fence.append((str(sid), s.replica_id, "shard unknown to the control plane"))
             continue
         old = row["state"]
         if old in TERMINAL and state in LIVE:
-            fence.append((str(sid), str(row["replica_id"]), f"shard is {old} in the control plane: {row['reason']}"))
+            if state in FENCEABLE:
+                fence.append(
+                    (str(sid), str(row["replica_id"]), f"shard is {old} in the control plane: {row['reason']}")
+                )
             continue
         if allowed(old, state):
             changes.append((row, str(state), s.reason, s.exit_code, "shard_state"))
@@ -199,7 +207,8 @@ def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt
         sid = _uuid(r.shard_id)
         if sid is None:
             # Not even a shard id of ours: stop it under the name the agent gave.
-            fence.append((r.shard_id, r.replica_id, "shard unknown to the control plane"))
+            if wire.ShardState(r.state) in FENCEABLE:
+                fence.append((r.shard_id, r.replica_id, "shard unknown to the control plane"))
         else:
             reports[sid] = r
     rows = {r["id"]: r for r in Shard.objects.filter(node_id=node_id).values(*_ROW_FIELDS)}
@@ -208,11 +217,13 @@ def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt
         row = rows.get(sid)
         state = wire.ShardState(r.state)
         if row is None:
-            fence.append((str(sid), r.replica_id, "shard unknown to the control plane"))
+            if state in FENCEABLE:
+                fence.append((str(sid), r.replica_id, "shard unknown to the control plane"))
         elif row["replica__state"] in GONE_REPLICA:
-            fence.append((str(sid), str(row["replica_id"]), f"replica is {row['replica__state']}"))
+            if state in FENCEABLE:
+                fence.append((str(sid), str(row["replica_id"]), f"replica is {row['replica__state']}"))
         elif row["state"] in TERMINAL:
-            if state in LIVE:
+            if state in FENCEABLE:
                 fence.append((str(sid), str(row["replica_id"]), f"shard is {row['state']}: {row['reason']}"))
         else:
             result.adopted.append(str(sid))

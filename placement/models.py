@@ -42,6 +42,8 @@ class EngineProfile(models.Model):
     args = models.JSONField(default=list, blank=True)
     env = models.JSONField(default=dict, blank=True)
     model_path = models.CharField(max_length=1024, blank=True)
+    # Local disk a node needs to fetch the weights when they are not there (GB); 0 constrains nothing.
+    disk_gb = models.PositiveIntegerField("local disk for weights (GB)", default=0)
     served_model_name = models.CharField(max_length=128, blank=True)
     startup_timeout_s = models.PositiveIntegerField(default=1800)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -152,6 +154,8 @@ class Replica(models.Model):
     state = models.CharField(max_length=16, choices=ReplicaState.choices, default=ReplicaState.PENDING, db_index=True)
     # Why it is in that state: the planner's explanation while pending.
     reason = models.TextField(blank=True)
+    # The planner's reason node by node while pending (node id -> reason).
+    pending_reasons = models.JSONField(default=dict, blank=True)
     nvlink_domain = models.CharField(max_length=160, blank=True)
     # The physical fabric key (sm:..., roce:...) and the declared name it maps onto.
     fabric = models.CharField(max_length=128, blank=True)

@@ -5,7 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
 ADDR="${LLMGW_LISTEN:-127.0.0.1:8000}"
-mkdir -p var/celery/broker var/celery/processed
+VAR="${LLMGW_VAR_DIR:-var}"
+# The filesystem broker's folders (settings put them under LLMGW_VAR_DIR).
+mkdir -p "$VAR/celery/broker" "$VAR/celery/processed"
 
 pids=()
 cleanup() {

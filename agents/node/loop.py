@@ -3,12 +3,16 @@
 The agent joins with the join token the first time and keeps the credential it
 is given (state_dir/credential, mode 0600); after that it registers with its
 own credential, and falls back to the join token when that is refused (an
-operator reset it). Every heartbeat carries sensors, shard states and the ids
-of the commands it has applied; commands are applied at most once by id, since
-the control plane repeats a command until the agent's ack reaches it. While the
-control plane is unreachable the agent backs off with jitter (so a restarted
-control plane is not met by every node at the same instant) and keeps
-supervising its shards; no transient error ends it.
+operator reset it). When a heartbeat's answer asks for a new credential
+(an operator's "Rotate"), the agent trades its credential for a new one at the
+rotate endpoint and stores it atomically; the old one keeps working until the
+new one is first used, so a lost answer never locks the agent out. Every
+heartbeat carries sensors, shard states and the ids of the commands it has
+applied; commands are applied at most once by id, since the control plane
+repeats a command until the agent's ack reaches it. While the control plane
+is unreachable the agent backs off with jitter (so a restarted control plane
+is not met by every node at the same instant) and keeps supervising its
+shards; no transient error ends it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import random
 import socket
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +38,7 @@ import pydantic
 
 from agents import wire
 from agents.node.config import Config
+from agents.node.shardload import ShardMeter
 from agents.node.supervisor import Supervisor
 
 log = logging.getLogger("llmgw.agent")
@@ -150,6 +156,7 @@ class Agent:
         self._lock = threading.Lock()
         self._last_fabrics = 0.0
         self._previous_sample: Any = None
+        self._shard_meter = ShardMeter()
         self._problems: set[str] = set()
         self.stop_event = threading.Event()
 
@@ -167,10 +174,55 @@ class Agent:
             return ""
 
     def _save_credential(self, value: str) -> None:
-        fd = os.open(self.credential_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(value)
+        """Store the credential atomically: a crash leaves the old file or the new, never half of one.
+
+        The temporary file is created 0600 in the same directory (so the
+        rename stays on one filesystem) and synced before it replaces the old
+        one; the directory is synced after, so the rename itself survives a
+        power loss.
+        """
+        fd, tmp = tempfile.mkstemp(prefix=".credential-", suffix=".tmp", dir=self.state_dir)
+        try:
+            with os.fdopen(fd, "w") as f:
+                os.fchmod(f.fileno(), 0o600)
+                f.write(value)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.credential_path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        with contextlib.suppress(OSError):
+            dfd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def rotate_credential(self) -> bool:
+        """Trade the current credential for a new one (an operator asked); True when stored.
+
+        The control plane keeps the old credential valid until the new one is
+        first used, so any failure here (no answer, a refusal, a full disk)
+        leaves the agent with a working credential, and the request stays
+        outstanding until a rotation succeeds. Neither secret is ever logged.
+        """
+        r = self._post("/api/v1/agent/rotate", wire.RotateCredential(node_id=self.config.node_id), self.credential())
+        if r.status_code in (401, 403):
+            self.registered = False
+            raise NeedsRegister(f"credential rotation refused ({r.status_code})")
+        if r.status_code != 200:
+            raise Refused(f"credential rotation refused: {self._why(r)}")
+        try:
+            resp = wire.RegisterResponse.model_validate_json(r.content)
+        except pydantic.ValidationError as e:
+            raise Unreachable(f"unreadable rotation answer: {e}") from e
+        if not resp.credential:
+            raise Refused("the rotation answer carries no credential")
+        self._save_credential(resp.credential)
+        log.info("credential rotated; the new one is stored in %s (mode 0600)", self.credential_path)
+        return True
 
     # --- applied commands -------------------------------------------------
 
@@ -209,6 +261,15 @@ class Agent:
         if r.status_code >= 500:
             raise Unreachable(f"{path}: HTTP {r.status_code}")
         return r
+
+    @staticmethod
+    def _detail(r: httpx.Response) -> str:
+        """The control plane's own words for a refusal (its `detail`), else the start of the body."""
+        try:
+            detail = r.json().get("detail")
+        except (ValueError, AttributeError):
+            detail = None
+        return f"HTTP {r.status_code}: {detail if isinstance(detail, str) else r.text[:200]}"
 
     @staticmethod
     def _why(r: httpx.Response) -> str:
@@ -261,8 +322,12 @@ class Agent:
             if not token:
                 raise Refused("no credential yet and no join_token or join_token_file in agent.yaml")
             r = self._post("/api/v1/agent/register", body, token)
-            if r.status_code in (401, 403):
-                raise Refused(f"the join token was refused ({r.status_code}): check join_token in agent.yaml")
+            if r.status_code == 401:
+                raise Refused("the join token was refused (401): check join_token in agent.yaml")
+            if r.status_code == 403:
+                # A valid token, but this node id already holds a credential
+                # (its state directory was lost): the control plane says so.
+                raise Refused(f"the join token was refused: {self._detail(r)}")
         if r.status_code != 200:
             raise Refused(f"registration refused: {self._why(r)}")
         try:
@@ -286,15 +351,7 @@ class Agent:
     # --- heartbeat --------------------------------------------------------
 
     def _shard_loads(self) -> dict[str, wire.ShardLoad]:
-        page = os.sysconf("SC_PAGE_SIZE")
-        out = {}
-        for shard_id, pid in self.supervisor.pids().items():
-            try:
-                rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            out[shard_id] = wire.ShardLoad(rss_bytes=rss_pages * page)
-        return out
+        return self._shard_meter.measure(self.supervisor.pids())
 
     def heartbeat_body(self) -> wire.Heartbeat:
         """What this heartbeat says: sensors, shard states, engine installs, acks."""
@@ -345,6 +402,12 @@ class Agent:
                 self._acks.pop(a, None)
         for cmd in resp.commands:
             self.apply(cmd)
+        if resp.rotate_credential:
+            try:
+                self.rotate_credential()
+            except (Unreachable, Refused, OSError) as e:
+                # The old credential still works; the next heartbeat asks again.
+                log.warning("credential rotation failed, keeping the current credential: %s", e)
         return resp
 
     # --- commands ---------------------------------------------------------

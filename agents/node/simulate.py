@@ -144,8 +144,14 @@ def prepare_node(
     domain_size: int = 2,
     heartbeat_interval: float = 5.0,
     profiles_dir: Path = PROFILES_DIR,
+    ordinal: int | None = None,
 ) -> SimNode:
-    """Copy a profile for simulated node `index`, rewrite its identities, write its agent.yaml."""
+    """Copy a profile for simulated node `index`, rewrite its identities, write its agent.yaml.
+
+    `ordinal` is the node's number among the nodes of its profile (default:
+    `index`); domains are filled by it, so a mixed fleet still puts
+    `domain_size` trays of one profile in each NVLink domain.
+    """
     node_id = f"sim-{profile}-{index:02d}"
     node = SimNode(node_id=node_id, profile=profile, dir=workdir / node_id)
     if node.root.exists():
@@ -153,7 +159,7 @@ def prepare_node(
     node.dir.mkdir(parents=True, exist_ok=True)
     shutil.copytree(profiles_dir / profile, node.root, symlinks=True)
     if in_nvlink_domain(node.root):
-        node.domain = domain_uuid(profile, index // max(1, domain_size))
+        node.domain = domain_uuid(profile, (index if ordinal is None else ordinal) // max(1, domain_size))
 
     def rewrite(path: Path, text: str) -> str:
         # Every GPU UUID is the node's own: two simulated nodes must not share a card.
@@ -206,6 +212,7 @@ class Fleet:
             prepare_node(
                 index=i,
                 profile=names[i % len(names)],
+                ordinal=i // len(names),
                 workdir=self.workdir,
                 control_plane=control_plane,
                 token_file=token_file,

@@ -270,3 +270,34 @@ def test_fabrics_page_shows_disagreement_and_failed_scan(operator, now):
     ) in body
     assert "last try failed: ibnetdiscover timed out" in body
     assert "Switch 36 ..." in body
+
+
+def test_node_page_credential_box_links_to_its_actions_for_an_operator(nodes, operator, now):
+    from agents import credentials
+
+    credentials.issue("node-a", now=now, issued_by="rack 7")
+    c = login(operator)
+    page = text(c.get("/admin/inventory/node/node-a/change/"))
+    assert 'id="credential"' in page and 'id="credential-state">issued</span>' in page
+    assert "(rack 7)" in page
+    assert '<a class="button" href="/admin/agents/nodecredential/node-a/change/">Credential page</a>' in page
+    assert '<a class="button" href="/admin/agents/nodecredential/?node=node-a">Reset or rotate…</a>' in page
+    # The link lands on this node's credential alone, with both actions offered.
+    listing = c.get("/admin/agents/nodecredential/?node=node-a")
+    assert listing.status_code == 200
+    assert [cred.node_id for cred in listing.context["cl"].result_list] == ["node-a"]
+    assert '<option value="reset">' in text(listing) and '<option value="request_rotation">' in text(listing)
+    assert c.get("/admin/agents/nodecredential/node-a/change/").status_code == 200
+    # A node without a credential says so and offers nothing to act on.
+    bare = text(c.get("/admin/inventory/node/node-b/change/"))
+    assert 'id="credential-state">none</span>' in bare and 'id="credential-actions"' not in bare
+
+
+def test_node_page_credential_box_has_no_actions_for_a_viewer(nodes, staff_viewer, now):
+    from agents import credentials
+
+    credentials.issue("node-a", now=now, issued_by="rack 7")
+    page = text(login(staff_viewer).get("/admin/inventory/node/node-a/change/"))
+    assert 'id="credential-state">issued</span>' in page
+    assert 'id="credential-actions"' not in page and "Reset or rotate" not in page
+    assert "/admin/agents/nodecredential/node-a/change/" not in page

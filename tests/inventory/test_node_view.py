@@ -80,3 +80,27 @@ def test_age_and_rate():
     assert node_view.age(now - dt.timedelta(days=4), now) == "4d"
     assert node_view.rate(2.5e9) == "2.5 Gb/s"
     assert node_view.rate(12) == "12 b/s"
+
+
+def test_credential_box(now):
+    from agents import credentials
+
+    node = make_node("n", now=now, gpus=0)
+    assert node_view.credential_box(node) == node_view.CredentialBox(present=False)
+    credentials.issue("n", now=now, issued_by="rack 7")
+    Node.objects.filter(id="n").update(last_seen=now + dt.timedelta(seconds=30))
+    node.refresh_from_db()
+    assert node_view.credential_box(node) == node_view.CredentialBox(
+        present=True, issued_at=now, issued_by="rack 7", last_used=now + dt.timedelta(seconds=30)
+    )
+    credentials.request_rotation("n", now=now + dt.timedelta(minutes=1))
+    box = node_view.credential_box(node)
+    assert (box.rotation_requested_at, box.rotation_pending) == (now + dt.timedelta(minutes=1), False)
+    credentials.rotate("n", now=now + dt.timedelta(minutes=2))
+    box = node_view.credential_box(node)
+    assert (box.issued_at, box.issued_by, box.rotation_requested_at, box.rotation_pending) == (
+        now + dt.timedelta(minutes=2),
+        "rotation",
+        None,
+        True,
+    )

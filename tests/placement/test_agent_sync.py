@@ -166,3 +166,33 @@ def test_queue_reconcile_only_when_the_reconciler_exists(now, django_capture_on_
         queued = agent_sync.queue_reconcile()
     assert queued == ("placement.reconcile" in app.tasks)
     assert len(callbacks) == (1 if queued else 0)
+
+
+def test_a_fenced_shard_that_is_draining_is_not_fenced_again(now):
+    from agents import commands
+
+    make_node("node-a", now=now)
+    stranger = str(uuid.uuid4())
+    written_off = make_shard("node-a", now=now, state="failed")
+    reports = [status(stranger, "ready", replica_id="r"), status(written_off.id, "ready")]
+    result = agent_sync.record_shard_states("node-a", reports, now=now)
+    assert sorted(result.fenced) == sorted([stranger, str(written_off.id)])
+    # The agent applies the stops and acknowledges them; its shards drain until their processes end.
+    commands.acknowledge("node-a", [str(c.id) for c in Command.objects.all()], now=now)
+    draining = [status(stranger, "draining", replica_id="r"), status(written_off.id, "draining")]
+    for _ in range(3):
+        assert agent_sync.record_shard_states("node-a", draining, now=now).fenced == []
+    assert Command.objects.filter(kind="stop_shard").count() == 2
+    # A restarted agent offering them while they drain is not told again either.
+    offered = [
+        wire.RunningShard(replica_id="r", shard_id=stranger, state="draining"),
+        running(written_off, "draining"),
+        wire.RunningShard(replica_id="r", shard_id="not-ours", state="draining"),
+    ]
+    assert agent_sync.adopt_running("node-a", offered, now=now).fenced == []
+    assert Command.objects.filter(kind="stop_shard").count() == 2
+    # One that runs again (not draining) is fenced again.
+    assert agent_sync.record_shard_states("node-a", [status(stranger, "ready", replica_id="r")], now=now).fenced == [
+        stranger
+    ]
+    assert Command.objects.filter(kind="stop_shard", acked_at__isnull=True).count() == 1

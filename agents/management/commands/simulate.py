@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -12,6 +13,10 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from agents.node.simulate import Fleet, shipped_profiles
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 class Command(BaseCommand):
@@ -54,6 +59,13 @@ class Command(BaseCommand):
             )
         except ValueError as e:
             raise CommandError(str(e)) from e
+        # The agents run in sessions of their own (a Ctrl-C meant for this
+        # command must not reach them first), so every way of stopping this
+        # command becomes the same orderly stop, or the agents would outlive
+        # it. SIGINT too: a command started in the background by a shell
+        # inherits SIGINT ignored, and Ctrl-C would then do nothing.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _interrupt)
         fleet.start()
         for n in fleet.nodes:
             domain = f", NVLink domain {n.domain}" if n.domain else ""

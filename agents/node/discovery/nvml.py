@@ -62,12 +62,39 @@ def _w(v: Any) -> float | None:
     return round(v / 1000.0, 2) if isinstance(v, int | float) else None
 
 
+# The DL (data link) error counters per link, by their names in the `nvlink` readings. A flit CRC
+# and a data CRC error are both a corrupted transfer the link had to retry, so they count as one.
+NVLINK_COUNTERS = {"crc": ("crc_flit", "crc_data"), "replay": ("replay",), "recovery": ("recovery",)}
+
+
+def nvlink_errors_from_nvml(links: list[dict[str, Any]] | None) -> tuple[int, int, int]:
+    """(CRC, replay, recovery) errors summed over a card's active NVLinks; -1 for a count not read.
+
+    `links` is what `query_device` records per link: {link, active, crc_flit, crc_data, replay,
+    recovery}, a counter None where NVML answered NotSupported. A link that is down is skipped: its
+    counters describe a link that carries no traffic (they may be stale from before it went down).
+    A card without NVLink has no link readings and keeps -1 (not read), never 0 (read, clean).
+    """
+    totals: list[int] = []
+    for keys in NVLINK_COUNTERS.values():
+        values = [
+            int(link[k])
+            for link in links or []
+            if link.get("active") == 1
+            for k in keys
+            if isinstance(link.get(k), int)
+        ]
+        totals.append(sum(values) if values else -1)
+    return totals[0], totals[1], totals[2]
+
+
 def reading_from_nvml(index: int, raw: dict[str, Any], *, driver: str = "", cuda: str = "") -> GPUReading:
     """One card's NVML values (as `query_device` returns them) as a GPUReading."""
     cc = raw.get("compute_capability")
     reasons = raw.get("throttle_reasons")
     retired = raw.get("retired_pages") or {}
     remap = raw.get("remapped_rows")
+    nvlink = nvlink_errors_from_nvml(raw.get("nvlink"))
     return GPUReading(
         index=index,
         uuid=raw.get("uuid", ""),
@@ -96,9 +123,9 @@ def reading_from_nvml(index: int, raw: dict[str, Any], *, driver: str = "", cuda
         remapped_rows_uncorrectable=remap[1] if remap else -1,
         remap_pending=bool(remap[2]) if remap else False,
         remap_failure=bool(remap[3]) if remap else False,
-        nvlink_crc_errors=raw.get("nvlink_crc", -1),
-        nvlink_replay_errors=raw.get("nvlink_replay", -1),
-        nvlink_recovery_errors=raw.get("nvlink_recovery", -1),
+        nvlink_crc_errors=nvlink[0],
+        nvlink_replay_errors=nvlink[1],
+        nvlink_recovery_errors=nvlink[2],
         fabric=fabric_from_nvml(raw.get("fabric")),
         numa_node=raw.get("numa_node"),
     )
@@ -150,6 +177,7 @@ def query_device(nvml: Any, handle: Any) -> dict[str, Any]:
         raw["retired_pages"] = {"sbe": len(sbe or []), "dbe": len(dbe or []), "pending": bool(pending)}
     fabric = _try(_fabric_info, nvml, handle)
     raw["fabric"] = fabric
+    raw["nvlink"] = _nvlink_links(nvml, handle) or None
     return {k: v for k, v in raw.items() if v is not None}
 
 
@@ -163,6 +191,33 @@ def _fabric_info(nvml: Any, handle: Any) -> dict[str, Any]:
         "clique_id": int(info.cliqueId),
         "health_mask": int(getattr(info, "healthMask", 0)),
     }
+
+
+def _nvlink_links(nvml: Any, handle: Any) -> list[dict[str, Any]]:
+    """Each NVLink's state and, for an active one, its DL error counters (None where not supported)."""
+    counters = {
+        "crc_flit": getattr(nvml, "NVML_NVLINK_ERROR_DL_CRC_FLIT", None),
+        "crc_data": getattr(nvml, "NVML_NVLINK_ERROR_DL_CRC_DATA", None),
+        "replay": getattr(nvml, "NVML_NVLINK_ERROR_DL_REPLAY", None),
+        "recovery": getattr(nvml, "NVML_NVLINK_ERROR_DL_RECOVERY", None),
+    }
+    links: list[dict[str, Any]] = []
+    for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 0))):
+        try:
+            state = nvml.nvmlDeviceGetNvLinkState(handle, link)
+        except Exception as exc:
+            if type(exc).__name__ == "NVMLError_NotSupported":
+                break  # a card without NVLink: every other link would say the same
+            continue  # a link number past this card's last link (InvalidArgument)
+        entry: dict[str, Any] = {"link": link, "active": int(state)}
+        if int(state) == 1:
+            for name, counter in counters.items():
+                value = (
+                    _try(nvml.nvmlDeviceGetNvLinkErrorCounter, handle, link, counter) if counter is not None else None
+                )
+                entry[name] = int(value) if isinstance(value, int) else None
+        links.append(entry)
+    return links
 
 
 def read_nvml() -> tuple[list[GPUReading], list[str], bool]:

@@ -1,4 +1,4 @@
-"""Create the first admin login if there is none, and say what it is."""
+"""Create the first admin login if there is none, and say what it is and which roles there are."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import secrets
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management.base import BaseCommand
+
+from llmgw import roles
 
 
 class Command(BaseCommand):
@@ -19,6 +21,15 @@ class Command(BaseCommand):
         parser.add_argument("--username", default=os.environ.get("LLMGW_ADMIN_USER", "admin"))
 
     def handle(self, *args, username: str, **options) -> None:
+        self._admin(username)
+        counts = roles.ensure_roles()
+        self.stdout.write(
+            f"roles: group {roles.VIEWER!r} looks ({counts[roles.VIEWER]} permissions), "
+            f"group {roles.OPERATOR!r} looks and acts ({counts[roles.OPERATOR]} permissions); "
+            "put people in them at /admin/auth/user/"
+        )
+
+    def _admin(self, username: str) -> None:
         user_model = get_user_model()
         secret_file = settings.VAR_DIR / "admin-password"
         if user_model.objects.filter(is_superuser=True).exists():

@@ -84,6 +84,11 @@ class ControlPlane(ThreadingHTTPServer):
         self.fail_next = 0
         self.issued = 0
         self.scans: list[dict] = []
+        # Credential rotation: whether heartbeats ask for it, and the status the rotate endpoint fails with.
+        self.rotate = False
+        # Node ids that hold a credential: a join token cannot take them over.
+        self.taken: set[str] = set()
+        self.rotate_fails: int | None = None
         self.lock = threading.Lock()
 
     @property
@@ -116,6 +121,8 @@ class CPHandler(BaseHTTPRequestHandler):
                 return self._send(503, {"detail": "down"})
             if self.path == "/api/v1/agent/register":
                 wire.Register.model_validate(body)
+                if token == JOIN and body["node_id"] in cp.taken:
+                    return self._send(403, {"detail": "this node id is registered with its own credential"})
                 if token == JOIN:
                     cp.issued += 1
                     cred = f"cred-{cp.issued}"
@@ -131,7 +138,19 @@ class CPHandler(BaseHTTPRequestHandler):
             if self.path == "/api/v1/agent/heartbeat":
                 hb = wire.Heartbeat.model_validate(body)
                 cp.pending = [c for c in cp.pending if c["id"] not in hb.acks]
-                return self._send(200, {"commands": cp.pending, "heartbeat_interval_s": 0.1})
+                return self._send(
+                    200,
+                    {"commands": cp.pending, "heartbeat_interval_s": 0.1, "rotate_credential": cp.rotate or None},
+                )
+            if self.path == "/api/v1/agent/rotate":
+                wire.RotateCredential.model_validate(body)
+                if cp.rotate_fails:
+                    return self._send(cp.rotate_fails, {"detail": "no"})
+                cp.issued += 1
+                cred = f"cred-{cp.issued}"
+                cp.credentials.add(cred)
+                cp.rotate = False
+                return self._send(200, {"node_id": body["node_id"], "credential": cred, "heartbeat_interval_s": 0.1})
             if self.path == "/api/v1/agent/scans":
                 cp.scans.append(body)
                 return self._send(201, {})
@@ -217,11 +236,63 @@ def test_reset_credential_falls_back_to_join_token(make_agent, cp, tmp_path):
     assert (tmp_path / "state" / "credential").read_text() == "cred-2"
 
 
+def test_rotation_requested_in_a_heartbeat_stores_and_uses_the_new_credential(make_agent, cp, tmp_path, caplog):
+    caplog.set_level("DEBUG", logger="llmgw.agent")
+    agent = make_agent()
+    agent.step()
+    cp.rotate = True
+    cp.requests.clear()
+    agent.heartbeat()
+    agent.heartbeat()
+    assert [(p, t, b) for p, t, b in cp.requests if p != "/api/v1/agent/heartbeat"] == [
+        ("/api/v1/agent/rotate", "cred-1", {"node_id": "gpu-01"})
+    ]
+    assert [t for p, t, _ in cp.requests if p == "/api/v1/agent/heartbeat"] == ["cred-1", "cred-2"]
+    cred = tmp_path / "state" / "credential"
+    assert cred.read_text() == "cred-2"
+    assert stat.S_IMODE(cred.stat().st_mode) == 0o600
+    # Written beside and renamed over: nothing temporary is left behind.
+    assert sorted(p.name for p in cred.parent.iterdir() if "credential" in p.name) == ["credential"]
+    assert "credential rotated" in caplog.text
+    assert "cred-1" not in caplog.text and "cred-2" not in caplog.text
+    # A restarted agent registers with the new credential.
+    cp.requests.clear()
+    make_agent().register()
+    assert cp.requests[0][1] == "cred-2"
+
+
+@pytest.mark.parametrize("status", [503, 400])
+def test_failed_rotation_keeps_the_current_credential_and_retries(make_agent, cp, tmp_path, status):
+    agent = make_agent()
+    agent.step()
+    cp.rotate, cp.rotate_fails = True, status
+    agent.heartbeat()  # the failure is logged, not raised: the heartbeat itself went through
+    assert (tmp_path / "state" / "credential").read_text() == "cred-1"
+    cp.rotate_fails = None
+    cp.requests.clear()
+    agent.heartbeat()
+    agent.heartbeat()
+    assert [(p, t) for p, t, _ in cp.requests] == [
+        ("/api/v1/agent/heartbeat", "cred-1"),
+        ("/api/v1/agent/rotate", "cred-1"),
+        ("/api/v1/agent/heartbeat", "cred-2"),
+    ]
+
+
 def test_bad_join_token_is_refused_not_fatal(make_agent, cp):
     agent = make_agent()
     agent.config = config_mod.parse({**_cfg_dict(agent), "join_token": "wrong"})
     with pytest.raises(Refused, match="join token was refused"):
         agent.register()
+
+
+def test_join_refused_for_a_node_with_a_credential_says_why(make_agent, cp):
+    cp.taken.add("gpu-01")
+    with pytest.raises(Refused) as exc:
+        make_agent().register()
+    assert str(exc.value) == (
+        "the join token was refused: HTTP 403: this node id is registered with its own credential"
+    )
 
 
 def _cfg_dict(agent):

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from agents.node import config as config_mod
-from agents.node.simulate import ZERO_UUID, derive_fabrics, domain_uuid, in_nvlink_domain, prepare_node
+from agents.node.simulate import ZERO_UUID, Fleet, derive_fabrics, domain_uuid, in_nvlink_domain, prepare_node
 
 SMI = """\
 GPU 00000008:01:00.0
@@ -106,3 +106,22 @@ def test_single_machine_nvswitch_is_no_domain(tmp_path):
     )
     assert node.domain == ""
     assert ZERO_UUID in (node.root / "cmd" / "nvidia-smi_-q.txt").read_text()
+
+
+def test_a_mixed_fleet_fills_each_domain_with_trays_of_one_profile(tmp_path):
+    # Round-robin over two profiles: the trays are the 1st, 3rd and 5th nodes,
+    # and still two of them share each domain.
+    fleet = Fleet(
+        nodes=6,
+        control_plane="http://127.0.0.1:1",
+        join_token="t",
+        workdir=tmp_path / "work",
+        profiles=["tray", "hgx"],
+        domain_size=2,
+        profiles_dir=_profiles(tmp_path),
+    )
+    by_profile = {p: [n.domain for n in fleet.nodes if n.profile == p] for p in ("tray", "hgx")}
+    assert by_profile == {
+        "tray": [domain_uuid("tray", 0), domain_uuid("tray", 0), domain_uuid("tray", 1)],
+        "hgx": ["", "", ""],
+    }

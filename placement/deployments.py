@@ -1,0 +1,62 @@
+"""Operator actions on deployments: each recorded with who and why, each queueing a reconcile."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import TYPE_CHECKING
+
+from django.db import transaction
+
+from placement import replicas
+from placement.models import Deployment
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractBaseUser
+
+
+def _queue() -> None:
+    from placement.tasks import queue_reconcile
+
+    queue_reconcile()
+
+
+def record(dep: Deployment, kind: str, reason: str, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> None:
+    """An operator's change to a deployment, as an event; a reconcile follows the commit."""
+    replicas.event(kind, now=now, deployment_id=dep.id, reason=reason, actor=actor).save()
+    _queue()
+
+
+def live_replicas(dep: Deployment) -> int:
+    """How many of a deployment's replicas are not yet stopped or failed."""
+    return dep.replica_set.filter(state__in=replicas.LIVE_STATES).count()
+
+
+def deletable(dep: Deployment) -> str:
+    """Why a deployment cannot be deleted now, "" when it can.
+
+    Deleting rows would orphan running shards and their GPUs: scale to zero
+    first, and delete once the reconciler has stopped them.
+    """
+    n = live_replicas(dep)
+    return f"{n} replicas still live: scale to 0 first" if n else ""
+
+
+def scale(dep: Deployment, count: int, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> Deployment:
+    """Set the desired replicas."""
+    with transaction.atomic():
+        before = Deployment.objects.select_for_update().values_list("replicas", flat=True).get(id=dep.id)
+        Deployment.objects.filter(id=dep.id).update(replicas=count, updated_at=now)
+        dep.replicas = count
+        if before != count:
+            record(dep, "scaled", f"replicas {before} -> {count}", now=now, actor=actor)
+    return dep
+
+
+def set_paused(dep: Deployment, paused: bool, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> Deployment:
+    """Pause (the reconciler leaves it alone, what runs keeps running) or resume."""
+    with transaction.atomic():
+        changed = Deployment.objects.filter(id=dep.id, paused=not paused).update(paused=paused, updated_at=now)
+        dep.paused = paused
+        if changed:
+            record(dep, "paused" if paused else "resumed", "", now=now, actor=actor)
+    return dep

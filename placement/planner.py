@@ -1,0 +1,397 @@
+"""Where a replica goes, or why nowhere: a pure function over a snapshot.
+
+No database and no clock: the reconciler, the dry run and the benchmarks all
+call `plan` on a Snapshot, and the same cluster always gives the same answer.
+Every node not chosen gets a reason, so "why is this replica pending?" has an
+answer node by node.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from placement.snapshot import CORE_W, GPUInfo, NodeInfo, Snapshot
+
+BINPACK = "binpack"
+SPREAD = "spread"
+# Engines the agent carries itself: always installed.
+BUILTIN_ENGINES = frozenset({"echo"})
+
+
+@dataclass(frozen=True)
+class ReplicaRequest:
+    """What one replica needs of the cluster, per shard (one shard per node)."""
+
+    gpus_per_node: int = 1
+    nodes: int = 1
+    gpu_class: str = ""
+    memory_gb: int = 0
+    cpu_cores: int = 0
+    # Declared draw per shard (W); 0 derives it from the node's cards and cores.
+    power_w: float = 0.0
+    engine: str = "echo"
+    model_path: str = ""
+    # Local disk a download of the weights needs (GB); 0 constrains nothing.
+    disk_gb: int = 0
+    selector: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_profile(cls, profile: Any, *, selector: Mapping[str, str] | None = None) -> ReplicaRequest:
+        """The request of a profile (an EngineProfile or anything with its fields).
+
+        GPUs per node, when not declared, is the profile's TP x PP spread over
+        its nodes.
+        """
+        per_node = profile.gpus_per_node or max(1, math.ceil(profile.tp * profile.pp / max(profile.nodes, 1)))
+        return cls(
+            gpus_per_node=per_node,
+            nodes=profile.nodes,
+            gpu_class=profile.gpu_class,
+            memory_gb=profile.memory_gb,
+            cpu_cores=profile.cpu_cores,
+            power_w=profile.power_w,
+            engine=profile.engine,
+            model_path=profile.model_path,
+            disk_gb=getattr(profile, "disk_gb", 0) or 0,
+            selector=dict(selector or {}),
+        )
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard's place: node, rank, cards, adapters, port and claims."""
+
+    node_id: str
+    rank: int
+    gpu_indices: tuple[int, ...]
+    hcas: tuple[str, ...] = ()
+    http_port: int = 0
+    # The rendezvous port on the rank-0 node of a multi-node replica.
+    leader_port: int = 0
+    memory_gb: int = 0
+    cpu_cores: int = 0
+    power_w: float = 0.0
+    install_engine: bool = False
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a replica goes."""
+
+    shards: tuple[ShardPlan, ...]
+    nvlink_domain: str = ""
+    # Physical fabric key and the declared name it maps onto (multi-node over IB/RoCE).
+    fabric: str = ""
+    fabric_name: str = ""
+    env: Mapping[str, str] = field(default_factory=dict)
+    # With explain: why each other node was not chosen.
+    reasons: Mapping[str, str] = field(default_factory=dict)
+    ok: bool = True
+
+    @property
+    def node_ids(self) -> list[str]:
+        """The nodes, rank order."""
+        return [s.node_id for s in self.shards]
+
+
+@dataclass(frozen=True)
+class NoPlace:
+    """Why a replica cannot go anywhere now: a summary and a reason per node."""
+
+    reason: str
+    reasons: Mapping[str, str] = field(default_factory=dict)
+    ok: bool = False
+
+
+# Per-node checks --------------------------------------------------------------
+
+
+def shard_power(req: ReplicaRequest, gpus: Iterable[GPUInfo]) -> float:
+    """A shard's draw for power budgets: declared, or its cards plus its cores."""
+    if req.power_w:
+        return req.power_w
+    return sum(g.power_w() for g in gpus) + req.cpu_cores * CORE_W
+
+
+def _kw(w: float) -> str:
+    s = f"{w / 1000:.1f}"
+    return s[:-2] if s.endswith(".0") else s
+
+
+def power_reason(
+    snap: Snapshot, n: NodeInfo, watts: float, extra: Mapping[tuple[str, str], float] | None = None
+) -> str:
+    """Why adding `watts` on this node breaks a budget, "" when it does not."""
+    for bk in snap.budget_keys_of(n):
+        budget = snap.budgets[bk]
+        would = snap.budget_used.get(bk, 0.0) + (extra or {}).get(bk, 0.0) + watts
+        if would > budget + 1e-9:
+            return f"power budget {bk[0]}={bk[1]} would reach {_kw(would)} of {_kw(budget)} kW"
+    return ""
+
+
+def node_reason(req: ReplicaRequest, n: NodeInfo, snap: Snapshot, *, need: int | None = None) -> str:
+    """Why this node cannot take one shard of the request, "" when it can (power aside)."""
+    if n.state != "ready":
+        return n.state
+    if n.held:
+        return n.held
+    for k, v in req.selector.items():
+        have = n.labels.get(k)
+        if have is None:
+            return f"no label {k}, needs {k}={v}"
+        if have != v:
+            return f"label {k}={have}, needs {k}={v}"
+    need = req.gpus_per_node if need is None else need
+    if req.gpu_class and need and req.gpu_class not in n.gpu_classes():
+        have = ", ".join(sorted(c for c in n.gpu_classes() if c)) or "none"
+        return f"no {req.gpu_class} GPUs (has {have})"
+    free = n.free_count(req.gpu_class)
+    if free < need:
+        return f"{free} free GPU{'' if free == 1 else 's'}, needs {need}"
+    if req.memory_gb and n.memory_total_gb:
+        avail = n.memory_total_gb - n.memory_claimed_gb
+        if avail < req.memory_gb:
+            return f"needs {req.memory_gb} GB host memory, {max(avail, 0)} free"
+    if req.cpu_cores and n.cpu_count:
+        avail = n.cpu_count - n.cpu_claimed
+        if avail < req.cpu_cores:
+            return f"needs {req.cpu_cores} CPU cores, {max(avail, 0)} free"
+    present = n.weights is not None and req.model_path in n.weights
+    if req.model_path.startswith("/") and n.weights is not None and not present:
+        return f"weights {req.model_path} not present"
+    if req.disk_gb and not present and n.disk_known:
+        avail_gb = n.disk_free_bytes // 10**9
+        if avail_gb < req.disk_gb:
+            return f"needs {req.disk_gb} GB local disk for weights, {avail_gb} free"
+    if req.engine not in BUILTIN_ENGINES and n.engines_probed and req.engine not in n.engines:
+        blocked = n.engines_blocked.get(req.engine)
+        if blocked:
+            return blocked
+    return ""
+
+
+def choose_gpus(n: NodeInfo, need: int, *, gpu_class: str = "", hcas: Iterable[str] = ()) -> tuple[int, ...]:
+    """Pick `need` free cards: one NUMA node if one can hold them, NVLink peers, nearest the adapters.
+
+    A NUMA node that fits exactly is preferred to a bigger one, so the bigger
+    one stays whole for a later, larger shard.
+    """
+    free = n.free_gpus(gpu_class)
+    if need <= 0:
+        return ()
+    if need >= len(free):
+        return tuple(sorted(g.index for g in free))[:need]
+    hcas = tuple(hcas) or tuple(h for f in n.fabrics for h in f.hcas)
+    by_numa: dict[int, list[GPUInfo]] = {}
+    for g in free:
+        by_numa.setdefault(g.numa, []).append(g)
+    fitting = [grp for numa, grp in by_numa.items() if numa >= 0 and len(grp) >= need]
+    if fitting:
+        pool = min(fitting, key=lambda grp: (len(grp), -max(g.hca_rank(hcas) for g in grp), grp[0].numa))
+    else:
+        pool = free
+    chosen: list[GPUInfo] = []
+    numa_counts: Counter[int] = Counter()
+    rest = list(pool)
+    while len(chosen) < need:
+        picked = {g.index for g in chosen}
+        left = {g.index for g in rest}
+        best = max(
+            rest,
+            key=lambda g, picked=picked, left=left: (
+                len(g.nvlink_peers & picked),
+                numa_counts[g.numa] if g.numa >= 0 else 0,
+                g.hca_rank(hcas),
+                len(g.nvlink_peers & left),
+                -g.index,
+            ),
+        )
+        chosen.append(best)
+        numa_counts[best.numa] += 1
+        rest.remove(best)
+    return tuple(sorted(g.index for g in chosen))
+
+
+def _shard(
+    req: ReplicaRequest,
+    snap: Snapshot,
+    n: NodeInfo,
+    rank: int,
+    need: int,
+    hcas: tuple[str, ...],
+    *,
+    leader: bool,
+) -> ShardPlan:
+    idx = choose_gpus(n, need, gpu_class=req.gpu_class, hcas=hcas)
+    cards = [g for g in n.gpus if g.index in idx]
+    port = snap.free_port(n)
+    return ShardPlan(
+        node_id=n.id,
+        rank=rank,
+        gpu_indices=idx,
+        hcas=hcas,
+        http_port=port,
+        leader_port=snap.free_port(n, skip=[port]) if leader else 0,
+        memory_gb=req.memory_gb,
+        cpu_cores=req.cpu_cores,
+        power_w=shard_power(req, cards),
+        install_engine=(req.engine not in BUILTIN_ENGINES and n.engines_probed and req.engine not in n.engines),
+    )
+
+
+def _fits(req: ReplicaRequest, snap: Snapshot, n: NodeInfo, extra: Mapping[tuple[str, str], float]) -> str:
+    r = node_reason(req, n, snap)
+    if r or not snap.budget_keys_of(n):
+        return r
+    idx = choose_gpus(n, req.gpus_per_node, gpu_class=req.gpu_class)
+    watts = shard_power(req, [g for g in n.gpus if g.index in idx])
+    return power_reason(snap, n, watts, extra)
+
+
+def _pick(req: ReplicaRequest, snap: Snapshot, group: str, count: int, spread: bool) -> tuple[list[NodeInfo], int]:
+    """The first `count` nodes of a group that fit, in policy order, and their free cards."""
+    chosen: list[NodeInfo] = []
+    extra: dict[tuple[str, str], float] = {}
+    for n in snap.candidates(req.gpu_class, group, req.gpus_per_node, spread=spread):
+        if _fits(req, snap, n, extra):
+            continue
+        chosen.append(n)
+        if count > 1:
+            idx = choose_gpus(n, req.gpus_per_node, gpu_class=req.gpu_class)
+            watts = shard_power(req, [g for g in n.gpus if g.index in idx])
+            for bk in snap.budget_keys_of(n):
+                extra[bk] = extra.get(bk, 0.0) + watts
+        if len(chosen) == count:
+            break
+    return chosen, sum(n.free_count(req.gpu_class) for n in chosen)
+
+
+def summarize(reasons: Mapping[str, str], *, limit: int = 4) -> str:
+    """One line for a replica's reason: the commonest node reasons with their counts."""
+    if not reasons:
+        return "no nodes"
+    counts = Counter(reasons.values()).most_common()
+    parts = [
+        f"{c} nodes: {r}" if c > 1 else f"{r} ({next(k for k, v in reasons.items() if v == r)})" for r, c in counts
+    ]
+    more = len(parts) - limit
+    return "; ".join(parts[:limit]) + (f"; and {more} more" if more > 0 else "")
+
+
+def plan(req: ReplicaRequest, snap: Snapshot, *, policy: str = BINPACK, explain: bool = False) -> Plan | NoPlace:
+    """Find where a replica goes in the snapshot, or explain node by node why nowhere.
+
+    Single node: the first node that fits in policy order (binpack: fewest free
+    cards first; spread: most first; then node id). Several nodes: inside one
+    NVLink domain first (every card joined, IMEX up; shards get
+    NCCL_MNNVL_ENABLE=1), else on one physical InfiniBand/RoCE fabric, each
+    shard given only that fabric's adapters. Nodes with no fabric never host
+    a multi-node replica. The plan is not reserved: call snap.reserve(plan).
+    """
+    spread = policy == SPREAD
+    if req.nodes <= 1:
+        chosen, _ = _pick(req, snap, "", 1, spread)
+        if not chosen:
+            return _no_place(req, snap)
+        n = chosen[0]
+        result = Plan(shards=(_shard(req, snap, n, 0, req.gpus_per_node, (), leader=False),))
+        return _explained(result, req, snap, policy) if explain else result
+
+    best: tuple | None = None
+    for prefix in ("nvl:", "fab:"):
+        for group in snap.groups(prefix):
+            nodes, free = _pick(req, snap, group, req.nodes, spread)
+            if len(nodes) < req.nodes:
+                continue
+            score = (-free if spread else free, group)
+            if best is None or score < best[0]:
+                best = (score, group, nodes)
+        if best is not None:
+            break
+    if best is None:
+        return _no_place(req, snap)
+    _, group, nodes = best
+    shards = []
+    if group.startswith("nvl:"):
+        for rank, n in enumerate(nodes):
+            shards.append(_shard(req, snap, n, rank, req.gpus_per_node, (), leader=rank == 0))
+        result = Plan(shards=tuple(shards), nvlink_domain=group[4:], env={"NCCL_MNNVL_ENABLE": "1"})
+    else:
+        key = group[4:]
+        name = ""
+        for rank, n in enumerate(nodes):
+            f = n.fabric_for(key)
+            assert f is not None
+            name = name or f.name
+            shards.append(_shard(req, snap, n, rank, req.gpus_per_node, f.hcas, leader=rank == 0))
+        result = Plan(shards=tuple(shards), fabric=key, fabric_name=name)
+    return _explained(result, req, snap, policy) if explain else result
+
+
+def _multi_reason(req: ReplicaRequest, n: NodeInfo, usable: Mapping[str, int]) -> str:
+    """Why a node that could take a shard is not part of a multi-node replica."""
+    parts = []
+    if n.nvlink_domain and not n.imex_up:
+        parts.append(f"NVLink domain {n.nvlink_domain}: IMEX down")
+    elif n.domain_ready():
+        parts.append(f"NVLink domain {n.nvlink_domain} has {usable.get('nvl:' + n.nvlink_domain, 0)} usable nodes")
+    if not n.fabrics:
+        parts.append("no fabric: never hosts a multi-node replica")
+    for f in n.fabrics:
+        problem = f.problem()
+        if problem:
+            parts.append(problem)
+        else:
+            parts.append(f"physical fabric {f.key} has {usable.get('fab:' + f.key, 0)} usable nodes")
+    return "; ".join(parts) + f"; needs {req.nodes}"
+
+
+def _reasons(req: ReplicaRequest, snap: Snapshot, placed: Plan | None = None, policy: str = "") -> dict[str, str]:
+    skipped = set(placed.node_ids) if placed else set()
+    reasons: dict[str, str] = {}
+    fit: list[NodeInfo] = []
+    for n in snap.nodes.values():
+        if n.id in skipped:
+            continue
+        r = _fits(req, snap, n, {})
+        if r:
+            reasons[n.id] = r
+        else:
+            fit.append(n)
+    group = ""
+    if placed is not None and req.nodes > 1:
+        group = f"nvl:{placed.nvlink_domain}" if placed.nvlink_domain else f"fab:{placed.fabric}"
+    usable: Counter[str] = Counter()
+    for n in fit:
+        for g in n.groups()[1:]:
+            usable[g] += 1
+    for n in fit:
+        if placed is not None and (req.nodes <= 1 or group in n.groups()):
+            reasons[n.id] = f"fits; {policy} chose {', '.join(placed.node_ids)}"
+        elif req.nodes > 1:
+            reasons[n.id] = _multi_reason(req, n, usable)
+        else:
+            reasons[n.id] = "fits"
+    return dict(sorted(reasons.items()))
+
+
+def _no_place(req: ReplicaRequest, snap: Snapshot) -> NoPlace:
+    reasons = _reasons(req, snap)
+    return NoPlace(reason=summarize(reasons), reasons=reasons)
+
+
+def _explained(result: Plan, req: ReplicaRequest, snap: Snapshot, policy: str) -> Plan:
+    reasons = _reasons(req, snap, result, policy)
+    return Plan(
+        shards=result.shards,
+        nvlink_domain=result.nvlink_domain,
+        fabric=result.fabric,
+        fabric_name=result.fabric_name,
+        env=result.env,
+        reasons=reasons,
+    )

@@ -1,0 +1,180 @@
+"""Replica and shard state changes: compare-and-set moves, each leaving an event row.
+
+A replica moves only along REPLICA_TRANSITIONS; a batch of replicas moves
+in one statement and one bulk insert of events, so a reconcile pass costs a
+number of queries that does not grow with the deployments it looks at.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from django.db import transaction
+
+from placement.models import REPLICA_TRANSITIONS, PlacementEvent, Replica, ReplicaState, Shard
+
+if TYPE_CHECKING:
+    from django.contrib.auth.models import AbstractBaseUser
+
+LIVE_STATES = frozenset(
+    {
+        ReplicaState.PENDING,
+        ReplicaState.PLACING,
+        ReplicaState.STARTING,
+        ReplicaState.READY,
+        ReplicaState.DEGRADED,
+        ReplicaState.DRAINING,
+    }
+)
+# A shard in these states is done; the others are, or are becoming, a process.
+SHARD_DONE = frozenset({"stopped", "failed"})
+# Shard moves: a done shard stays done (a new shard is a new row).
+SHARD_TRANSITIONS: dict[str, frozenset[str]] = {
+    "pending": frozenset({"starting", "loading", "ready", "draining", "stopped", "failed"}),
+    "starting": frozenset({"loading", "ready", "draining", "stopped", "failed"}),
+    "loading": frozenset({"starting", "ready", "draining", "stopped", "failed"}),
+    "ready": frozenset({"loading", "draining", "stopped", "failed"}),
+    "draining": frozenset({"stopped", "failed"}),
+    "stopped": frozenset(),
+    "failed": frozenset(),
+}
+
+
+class TransitionError(Exception):
+    """A move the current state never allows."""
+
+
+def event(
+    kind: str,
+    *,
+    now: dt.datetime,
+    deployment_id: int | None = None,
+    replica_id: uuid.UUID | None = None,
+    shard_id: uuid.UUID | None = None,
+    from_state: str = "",
+    to_state: str = "",
+    reason: str = "",
+    actor: AbstractBaseUser | None = None,
+) -> PlacementEvent:
+    """An unsaved event row (bulk-inserted by the caller)."""
+    return PlacementEvent(
+        at=now,
+        deployment_id=deployment_id,
+        replica_id=replica_id,
+        shard_id=shard_id,
+        kind=kind,
+        from_state=from_state,
+        to_state=to_state,
+        reason=reason,
+        actor=actor,
+        actor_name=actor.get_username() if actor is not None else "system",
+    )
+
+
+def move(
+    replica_ids: Iterable[uuid.UUID],
+    old: str,
+    new: str,
+    *,
+    now: dt.datetime,
+    reason: str = "",
+    fields: Mapping[str, Any] | None = None,
+    actor: AbstractBaseUser | None = None,
+) -> list[uuid.UUID]:
+    """Move replicas from `old` to `new`, those still in `old`; returns those moved.
+
+    Rows locked and re-read in `old` first, so a concurrent writer that moved
+    one away is not overwritten, and each moved replica gets its event.
+    """
+    if new not in REPLICA_TRANSITIONS[ReplicaState(old)]:
+        raise TransitionError(f"a replica cannot go from {old} to {new}")
+    ids = list(replica_ids)
+    if not ids:
+        return []
+    with transaction.atomic():
+        rows = list(
+            Replica.objects.select_for_update()
+            .filter(id__in=ids, state=old)
+            .order_by("id")
+            .values_list("id", "deployment_id")
+        )
+        if not rows:
+            return []
+        moved = [r[0] for r in rows]
+        Replica.objects.filter(id__in=moved).update(state=new, reason=reason, updated_at=now, **dict(fields or {}))
+        PlacementEvent.objects.bulk_create(
+            [
+                event(
+                    "state",
+                    now=now,
+                    deployment_id=dep,
+                    replica_id=rid,
+                    from_state=old,
+                    to_state=new,
+                    reason=reason,
+                    actor=actor,
+                )
+                for rid, dep in rows
+            ]
+        )
+    return moved
+
+
+def change_state(
+    replica: Replica,
+    new: str,
+    *,
+    now: dt.datetime,
+    reason: str = "",
+    actor: AbstractBaseUser | None = None,
+    **fields: Any,
+) -> bool:
+    """Move one replica from the state it was read in; False if it had moved meanwhile."""
+    moved = move([replica.id], replica.state, new, now=now, reason=reason, fields=fields, actor=actor)
+    if moved:
+        replica.state = new
+        replica.reason = reason
+        for k, v in fields.items():
+            setattr(replica, k, v)
+    return bool(moved)
+
+
+def set_shard_state(
+    shard_id: uuid.UUID,
+    new: str,
+    *,
+    now: dt.datetime,
+    reason: str = "",
+    expected: str | None = None,
+    exit_code: int | None = None,
+) -> bool:
+    """Record a shard's new state (what a heartbeat reports), with its event.
+
+    A compare-and-set on the state read (or `expected`); False when it had
+    moved meanwhile or is already there. Raises TransitionError for a move
+    never allowed (a stopped shard does not come back: a new one is a new row).
+    """
+    with transaction.atomic():
+        shard = Shard.objects.select_for_update().select_related("replica").get(id=shard_id)
+        old = shard.state
+        if (expected is not None and old != expected) or old == new:
+            return False
+        if new not in SHARD_TRANSITIONS[old]:
+            raise TransitionError(f"a shard cannot go from {old} to {new}")
+        Shard.objects.filter(id=shard_id, state=old).update(
+            state=new, reason=reason, updated_at=now, exit_code=exit_code
+        )
+        event(
+            "shard",
+            now=now,
+            deployment_id=shard.replica.deployment_id,
+            replica_id=shard.replica_id,
+            shard_id=shard.id,
+            from_state=old,
+            to_state=new,
+            reason=reason,
+        ).save()
+    return True

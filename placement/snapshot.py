@@ -1,0 +1,509 @@
+"""A planning snapshot: what the planner may know about the cluster, frozen at one moment.
+
+The planner is a pure function over this (no database), so a dry run, a
+benchmark and the reconciler all plan with the same code. The snapshot is
+built with a constant number of queries whatever the size of the cluster, and
+indexed by GPU class and free-GPU count, by NVLink domain and by physical
+fabric, so that finding a node does not scan every node.
+
+Node records are frozen; `reserve` replaces a node's record with its new
+usage and moves it between index buckets, so planning many replicas in a row
+sees each earlier plan's claims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sortedcontainers import SortedList
+
+if TYPE_CHECKING:
+    from placement.planner import Plan
+
+ANY_CLASS = "*"
+READY = "ready"
+
+# A card's draw when nothing better is known, by model (its TDP, W). The
+# power limit the agent reads from the card, when reported, wins.
+GPU_TDP_W: dict[str, float] = {
+    "GB300": 1400.0,
+    "GB200": 1200.0,
+    "B300": 1100.0,
+    "B200": 1000.0,
+    "H200": 700.0,
+    "H100": 700.0,
+    "H20": 400.0,
+    "A100": 400.0,
+    "L40S": 350.0,
+    "L40": 300.0,
+    "A10": 150.0,
+    "L4": 72.0,
+}
+DEFAULT_GPU_TDP_W = 500.0
+# A claimed CPU core's share of a node's draw.
+CORE_W = 10.0
+
+# `nvidia-smi topo -m` paths from a GPU to an adapter, nearest first.
+PATH_RANK: dict[str, int] = {"NV": 6, "PIX": 5, "PXB": 4, "PHB": 3, "NODE": 2, "SYS": 1}
+
+
+def gpu_tdp_w(gpu_class: str) -> float:
+    """The nominal draw of a card of this class (its model's TDP)."""
+    model = (gpu_class or "").split("-")[0].upper()
+    return GPU_TDP_W.get(model, DEFAULT_GPU_TDP_W)
+
+
+@dataclass(frozen=True, slots=True)
+class GPUInfo:
+    """One card as the planner sees it."""
+
+    index: int
+    gpu_class: str
+    healthy: bool = True
+    numa: int = -1
+    nvlink_peers: frozenset[int] = frozenset()
+    # HCA -> topology path (PIX, PXB, PHB, NODE, SYS).
+    nic_paths: Mapping[str, str] = field(default_factory=dict)
+    # From telemetry; 0 when not reported.
+    power_limit_w: float = 0.0
+
+    def power_w(self) -> float:
+        """The card's draw for power budgets: its power limit, else its class's TDP."""
+        return self.power_limit_w or gpu_tdp_w(self.gpu_class)
+
+    def hca_rank(self, hcas: Iterable[str]) -> int:
+        """How near the nearest of these adapters is (higher is nearer, 0 unknown)."""
+        return max((PATH_RANK.get(self.nic_paths.get(h, "").upper(), 0) for h in hcas), default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class FabricInfo:
+    """A node's declared fabric and where its adapters are really cabled."""
+
+    name: str
+    hcas: tuple[str, ...] = ()
+    rate_gbps: int = 0
+    # The physical fabric key (sm:..., roce:...), "" when unknown or inconsistent.
+    key: str = ""
+    known: bool = False
+    consistent: bool = True
+    keys: tuple[str, ...] = ()
+
+    def problem(self) -> str:
+        """Why this fabric cannot carry a multi-node replica, "" when it can."""
+        if not self.consistent:
+            return f"fabric {self.name} cabled to two physical fabrics ({', '.join(self.keys)})"
+        if not self.known:
+            return f"fabric {self.name}: no active adapter reports its physical fabric"
+        return ""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """One node as the planner sees it: what it is, and what is already claimed."""
+
+    id: str
+    state: str = READY
+    mgmt_addr: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    # Why nothing new goes here ("held: rack=r12"), "" when not held.
+    held: str = ""
+    gpus: tuple[GPUInfo, ...] = ()
+    free: frozenset[int] = frozenset()
+    # Zero is "not reported", which constrains nothing.
+    memory_total_gb: int = 0
+    memory_claimed_gb: int = 0
+    cpu_count: int = 0
+    cpu_claimed: int = 0
+    disk_free_bytes: int = 0
+    disk_known: bool = False
+    # None: the node did not look for weights, which constrains nothing.
+    weights: frozenset[str] | None = None
+    engines: frozenset[str] = frozenset()
+    engines_probed: bool = False
+    # engine -> why it cannot be installed here (unsupported, a failed install).
+    engines_blocked: Mapping[str, str] = field(default_factory=dict)
+    # The NVLink domain every card is joined to ("" none) and whether IMEX is up.
+    nvlink_domain: str = ""
+    imex_up: bool = False
+    fabrics: tuple[FabricInfo, ...] = ()
+    # Momentary draw from telemetry (W), for the operator; budgets count claims.
+    power_draw_w: float = 0.0
+    ports: frozenset[int] = frozenset()
+
+    @property
+    def schedulable(self) -> bool:
+        """Ready and not held."""
+        return self.state == READY and not self.held
+
+    def gpu_classes(self) -> set[str]:
+        """The classes of this node's cards."""
+        return {g.gpu_class for g in self.gpus}
+
+    def free_gpus(self, gpu_class: str = "") -> list[GPUInfo]:
+        """The free healthy cards, of one class when given, by index."""
+        return [
+            g for g in self.gpus if g.index in self.free and (not gpu_class or gpu_class in (ANY_CLASS, g.gpu_class))
+        ]
+
+    def free_count(self, gpu_class: str = "") -> int:
+        """How many free healthy cards (of a class)."""
+        if not gpu_class or gpu_class == ANY_CLASS:
+            return len(self.free)
+        return sum(1 for g in self.gpus if g.index in self.free and g.gpu_class == gpu_class)
+
+    def domain_ready(self) -> bool:
+        """Whether a multi-node replica may use this node's NVLink domain: every card joined, IMEX up."""
+        return bool(self.nvlink_domain) and self.imex_up
+
+    def fabric_for(self, key: str) -> FabricInfo | None:
+        """The declared fabric cabled to this physical fabric, if any."""
+        for f in self.fabrics:
+            if f.consistent and f.known and f.key == key:
+                return f
+        return None
+
+    def groups(self) -> list[str]:
+        """The index groups this node is found in: all, its domain, its physical fabrics."""
+        out = [""]
+        if self.domain_ready():
+            out.append("nvl:" + self.nvlink_domain)
+        for f in self.fabrics:
+            if f.consistent and f.known:
+                out.append("fab:" + f.key)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class HoldInfo:
+    """A facility hold, as the planner matches it."""
+
+    scope: str
+    node_id: str = ""
+    label_key: str = ""
+    label_value: str = ""
+    fabric: str = ""
+
+    def text(self) -> str:
+        """The reason a held node shows."""
+        if self.scope == "node":
+            return "held: node"
+        if self.scope == "label":
+            return f"held: {self.label_key}={self.label_value}"
+        return f"held: fabric {self.fabric}"
+
+    def matches(self, node_id: str, labels: Mapping[str, str], fabrics: Iterable[FabricInfo]) -> bool:
+        """Whether this hold covers a node."""
+        if self.scope == "node":
+            return self.node_id == node_id
+        if self.scope == "label":
+            return labels.get(self.label_key) == self.label_value
+        return any(self.fabric in (f.name, f.key) for f in fabrics)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The cluster for planning. Nodes are frozen records; `reserve` swaps in updated ones."""
+
+    nodes: dict[str, NodeInfo]
+    # (label key, label value) -> budget and claimed power (W).
+    budgets: dict[tuple[str, str], float] = field(default_factory=dict)
+    budget_used: dict[tuple[str, str], float] = field(default_factory=dict)
+    port_base: int = 18000
+    # Ports in use anywhere, when shard ports must be unique across the
+    # cluster (a simulated fleet on one host); None: per node.
+    cluster_ports: set[int] | None = None
+    taken_at: dt.datetime | None = None
+    # (gpu class or "*", group) -> free-GPU count -> node ids, sorted; schedulable nodes only.
+    _index: dict[tuple[str, str], dict[int, SortedList]] = field(default_factory=dict, repr=False)
+    _budget_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_budget_keys", frozenset(k for k, _ in self.budgets))
+        for n in self.nodes.values():
+            self._add(n)
+
+    # The index ---------------------------------------------------------
+    def _slots(self, n: NodeInfo) -> Iterator[tuple[tuple[str, str], int]]:
+        if not n.schedulable:
+            return
+        classes = {ANY_CLASS, *n.gpu_classes()}
+        for group in n.groups():
+            for c in classes:
+                yield (c, group), n.free_count(c)
+
+    def _add(self, n: NodeInfo) -> None:
+        for slot, count in self._slots(n):
+            buckets = self._index.setdefault(slot, {})
+            lst = buckets.get(count)
+            if lst is None:
+                lst = buckets[count] = SortedList()
+            lst.add(n.id)
+
+    def _remove(self, n: NodeInfo) -> None:
+        for slot, count in self._slots(n):
+            self._index[slot][count].discard(n.id)
+
+    def candidates(self, gpu_class: str, group: str, need: int, *, spread: bool) -> Iterator[NodeInfo]:
+        """Schedulable nodes of a group with at least `need` free cards of a class.
+
+        Binpack order (fewest free first) or spread order (most free first),
+        then by node id, so the same cluster always gives the same answer.
+        """
+        buckets = self._index.get((gpu_class or ANY_CLASS, group))
+        if not buckets:
+            return
+        counts = sorted((c for c in buckets if c >= need), reverse=spread)
+        for c in counts:
+            # A copy: the caller may reserve while iterating.
+            for node_id in list(buckets[c]):
+                yield self.nodes[node_id]
+
+    def groups(self, prefix: str) -> list[str]:
+        """The NVLink domain ("nvl:") or physical fabric ("fab:") groups present, sorted."""
+        return sorted({g for (_, g) in self._index if g.startswith(prefix)})
+
+    # Power -----------------------------------------------------------
+    def budget_keys_of(self, n: NodeInfo) -> list[tuple[str, str]]:
+        """The budgets a node's draw counts against."""
+        out = []
+        for k in self._budget_keys:
+            v = n.labels.get(k)
+            if v is not None and (k, v) in self.budgets:
+                out.append((k, v))
+        return sorted(out)
+
+    # Claims ----------------------------------------------------------
+    def replace(self, n: NodeInfo) -> None:
+        """Swap in a node's new record, keeping the index right."""
+        old = self.nodes.get(n.id)
+        if old is not None:
+            self._remove(old)
+        self.nodes[n.id] = n
+        self._add(n)
+
+    def reserve(self, plan: Plan) -> None:
+        """Count a plan's claims, so the next plan in the same pass sees them."""
+        for s in plan.shards:
+            n = self.nodes[s.node_id]
+            ports = set(n.ports)
+            ports.add(s.http_port)
+            if s.leader_port:
+                ports.add(s.leader_port)
+            if self.cluster_ports is not None:
+                self.cluster_ports.update(p for p in (s.http_port, s.leader_port) if p)
+            self.replace(
+                dataclasses.replace(
+                    n,
+                    free=n.free - set(s.gpu_indices),
+                    memory_claimed_gb=n.memory_claimed_gb + s.memory_gb,
+                    cpu_claimed=n.cpu_claimed + s.cpu_cores,
+                    ports=frozenset(ports),
+                )
+            )
+            for bk in self.budget_keys_of(n):
+                self.budget_used[bk] = self.budget_used.get(bk, 0.0) + s.power_w
+
+    def free_port(self, n: NodeInfo, *, skip: Iterable[int] = ()) -> int:
+        """The lowest port from the base that no shard on the node uses."""
+        used = set(n.ports) | set(skip)
+        if self.cluster_ports is not None:
+            used |= self.cluster_ports
+        p = self.port_base
+        while p in used:
+            p += 1
+        return p
+
+
+# Building from the database -------------------------------------------------
+
+
+def _ports_of(telemetry: Mapping[str, Any] | None) -> list[Any]:
+    from agents import wire
+
+    out = []
+    for p in (telemetry or {}).get("ib_ports") or []:
+        try:
+            out.append(wire.IBPort.model_validate({k: v for k, v in p.items() if k not in ("tx_bps", "rx_bps")}))
+        except Exception:
+            continue
+    return out
+
+
+def build(
+    *, now: dt.datetime | None = None, port_base: int | None = None, unique_ports: bool | None = None
+) -> Snapshot:
+    """Read the cluster into a snapshot with a constant number of queries.
+
+    One query per table (nodes, GPUs, fabrics, storage, weights, engine
+    installs, allocations, held GPUs, live shards' ports, holds, budgets) and
+    one cache round trip for telemetry, whatever the number of nodes.
+    """
+    from django.conf import settings
+    from django.db.models import Count, Q, Sum
+
+    from inventory import fabric as fabric_rules
+    from inventory import gpus as gpu_rules
+    from inventory import telemetry
+    from inventory.models import (
+        GPU,
+        AllocatedGPU,
+        Allocation,
+        EngineInstall,
+        FabricAttachment,
+        LocalWeights,
+        Node,
+        Storage,
+    )
+    from placement.models import Hold, PowerBudget, ReplicaState, Shard
+
+    base = port_base if port_base is not None else settings.LLMGW_SHARD_PORT_BASE
+    unique = settings.LLMGW_SHARD_PORTS_UNIQUE if unique_ports is None else unique_ports
+    nodes = list(
+        Node.objects.values_list(
+            "id",
+            "state",
+            "mgmt_addr",
+            "labels",
+            "memory_total_mb",
+            "cpu_count",
+            "engine_versions",
+            "engines_probed",
+            "imex_state",
+            "nvlink_domain",
+            "storage_reported",
+            "weights_reported",
+        )
+    )
+    ids = [r[0] for r in nodes]
+    tele = telemetry.get_many(ids)
+
+    gpus: dict[str, list[tuple]] = defaultdict(list)
+    for row in GPU.objects.values_list(
+        "node_id", "index", "gpu_class", "ecc_errors", "problems", "numa_node", "nvlink_peers", "nic_paths"
+    ).order_by("node_id", "index"):
+        gpus[row[0]].append(row)
+    held_gpus: dict[str, set[int]] = defaultdict(set)
+    for node_id, idx in AllocatedGPU.objects.values_list("node_id", "gpu_index"):
+        held_gpus[node_id].add(idx)
+    claims = {
+        r["node_id"]: r
+        for r in Allocation.objects.values("node_id").annotate(
+            mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w"), n=Count("id")
+        )
+    }
+    fabrics: dict[str, list[tuple]] = defaultdict(list)
+    for row in FabricAttachment.objects.values_list("node_id", "name", "hcas", "rate_gbps"):
+        fabrics[row[0]].append(row)
+    disk: dict[str, int] = defaultdict(int)
+    for node_id, free in Storage.objects.filter(shared=False).values_list("node_id", "free_bytes"):
+        disk[node_id] += free
+    weights: dict[str, set[str]] = defaultdict(set)
+    for node_id, path in LocalWeights.objects.values_list("node_id", "path"):
+        weights[node_id].add(path)
+    installs: dict[str, dict[str, str]] = defaultdict(dict)
+    installed: dict[str, set[str]] = defaultdict(set)
+    for node_id, engine, state, detail in EngineInstall.objects.values_list("node_id", "engine", "state", "detail"):
+        if state == "ready":
+            installed[node_id].add(engine)
+        elif state in ("unsupported", "failed"):
+            installs[node_id][engine] = f"engine {engine} {state}" + (f": {detail}" if detail else "")
+    ports: dict[str, set[int]] = defaultdict(set)
+    live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=["stopped", "failed"])
+    for node_id, port in Shard.objects.filter(live).values_list("node_id", "http_port"):
+        ports[node_id].add(port)
+    holds = [
+        HoldInfo(scope=h[0], node_id=h[1] or "", label_key=h[2], label_value=h[3], fabric=h[4])
+        for h in Hold.objects.values_list("scope", "node_id", "label_key", "label_value", "fabric")
+    ]
+    budgets = {(k, v): w for k, v, w in PowerBudget.objects.values_list("label_key", "label_value", "budget_w")}
+
+    # One canonical subnet-manager map over every port the cluster reports,
+    # so a fabric keeps one key through a failover.
+    all_ports = {i: _ports_of(tele.get(i)) for i in ids}
+    canon = fabric_rules.canonical_sms(p for ps in all_ports.values() for p in ps)
+
+    out: dict[str, NodeInfo] = {}
+    budget_used: dict[tuple[str, str], float] = defaultdict(float)
+    budget_label_keys = {k for k, _ in budgets}
+    for (
+        node_id,
+        state,
+        mgmt,
+        labels,
+        mem_mb,
+        cpus,
+        engine_versions,
+        probed,
+        imex,
+        domain,
+        storage_rep,
+        weights_rep,
+    ) in nodes:
+        t = tele.get(node_id) or {}
+        limits = {s.get("index"): float(s.get("power_limit_w") or 0) for s in t.get("gpus") or []}
+        ginfo = []
+        for _, idx, cls, ecc, problems, numa, peers, nic in gpus.get(node_id, []):
+            ginfo.append(
+                GPUInfo(
+                    index=idx,
+                    gpu_class=cls,
+                    healthy=gpu_rules.healthy(ecc, problems),
+                    numa=numa,
+                    nvlink_peers=frozenset(peers or []),
+                    nic_paths=dict(nic or {}),
+                    power_limit_w=limits.get(idx, 0.0),
+                )
+            )
+        finfo = []
+        for _, name, hcas, rate in fabrics.get(node_id, []):
+            pf = fabric_rules.physical_fabric(hcas, all_ports[node_id], canon)
+            finfo.append(FabricInfo(name, tuple(hcas), rate, pf.key, pf.known, pf.consistent, pf.keys))
+        labels = dict(labels or {})
+        held = next((h.text() for h in holds if h.matches(node_id, labels, finfo)), "")
+        c = claims.get(node_id) or {}
+        load = t.get("load") or {}
+        draw = sum(float(s.get("power_w") or 0) for s in t.get("gpus") or []) + float(load.get("cpu_power_w") or 0)
+        free = frozenset(g.index for g in ginfo if g.healthy and g.index not in held_gpus.get(node_id, ()))
+        out[node_id] = NodeInfo(
+            id=node_id,
+            state=state,
+            mgmt_addr=mgmt,
+            labels=labels,
+            held=held,
+            gpus=tuple(ginfo),
+            free=free,
+            memory_total_gb=(mem_mb or 0) // 1024,
+            memory_claimed_gb=c.get("mem") or 0,
+            cpu_count=cpus or 0,
+            cpu_claimed=c.get("cpu") or 0,
+            disk_free_bytes=disk.get(node_id, 0),
+            disk_known=storage_rep and node_id in disk,
+            weights=frozenset(weights.get(node_id, ())) if weights_rep and weights.get(node_id) else None,
+            engines=frozenset(engine_versions or {}) | installed.get(node_id, set()),
+            engines_probed=probed,
+            engines_blocked=installs.get(node_id, {}),
+            nvlink_domain=domain,
+            imex_up=gpu_rules.imex_up(imex),
+            fabrics=tuple(finfo),
+            power_draw_w=draw,
+            ports=frozenset(ports.get(node_id, ())),
+        )
+        if budget_label_keys and c.get("power"):
+            for k in budget_label_keys:
+                v = labels.get(k)
+                if v is not None and (k, v) in budgets:
+                    budget_used[(k, v)] += c["power"]
+    return Snapshot(
+        nodes=out,
+        budgets=budgets,
+        budget_used=dict(budget_used),
+        port_base=base,
+        cluster_ports={p for ps in ports.values() for p in ps} if unique else None,
+        taken_at=now,
+    )

@@ -1,0 +1,257 @@
+"""Placement's REST API: thin callers of placement's logic."""
+
+from __future__ import annotations
+
+from django.db.models import Count, Q
+from django.utils import timezone
+from rest_framework import status, viewsets
+from rest_framework.decorators import action
+from rest_framework.permissions import BasePermission
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from placement import deployments as deployment_actions
+from placement import planner
+from placement import snapshot as snapshots
+from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
+from placement.serializers import (
+    DeploymentIn,
+    DeploymentOut,
+    DryRunIn,
+    EventOut,
+    HoldIn,
+    HoldOut,
+    PowerBudgetIn,
+    PowerBudgetOut,
+    ProfileIn,
+    ProfileOut,
+    ReplicaOut,
+    ScaleIn,
+    ShardOut,
+)
+
+
+class CanChange(BasePermission):
+    """An action that changes a row needs the model's change permission (POST is not "add" here)."""
+
+    def has_permission(self, request, view) -> bool:
+        model = view.get_queryset().model
+        return bool(
+            request.user
+            and request.user.is_authenticated
+            and request.user.has_perm(f"{model._meta.app_label}.change_{model._meta.model_name}")
+        )
+
+
+class InOutViewSet(viewsets.ModelViewSet):
+    """Validate writes with `input_class`, answer with `serializer_class`."""
+
+    input_class: type
+
+    def _write(self, request, instance=None, *, partial=False):
+        data = self.input_class(instance, data=request.data, partial=partial, context=self.get_serializer_context())
+        data.is_valid(raise_exception=True)
+        obj = self.perform_write(data)
+        return Response(self.serializer_class(self._reload(obj)).data, status=201 if instance is None else 200)
+
+    def _reload(self, obj):
+        return self.get_queryset().get(pk=obj.pk)
+
+    def perform_write(self, data):
+        return data.save()
+
+    def create(self, request, *args, **kwargs):
+        return self._write(request)
+
+    def update(self, request, *args, **kwargs):
+        return self._write(request, self.get_object(), partial=kwargs.pop("partial", False))
+
+
+class ProfileViewSet(InOutViewSet):
+    """Engine profiles: how a model is run."""
+
+    queryset = EngineProfile.objects.all()
+    serializer_class = ProfileOut
+    input_class = ProfileIn
+    filterset_fields = ["engine", "gpu_class", "name"]
+
+
+class DeploymentViewSet(InOutViewSet):
+    """Deployments: what should run. Changes queue a reconcile."""
+
+    serializer_class = DeploymentOut
+    input_class = DeploymentIn
+    filterset_fields = ["name", "served_model", "pool", "paused", "profile", "policy"]
+
+    def get_queryset(self):
+        return Deployment.objects.select_related("profile").annotate(
+            ready_replicas=Count("replica_set", filter=Q(replica_set__state="ready")),
+            live_replicas=Count("replica_set", filter=~Q(replica_set__state__in=["stopped", "failed"])),
+        )
+
+    def perform_write(self, data):
+        dep = data.save()
+        deployment_actions.record(dep, "changed", "saved through the API", now=timezone.now(), actor=self.request.user)
+        return dep
+
+    def destroy(self, request, *args, **kwargs):
+        dep = self.get_object()
+        why = deployment_actions.deletable(dep)
+        if why:
+            return Response({"replicas": [why]}, status=status.HTTP_409_CONFLICT)
+        return super().destroy(request, *args, **kwargs)
+
+    @action(detail=True, methods=["post"], permission_classes=[CanChange])
+    def scale(self, request, pk=None):
+        """Set the desired replicas."""
+        data = ScaleIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        dep = deployment_actions.scale(
+            self.get_object(), data.validated_data["replicas"], now=timezone.now(), actor=request.user
+        )
+        return Response(self.serializer_class(self._reload(dep)).data)
+
+    @action(detail=True, methods=["post"], permission_classes=[CanChange])
+    def pause(self, request, pk=None):
+        """Leave it alone: the reconciler neither starts nor stops its replicas."""
+        dep = deployment_actions.set_paused(self.get_object(), True, now=timezone.now(), actor=request.user)
+        return Response(self.serializer_class(self._reload(dep)).data)
+
+    @action(detail=True, methods=["post"], permission_classes=[CanChange])
+    def resume(self, request, pk=None):
+        """Reconcile it again."""
+        dep = deployment_actions.set_paused(self.get_object(), False, now=timezone.now(), actor=request.user)
+        return Response(self.serializer_class(self._reload(dep)).data)
+
+
+class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
+    """Replicas with their shards; a pending one carries the planner's reason node by node."""
+
+    serializer_class = ReplicaOut
+    filterset_fields = {
+        "deployment": ["exact"],
+        "deployment__name": ["exact"],
+        "state": ["exact", "in"],
+        "shards__node": ["exact"],
+        "nvlink_domain": ["exact"],
+        "fabric": ["exact"],
+    }
+
+    def get_queryset(self):
+        return Replica.objects.select_related("deployment").prefetch_related("shards").distinct()
+
+    @action(detail=True, methods=["get"])
+    def events(self, request, pk=None):
+        """The replica's state changes, newest first."""
+        qs = PlacementEvent.objects.filter(replica_id=self.get_object().id)
+        page = self.paginate_queryset(qs)
+        return self.get_paginated_response(EventOut(page, many=True).data)
+
+
+class ShardViewSet(viewsets.ReadOnlyModelViewSet):
+    """Shards: one process of a replica on one node."""
+
+    serializer_class = ShardOut
+    filterset_fields = {
+        "node": ["exact"],
+        "state": ["exact", "in"],
+        "replica": ["exact"],
+        "replica__deployment": ["exact"],
+    }
+
+    def get_queryset(self):
+        return Shard.objects.select_related("replica")
+
+
+class EventViewSet(viewsets.ReadOnlyModelViewSet):
+    """Placement events: who and what changed, and why."""
+
+    queryset = PlacementEvent.objects.all()
+    serializer_class = EventOut
+    filterset_fields = ["deployment", "replica", "shard", "kind"]
+
+
+class HoldViewSet(InOutViewSet):
+    """Holds: nothing new is placed on a node, a label value or a fabric."""
+
+    queryset = Hold.objects.select_related("created_by")
+    serializer_class = HoldOut
+    input_class = HoldIn
+    filterset_fields = ["scope", "node", "label_key", "label_value", "fabric"]
+    http_method_names = ["get", "post", "delete", "head", "options"]
+
+    def perform_write(self, data):
+        return data.save(created_by=self.request.user)
+
+
+class PowerBudgetViewSet(InOutViewSet):
+    """Power budgets per label value."""
+
+    queryset = PowerBudget.objects.all()
+    serializer_class = PowerBudgetOut
+    input_class = PowerBudgetIn
+    filterset_fields = ["label_key", "label_value"]
+
+
+class CanPlan(BasePermission):
+    """A dry run reads the cluster: it needs to view profiles and deployments."""
+
+    def has_permission(self, request, view) -> bool:
+        user = request.user
+        return bool(
+            user
+            and user.is_authenticated
+            and user.has_perm("placement.view_engineprofile")
+            and user.has_perm("placement.view_deployment")
+        )
+
+
+class DryRunView(APIView):
+    """Where would this go now, and why not elsewhere: the reconciler's planner over a fresh snapshot."""
+
+    permission_classes = [CanPlan]
+
+    def post(self, request):
+        data = DryRunIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        dep = v.get("deployment")
+        profile = v.get("profile") or dep.profile
+        selector = v.get("node_selector", dep.node_selector if dep else {})
+        policy = v.get("policy") or (dep.policy if dep else planner.BINPACK)
+        snap = snapshots.build(now=timezone.now())
+        req = planner.ReplicaRequest.from_profile(profile, selector=selector)
+        out = []
+        for _ in range(v["replicas"]):
+            result = planner.plan(req, snap, policy=policy, explain=True)
+            out.append(plan_json(result))
+            if not result.ok:
+                break
+            snap.reserve(result)
+        return Response({"placed": sum(1 for p in out if p["ok"]), "plans": out}, status=status.HTTP_200_OK)
+
+
+def plan_json(result: planner.Plan | planner.NoPlace) -> dict:
+    """A plan or a refusal as JSON."""
+    if isinstance(result, planner.NoPlace):
+        return {"ok": False, "reason": result.reason, "reasons": dict(result.reasons)}
+    return {
+        "ok": True,
+        "nvlink_domain": result.nvlink_domain,
+        "fabric": result.fabric,
+        "fabric_name": result.fabric_name,
+        "env": dict(result.env),
+        "shards": [
+            {
+                "node": s.node_id,
+                "rank": s.rank,
+                "gpu_indices": list(s.gpu_indices),
+                "hcas": list(s.hcas),
+                "http_port": s.http_port,
+                "power_w": s.power_w,
+                "install_engine": s.install_engine,
+            }
+            for s in result.shards
+        ],
+        "reasons": dict(result.reasons),
+    }

@@ -1,0 +1,100 @@
+"""NVLink error counters: per-link NVML readings summed over a card's active links."""
+
+from __future__ import annotations
+
+import pynvml
+
+from agents.node.discovery import nvml
+
+# Per-link readings in the shape `query_device` records them: three active links with errors, one
+# down, and one counter (data CRC on link 1) that NVML answered NotSupported.
+H100_LINKS = [
+    {"link": 0, "active": 1, "crc_flit": 3, "crc_data": 2, "replay": 1, "recovery": 0},
+    {"link": 1, "active": 1, "crc_flit": 4, "crc_data": None, "replay": 0, "recovery": 2},
+    {"link": 2, "active": 0},
+    {"link": 3, "active": 1, "crc_flit": 0, "crc_data": 0, "replay": 5, "recovery": 0},
+]
+
+
+def test_counters_are_summed_over_active_links():
+    assert nvml.nvlink_errors_from_nvml(H100_LINKS) == (9, 6, 2)
+
+
+def test_a_down_link_is_skipped_even_with_counts():
+    links = [
+        {"link": 0, "active": 1, "crc_flit": 1, "crc_data": 0, "replay": 0, "recovery": 0},
+        {"link": 1, "active": 0, "crc_flit": 500, "crc_data": 7, "replay": 9, "recovery": 4},
+    ]
+    assert nvml.nvlink_errors_from_nvml(links) == (1, 0, 0)
+
+
+def test_not_supported_keeps_minus_one():
+    assert nvml.nvlink_errors_from_nvml(None) == (-1, -1, -1)
+    assert nvml.nvlink_errors_from_nvml([]) == (-1, -1, -1)
+    # NVLink present but every counter NotSupported: not read, never a clean 0.
+    unsupported = [{"link": 0, "active": 1, "crc_flit": None, "crc_data": None, "replay": None, "recovery": None}]
+    assert nvml.nvlink_errors_from_nvml(unsupported) == (-1, -1, -1)
+    # Only the replay counter answered.
+    partial = [{"link": 0, "active": 1, "crc_flit": None, "crc_data": None, "replay": 0, "recovery": None}]
+    assert nvml.nvlink_errors_from_nvml(partial) == (-1, 0, -1)
+    # Every link down: nothing read.
+    assert nvml.nvlink_errors_from_nvml([{"link": 0, "active": 0}, {"link": 1, "active": 0}]) == (-1, -1, -1)
+
+
+def test_reading_carries_the_sums():
+    r = nvml.reading_from_nvml(0, {"uuid": "GPU-1", "nvlink": H100_LINKS})
+    assert (r.nvlink_crc_errors, r.nvlink_replay_errors, r.nvlink_recovery_errors) == (9, 6, 2)
+    bare = nvml.reading_from_nvml(0, {"uuid": "GPU-2"})
+    assert (bare.nvlink_crc_errors, bare.nvlink_replay_errors, bare.nvlink_recovery_errors) == (-1, -1, -1)
+
+
+class RecordedNVML:
+    """Replays NVML's recorded answers for one card: link -> state, (link, counter) -> value or an error."""
+
+    NVML_NVLINK_MAX_LINKS = pynvml.NVML_NVLINK_MAX_LINKS
+    NVML_NVLINK_ERROR_DL_CRC_FLIT = pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT
+    NVML_NVLINK_ERROR_DL_CRC_DATA = pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA
+    NVML_NVLINK_ERROR_DL_REPLAY = pynvml.NVML_NVLINK_ERROR_DL_REPLAY
+    NVML_NVLINK_ERROR_DL_RECOVERY = pynvml.NVML_NVLINK_ERROR_DL_RECOVERY
+
+    def __init__(self, states: dict[int, int], counters: dict[tuple[int, int], int], *, supported: bool = True):
+        self.states, self.counters, self.supported = states, counters, supported
+        self.calls = 0
+
+    def nvmlDeviceGetNvLinkState(self, handle, link):
+        self.calls += 1
+        if not self.supported:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if link not in self.states:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self.states[link]
+
+    def nvmlDeviceGetNvLinkErrorCounter(self, handle, link, counter):
+        if (link, counter) not in self.counters:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self.counters[(link, counter)]
+
+
+def test_links_are_read_with_nvmls_own_errors():
+    crc, replay, recovery = (
+        pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+        pynvml.NVML_NVLINK_ERROR_DL_REPLAY,
+        pynvml.NVML_NVLINK_ERROR_DL_RECOVERY,
+    )
+    recorded = RecordedNVML(
+        {0: 1, 1: 0, 2: 1},
+        {(0, crc): 3, (0, replay): 1, (0, recovery): 0, (1, crc): 99, (2, crc): 1, (2, replay): 0, (2, recovery): 2},
+    )
+    links = nvml._nvlink_links(recorded, handle=None)
+    assert links == [
+        {"link": 0, "active": 1, "crc_flit": 3, "crc_data": None, "replay": 1, "recovery": 0},
+        {"link": 1, "active": 0},
+        {"link": 2, "active": 1, "crc_flit": 1, "crc_data": None, "replay": 0, "recovery": 2},
+    ]
+    assert nvml.nvlink_errors_from_nvml(links) == (4, 1, 2)
+
+
+def test_a_card_without_nvlink_is_asked_once():
+    pcie = RecordedNVML({}, {}, supported=False)
+    assert nvml._nvlink_links(pcie, handle=None) == []
+    assert pcie.calls == 1

@@ -1,0 +1,321 @@
+"""The reconciler, called directly with `now`; shard states written the way a heartbeat would."""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+
+import pytest
+from django.core.cache import cache
+
+from agents.models import Command
+from inventory import allocation
+from inventory.models import AllocatedGPU, Allocation, NodeEvent
+from inventory.nodes import change_state as node_state
+from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
+from placement.reconciler import reconcile, release_orphans
+from placement.replicas import set_shard_state
+from placement.tasks import LOCK_KEY, reconcile_task
+from tests.factories import make_node
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def profile():
+    return EngineProfile.objects.create(name="echo-4", engine="echo", gpus_per_node=4, memory_gb=16)
+
+
+def deploy(profile, name="chat", replicas=1, **kw) -> Deployment:
+    return Deployment.objects.create(name=name, served_model=name, profile=profile, replicas=replicas, **kw)
+
+
+def states(dep) -> list[str]:
+    return sorted(Replica.objects.filter(deployment=dep).values_list("state", flat=True))
+
+
+def all_ready(now, **filters) -> None:
+    """What heartbeats would report once the engines are up."""
+    for s in Shard.objects.filter(**filters).exclude(state__in=["ready", "stopped", "failed"]):
+        set_shard_state(s.id, "ready", now=now, reason="health check passed")
+
+
+def stopped(now, **filters) -> None:
+    """What heartbeats report once the agents have stopped what they were told to."""
+    for s in Shard.objects.filter(replica__state="draining", **filters).exclude(state__in=["stopped", "failed"]):
+        set_shard_state(s.id, "stopped", now=now, reason="stop requested")
+
+
+def commands(kind, node_id=None):
+    qs = Command.objects.filter(kind=kind)
+    if node_id:
+        qs = qs.filter(node_id=node_id)
+    return list(qs.order_by("created_at", "id"))
+
+
+def test_scale_up_places_and_queues_start_shard(now, profile):
+    make_node("a", now=now, mgmt_addr="10.0.0.1")
+    dep = deploy(profile, replicas=2, pool="blue")
+    report = reconcile(now=now)
+    assert (report.created, report.placed, report.pending) == (2, 2, 0)
+    assert states(dep) == ["starting", "starting"]
+    shards = list(Shard.objects.order_by("http_port"))
+    assert [(s.node_id, s.gpu_indices, s.http_port, s.state) for s in shards] == [
+        ("a", [0, 1, 2, 3], 18000, "pending"),
+        ("a", [4, 5, 6, 7], 18001, "pending"),
+    ]
+    assert sorted(AllocatedGPU.objects.values_list("gpu_index", flat=True)) == list(range(8))
+    assert list(Allocation.objects.values_list("memory_gb", flat=True)) == [16, 16]
+    starts = commands("start_shard", "a")
+    assert len(starts) == 2
+    p = starts[0].payload
+    assert (p["leader_addr"], p["nnodes"], p["pool"], p["profile_fp"]) == ("10.0.0.1", 1, "blue", profile.fingerprint())
+    assert p["profile"]["served_model_name"] == "chat"
+    assert p["startup_timeout_s"] == 1800.0
+    rep = Replica.objects.get(shards__http_port=18000)
+    assert rep.endpoint == "http://10.0.0.1:18000"
+    assert rep.reason == "placed on a"
+
+
+def test_ready_when_all_shards_ready_and_idempotent(now, profile):
+    make_node("a", now=now)
+    dep = deploy(profile)
+    reconcile(now=now)
+    all_ready(now)
+    report = reconcile(now=now + dt.timedelta(seconds=10))
+    assert report.ready == 1
+    rep = Replica.objects.get(deployment=dep)
+    assert (rep.state, rep.ready_at) == ("ready", now + dt.timedelta(seconds=10))
+    before = (Command.objects.count(), PlacementEvent.objects.count(), Allocation.objects.count())
+    again = reconcile(now=now + dt.timedelta(seconds=20))
+    assert (again.created, again.placed, again.ready, again.stopped, again.failed) == (0, 0, 0, 0, 0)
+    assert (Command.objects.count(), PlacementEvent.objects.count(), Allocation.objects.count()) == before
+
+
+def test_degraded_then_ready_again(now, profile):
+    make_node("a", now=now)
+    dep = deploy(profile)
+    reconcile(now=now)
+    all_ready(now)
+    reconcile(now=now)
+    shard = Shard.objects.get()
+    set_shard_state(shard.id, "loading", now=now, reason="engine restarting")
+    reconcile(now=now)
+    rep = Replica.objects.get(deployment=dep)
+    assert (rep.state, rep.reason) == ("degraded", "shard 0 on a loading")
+    all_ready(now)
+    reconcile(now=now)
+    assert states(dep) == ["ready"]
+
+
+def test_failed_shard_releases_the_replica_whole_and_places_again(now, profile):
+    make_node("a", now=now)
+    make_node("b", now=now)
+    dep = deploy(profile.__class__.objects.create(name="two", engine="echo", gpus_per_node=8), replicas=1)
+    reconcile(now=now)
+    all_ready(now)
+    reconcile(now=now)
+    old = Replica.objects.get(deployment=dep)
+    old_shard = old.shards.get()
+    set_shard_state(old_shard.id, "failed", now=now, reason="exit 137")
+    report = reconcile(now=now + dt.timedelta(seconds=5))
+    assert (report.failed, report.created, report.placed) == (1, 1, 1)
+    old.refresh_from_db()
+    assert (old.state, old.reason) == ("failed", f"shard 0 on {old_shard.node_id} failed: exit 137")
+    assert not Allocation.objects.filter(replica_id=old.id).exists()
+    assert old_shard.node_id == "a"
+    assert [c.payload["shard_id"] for c in commands("stop_shard")] == []  # the failed shard has nothing to stop
+    new = Replica.objects.get(deployment=dep, state="starting")
+    # Released whole: node a's cards are free again, and binpack (ties by id) takes it first.
+    assert new.shards.get().node_id == "a"
+
+
+def test_lost_node_fails_the_replica_and_it_comes_back_elsewhere(now):
+    prof = EngineProfile.objects.create(name="full", engine="echo", gpus_per_node=8)
+    make_node("a", now=now)
+    make_node("b", now=now)
+    dep = deploy(prof)
+    reconcile(now=now)
+    all_ready(now)
+    reconcile(now=now)
+    first = Replica.objects.get(deployment=dep)
+    lost = first.shards.get().node_id
+    node_state(lost, "unreachable", now=now)
+    node_state(lost, "lost", now=now)
+    reconcile(now=now + dt.timedelta(minutes=5))
+    first.refresh_from_db()
+    assert (first.state, first.reason) == ("failed", f"node {lost} lost")
+    stops = commands("stop_shard", lost)
+    assert [c.payload["shard_id"] for c in stops] == [str(first.shards.get().id)]
+    again = Replica.objects.get(deployment=dep, state="starting")
+    assert again.shards.get().node_id == ({"a", "b"} - {lost}).pop()
+
+
+def test_drain_starts_the_new_replica_before_stopping_the_old(now):
+    prof = EngineProfile.objects.create(name="full", engine="echo", gpus_per_node=8)
+    make_node("a", now=now)
+    make_node("b", now=now)
+    dep = deploy(prof)
+    reconcile(now=now)
+    all_ready(now)
+    reconcile(now=now)
+    old = Replica.objects.get(deployment=dep)
+    node_id = old.shards.get().node_id
+    node_state(node_id, "draining", now=now, reason="maintenance")
+    reconcile(now=now)
+    assert states(dep) == ["ready", "starting"]
+    new = Replica.objects.get(deployment=dep, state="starting")
+    assert new.replaces_id == old.id
+    assert not commands("stop_shard")
+    reconcile(now=now)  # the new one is not ready yet: nothing changes
+    assert states(dep) == ["ready", "starting"]
+    all_ready(now, replica=new)
+    report = reconcile(now=now + dt.timedelta(seconds=30))
+    # The old one stops only now, and keeps its GPUs until its process has ended.
+    assert states(dep) == ["draining", "ready"]
+    assert [c.node_id for c in commands("stop_shard")] == [node_id]
+    assert report.drained == []
+    assert Allocation.objects.filter(replica_id=old.id).count() == 1
+    stopped(now)
+    report = reconcile(now=now + dt.timedelta(seconds=35))
+    assert states(dep) == ["ready", "stopped"]
+    old.refresh_from_db()
+    assert (old.state, old.reason) == ("stopped", f"replaced by {new.id}")
+    assert not Allocation.objects.filter(replica_id=old.id).exists()
+    assert report.drained == [node_id]
+    drained = NodeEvent.objects.filter(node_id=node_id, kind="drained")
+    assert [e.message for e in drained] == ["no replicas left; uncordon to use it again"]
+    reconcile(now=now + dt.timedelta(seconds=40))
+    assert NodeEvent.objects.filter(node_id=node_id, kind="drained").count() == 1
+
+
+def test_profile_change_rolls_one_replica_at_a_time(now, profile):
+    make_node("a", now=now, gpus=16)
+    dep = deploy(profile, replicas=2)
+    reconcile(now=now)
+    all_ready(now)
+    reconcile(now=now)
+    profile.args = ["--new-flag"]
+    profile.save()
+    reconcile(now=now)
+    assert states(dep) == ["ready", "ready", "starting"]
+    reconcile(now=now)
+    assert states(dep) == ["ready", "ready", "starting"]
+    all_ready(now)
+    reconcile(now=now)  # first old one stopping, second roll begins
+    assert states(dep) == ["draining", "ready", "ready", "starting"]
+    stopped(now)
+    all_ready(now)
+    reconcile(now=now)
+    assert states(dep) == ["draining", "ready", "ready", "stopped"]
+    stopped(now)
+    reconcile(now=now)
+    assert states(dep) == ["ready", "ready", "stopped", "stopped"]
+    fps = set(Replica.objects.filter(deployment=dep, state="ready").values_list("profile_fp", flat=True))
+    assert fps == {profile.fingerprint()}
+
+
+def test_scale_down_stops_the_least_useful_first(now, profile):
+    make_node("a", now=now, gpus=12)
+    dep = deploy(profile, replicas=3)
+    reconcile(now=now)
+    ready_one = Replica.objects.filter(deployment=dep).order_by("created_at", "id").first()
+    all_ready(now, replica=ready_one)
+    reconcile(now=now)
+    dep.replicas = 1
+    dep.save()
+    report = reconcile(now=now)
+    assert report.stopped == 2
+    # The two that were starting drain; nothing was ever ready there to lose.
+    assert states(dep) == ["draining", "draining", "ready"]
+    assert len(commands("stop_shard")) == 2
+    assert Allocation.objects.count() == 3
+    # One reports stopped; the other's agent never answers and is released after the timeout.
+    stopped(now, replica_id=Replica.objects.filter(state="draining").order_by("id").first().id)
+    reconcile(now=now + dt.timedelta(seconds=1))
+    assert states(dep) == ["draining", "ready", "stopped"]
+    reconcile(now=now + dt.timedelta(seconds=91))
+    assert states(dep) == ["ready", "stopped", "stopped"]
+    assert Allocation.objects.count() == 1
+    late = PlacementEvent.objects.filter(to_state="stopped").order_by("at").last()
+    assert late.reason == "scaled down"
+
+
+def test_paused_deployments_are_left_alone(now, profile):
+    make_node("a", now=now)
+    dep = deploy(profile, paused=True)
+    assert reconcile(now=now).created == 0
+    assert states(dep) == []
+
+
+def test_pending_replica_explains_itself_node_by_node(now, profile):
+    make_node("a", now=now, gpus=2)
+    make_node("b", now=now)
+    node_state("b", "cordoned", now=now)
+    dep = deploy(profile)
+    report = reconcile(now=now)
+    assert report.pending == 1
+    rep = Replica.objects.get(deployment=dep)
+    assert rep.state == "pending"
+    assert rep.pending_reasons == {"a": "2 free GPUs, needs 4", "b": "cordoned"}
+    assert rep.reason == "2 free GPUs, needs 4 (a); cordoned (b)"
+    node_state("b", "ready", now=now)
+    reconcile(now=now)
+    rep.refresh_from_db()
+    assert (rep.state, rep.pending_reasons) == ("starting", {})
+
+
+def test_startup_timeout_fails_the_replica(now):
+    prof = EngineProfile.objects.create(name="slow", engine="echo", gpus_per_node=8, startup_timeout_s=60)
+    make_node("a", now=now)
+    dep = deploy(prof)
+    reconcile(now=now)
+    reconcile(now=now + dt.timedelta(seconds=61))
+    reasons = list(Replica.objects.filter(deployment=dep, state="failed").values_list("reason", flat=True))
+    assert reasons == ["not ready within the startup timeout (60 s)"]
+
+
+def test_task_is_single_flight(now, profile):
+    make_node("a", now=now)
+    deploy(profile)
+    cache.add(LOCK_KEY, "someone-else", timeout=60)
+    assert reconcile_task(now=now.isoformat()) is None
+    assert Replica.objects.count() == 0
+    cache.delete(LOCK_KEY)
+    assert reconcile_task(now=now.isoformat())["placed"] == 1
+
+
+def test_steady_state_queries_do_not_grow_with_deployments(now, profile, django_assert_num_queries):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    for i in range(4):
+        make_node(f"n{i}", now=now, gpus=16)
+
+    def counted(n_deployments: int) -> int:
+        for i in range(n_deployments):
+            deploy(profile, name=f"d{n_deployments}-{i}")
+        reconcile(now=now)
+        all_ready(now)
+        reconcile(now=now)
+        with CaptureQueriesContext(connection) as ctx:
+            reconcile(now=now)
+        return len(ctx.captured_queries)
+
+    small = counted(2)
+    big = counted(6)
+    assert small == big == 5
+
+
+def test_claims_of_a_deleted_replica_are_released(now):
+    make_node("n1", now=now)
+    gone, kept = uuid.uuid4(), uuid.uuid4()
+    allocation.allocate(node_id="n1", replica_id=gone, shard_id=uuid.uuid4(), gpu_indices=[0, 1])
+    dep = Deployment.objects.create(
+        name="kept", served_model="m", profile=EngineProfile.objects.create(name="p", engine="echo"), replicas=0
+    )
+    Replica.objects.create(id=kept, deployment=dep, state="stopped", created_at=now, updated_at=now)
+    allocation.allocate(node_id="n1", replica_id=kept, shard_id=uuid.uuid4(), gpu_indices=[2])
+    assert release_orphans() == 1
+    assert allocation.held_gpu_indices("n1") == [2]
+    assert release_orphans() == 0

@@ -1,0 +1,161 @@
+"""Building the planning snapshot from the database and the telemetry cache."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from inventory import telemetry
+from inventory.allocation import allocate
+from inventory.nodes import change_state
+from placement import snapshot as snapshots
+from placement.models import Deployment, EngineProfile, Hold, PowerBudget, Replica, Shard
+from placement.planner import ReplicaRequest, plan
+from placement.reconciler import reconcile
+from tests.factories import gpu_payload, make_node
+
+pytestmark = pytest.mark.django_db
+
+SM_A = "0x0002c90300000001"
+SM_B = "0x0002c90300000002"
+
+
+def ib_port(hca: str, sm: str, sms=()) -> dict:
+    return {"hca": hca, "port": 1, "state": "4: ACTIVE", "link_layer": "InfiniBand", "sm_guid": sm, "sms": sms}
+
+
+def fabric_node(node_id, now, *, hcas=("mlx5_0", "mlx5_1"), **kw):
+    return make_node(node_id, now=now, fabrics=[{"name": "ib0", "hcas": list(hcas), "rate_gbps": 400}], **kw)
+
+
+def test_builds_nodes_with_claims_fabrics_and_holds(now):
+    fabric_node(
+        "a",
+        now,
+        labels={"rack": "r1"},
+        weights=[{"path": "/models/x"}],
+        storage=[
+            {"path": "/data", "free_bytes": 5 * 10**12, "total_bytes": 8 * 10**12},
+            {"path": "/filer", "free_bytes": 10**15, "total_bytes": 10**15, "shared": True},
+        ],
+    )
+    make_node("b", now=now, gpus=[gpu_payload(0), gpu_payload(1, ecc_errors=3)])
+    change_state("b", "cordoned", now=now)
+    allocate(
+        node_id="a",
+        replica_id=uuid.uuid4(),
+        shard_id=uuid.uuid4(),
+        gpu_indices=[0, 1],
+        memory_gb=100,
+        cpu_cores=4,
+        power_w=1500.0,
+    )
+    telemetry.put(
+        "a",
+        {
+            "ib_ports": [ib_port("mlx5_0", SM_A, [{"guid": SM_A}, {"guid": SM_B}]), ib_port("mlx5_1", SM_B)],
+            "gpus": [{"index": 0, "power_w": 300.0, "power_limit_w": 650.0}],
+            "load": {"cpu_power_w": 200.0},
+        },
+    )
+    Hold.objects.create(scope="label", label_key="rack", label_value="r9")
+    PowerBudget.objects.create(label_key="rack", label_value="r1", budget_w=40_000)
+
+    snap = snapshots.build(now=now)
+    a, b = snap.nodes["a"], snap.nodes["b"]
+    assert a.free == frozenset(range(2, 8))
+    assert (a.memory_total_gb, a.memory_claimed_gb, a.cpu_count, a.cpu_claimed) == (1953, 100, 224, 4)
+    assert (a.disk_free_bytes, a.disk_known) == (5 * 10**12, True)
+    assert a.weights == frozenset({"/models/x"})
+    # Two SMs listed together are one fabric, named by the lowest GUID: consistent through a failover.
+    assert [(f.name, f.key, f.known, f.consistent) for f in a.fabrics] == [("ib0", f"sm:{SM_A}", True, True)]
+    assert a.gpus[0].power_limit_w == 650.0 and a.power_draw_w == 500.0
+    assert snap.budget_used == {("rack", "r1"): 1500.0}
+    assert (b.state, b.free, b.weights, b.disk_known) == ("cordoned", frozenset({0}), None, False)
+    assert b.fabrics == ()
+
+
+def test_holds_keep_new_work_off(now):
+    make_node("a", now=now, labels={"rack": "r12"})
+    node_b = make_node("b", now=now)
+    fabric_node("c", now)
+    telemetry.put("c", {"ib_ports": [ib_port("mlx5_0", SM_A), ib_port("mlx5_1", SM_A)]})
+    Hold.objects.create(scope="label", label_key="rack", label_value="r12")
+    Hold.objects.create(scope="node", node=node_b)
+    Hold.objects.create(scope="fabric", fabric="ib0")
+    result = plan(ReplicaRequest(gpus_per_node=1), snapshots.build(now=now))
+    assert result.reasons == {"a": "held: rack=r12", "b": "held: node", "c": "held: fabric ib0"}
+
+
+def test_inconsistent_fabric_from_telemetry(now):
+    fabric_node("a", now)
+    telemetry.put("a", {"ib_ports": [ib_port("mlx5_0", SM_A), ib_port("mlx5_1", SM_B)]})
+    f = snapshots.build(now=now).nodes["a"].fabrics[0]
+    assert (f.consistent, f.keys) == (False, (f"sm:{SM_A}", f"sm:{SM_B}"))
+
+
+def test_query_count_does_not_grow_with_nodes(now, django_assert_num_queries):
+    for i in range(3):
+        fabric_node(f"n{i}", now, weights=[{"path": "/m"}], storage=[{"path": "/d", "free_bytes": 1, "total_bytes": 2}])
+    with django_assert_num_queries(11):
+        snapshots.build(now=now)
+    for i in range(3, 9):
+        fabric_node(f"n{i}", now)
+    with django_assert_num_queries(11):
+        snapshots.build(now=now)
+
+
+def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
+    for n in ("a", "b"):
+        fabric_node(n, now, mgmt_addr=f"10.0.0.{ord(n)}")
+        telemetry.put(n, {"ib_ports": [ib_port("mlx5_0", SM_A), ib_port("mlx5_1", SM_A)]})
+    make_node("c", now=now)  # no fabric: never part of it
+    prof = EngineProfile.objects.create(name="tp16", engine="echo", tp=16, nodes=2)
+    Deployment.objects.create(name="big", served_model="big", profile=prof, replicas=1)
+    reconcile(now=now)
+    rep = Replica.objects.get()
+    assert (rep.state, rep.fabric, rep.fabric_name) == ("starting", f"sm:{SM_A}", "ib0")
+    shards = list(Shard.objects.order_by("rank").values_list("node_id", "rank", "gpu_indices", "hcas"))
+    assert shards == [
+        ("a", 0, list(range(8)), ["mlx5_0", "mlx5_1"]),
+        ("b", 1, list(range(8)), ["mlx5_0", "mlx5_1"]),
+    ]
+    from agents.models import Command
+
+    p = Command.objects.get(node_id="b").payload
+    assert (p["leader_addr"], p["leader_port"], p["nnodes"], p["fabric"]) == ("10.0.0.97", 18001, 2, "ib0")
+
+
+def test_nvlink_domain_replica_gets_mnnvl(now):
+    fab = {
+        "state": "Completed",
+        "status": "Success",
+        "cluster_uuid": "c0ffee00-0000-0000-0000-000000000001",
+        "clique_id": "7",
+    }
+    for n in ("a", "b"):
+        make_node(n, now=now, gpus=[gpu_payload(i, fabric=fab) for i in range(4)], imex={"state": "UP", "channels": 1})
+    prof = EngineProfile.objects.create(name="nvl", engine="echo", gpus_per_node=4, nodes=2)
+    Deployment.objects.create(name="nvl", served_model="nvl", profile=prof, replicas=1)
+    reconcile(now=now)
+    rep = Replica.objects.get()
+    assert rep.nvlink_domain == "c0ffee00-0000-0000-0000-000000000001/7"
+    from agents.models import Command
+
+    payloads = [c.payload for c in Command.objects.order_by("node_id")]
+    assert [p["profile"]["env"] for p in payloads] == [{"NCCL_MNNVL_ENABLE": "1"}] * 2
+    assert [p["nvlink_domain"] for p in payloads] == ["c0ffee00-0000-0000-0000-000000000001/7"] * 2
+
+
+def test_ports_unique_across_the_cluster_for_a_fleet_on_one_host(now, settings):
+    settings.LLMGW_SHARD_PORTS_UNIQUE = True
+    make_node("a", now=now)
+    make_node("b", now=now)
+    prof = EngineProfile.objects.create(name="full", engine="echo", gpus_per_node=8)
+    Deployment.objects.create(name="d", served_model="d", profile=prof, replicas=2)
+    reconcile(now=now)
+    assert sorted(Shard.objects.values_list("node_id", "http_port")) == [("a", 18000), ("b", 18001)]
+    snap = snapshots.build(now=now)
+    assert snap.cluster_ports == {18000, 18001}
+    assert snapshots.build(now=now, unique_ports=False).cluster_ports is None

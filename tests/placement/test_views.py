@@ -1,0 +1,218 @@
+"""Placement's API: auth matrix, filters, pagination, query counts, the dry run."""
+
+from __future__ import annotations
+
+import pytest
+from rest_framework.test import APIClient
+
+from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
+from placement.reconciler import reconcile
+from tests.factories import make_node
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def profile():
+    return EngineProfile.objects.create(name="echo-4", engine="echo", gpus_per_node=4)
+
+
+@pytest.fixture
+def dep(profile):
+    return Deployment.objects.create(name="chat", served_model="chat", profile=profile, replicas=1)
+
+
+def client(user=None) -> APIClient:
+    c = APIClient()
+    if user is not None:
+        c.force_authenticate(user)
+    return c
+
+
+LISTS = ["profiles", "deployments", "replicas", "shards", "holds", "power-budgets", "placement-events"]
+
+
+@pytest.mark.parametrize("name", LISTS)
+def test_anonymous_is_refused(name):
+    assert client().get(f"/api/v1/{name}/").status_code in (401, 403)
+    assert client().post("/api/v1/placement/dry-run", {}, format="json").status_code in (401, 403)
+
+
+@pytest.mark.parametrize("name", LISTS)
+def test_viewer_reads(name, viewer):
+    r = client(viewer).get(f"/api/v1/{name}/")
+    assert r.status_code == 200
+    assert r.json()["count"] == 0
+
+
+def test_viewer_cannot_write(viewer, dep):
+    c = client(viewer)
+    assert c.post("/api/v1/profiles/", {"name": "x", "engine": "echo"}, format="json").status_code == 403
+    assert c.post(f"/api/v1/deployments/{dep.id}/scale/", {"replicas": 3}, format="json").status_code == 403
+    assert c.post(f"/api/v1/deployments/{dep.id}/pause/").status_code == 403
+    assert c.post("/api/v1/holds/", {"scope": "label", "label_key": "rack"}, format="json").status_code == 403
+    assert c.delete(f"/api/v1/deployments/{dep.id}/").status_code == 403
+    assert Deployment.objects.get().replicas == 1
+
+
+def test_operator_creates_profile_and_deployment(operator, django_capture_on_commit_callbacks):
+    c = client(operator)
+    r = c.post(
+        "/api/v1/profiles/",
+        {"name": "vllm-8", "engine": "vllm", "gpus_per_node": 8, "args": ["--max-model-len", "8192"]},
+        format="json",
+    )
+    assert r.status_code == 201, r.json()
+    prof = r.json()
+    assert prof["fingerprint"] == EngineProfile.objects.get(name="vllm-8").fingerprint()
+    with django_capture_on_commit_callbacks() as callbacks:
+        r = c.post(
+            "/api/v1/deployments/",
+            {
+                "name": "big",
+                "served_model": "big",
+                "profile": prof["id"],
+                "replicas": 2,
+                "node_selector": {"pool": "a"},
+            },
+            format="json",
+        )
+    assert r.status_code == 201, r.json()
+    assert r.json()["replicas"] == 2 and r.json()["ready_replicas"] == 0
+    assert len(callbacks) == 1  # a reconcile queued on commit
+    ev = PlacementEvent.objects.get(kind="changed")
+    assert (ev.actor_name, ev.deployment.name) == ("operator", "big")
+
+
+def test_bad_input_names_the_field(operator, profile):
+    c = client(operator)
+    r = c.post("/api/v1/profiles/", {"name": "x", "engine": "echo", "args": "--a --b"}, format="json")
+    assert r.status_code == 400 and "args" in r.json()
+    r = c.post(
+        "/api/v1/deployments/",
+        {"name": "d", "served_model": "d", "profile": profile.id, "policy": "random"},
+        format="json",
+    )
+    assert r.status_code == 400 and "policy" in r.json()
+    r = c.post("/api/v1/holds/", {"scope": "fabric"}, format="json")
+    assert r.status_code == 400 and r.json() == {"fabric": ["a fabric hold must name its fabric"]}
+    assert not Hold.objects.exists()
+
+
+def test_scale_pause_resume(operator, dep, now):
+    c = client(operator)
+    r = c.post(f"/api/v1/deployments/{dep.id}/scale/", {"replicas": 3}, format="json")
+    assert r.status_code == 200 and r.json()["replicas"] == 3
+    assert c.post(f"/api/v1/deployments/{dep.id}/scale/", {"replicas": -1}, format="json").status_code == 400
+    assert c.post(f"/api/v1/deployments/{dep.id}/pause/").json()["paused"] is True
+    assert c.post(f"/api/v1/deployments/{dep.id}/resume/").json()["paused"] is False
+    kinds = list(PlacementEvent.objects.filter(deployment=dep).order_by("id").values_list("kind", "reason"))
+    assert kinds == [("scaled", "replicas 1 -> 3"), ("paused", ""), ("resumed", "")]
+
+
+def test_holds_and_budgets(operator):
+    c = client(operator)
+    r = c.post("/api/v1/holds/", {"scope": "label", "label_key": "rack", "label_value": "r12"}, format="json")
+    assert r.status_code == 201 and r.json()["created_by"] == "operator"
+    assert c.delete(f"/api/v1/holds/{r.json()['id']}/").status_code == 204
+    r = c.post("/api/v1/power-budgets/", {"label_key": "rack", "label_value": "r12", "budget_w": 40000}, format="json")
+    assert r.status_code == 201
+    assert PowerBudget.objects.get().budget_w == 40000
+
+
+def _populate(now, profile, n: int) -> None:
+    for i in range(n):
+        make_node(f"n{len(Deployment.objects.all())}-{i}", now=now)
+        Deployment.objects.create(name=f"d{Deployment.objects.count()}", served_model="m", profile=profile, replicas=1)
+    reconcile(now=now)
+
+
+@pytest.mark.parametrize(
+    ("path", "queries"),
+    [("deployments", 2), ("replicas", 3), ("shards", 2), ("profiles", 2), ("placement-events", 2)],
+)
+def test_list_query_counts_do_not_grow(path, queries, viewer, now, profile, django_assert_num_queries):
+    c = client(viewer)
+    _populate(now, profile, 2)
+    c.get(f"/api/v1/{path}/")  # the user's permissions, read once and cached
+    # The count and the page (and the replicas' shards in one more).
+    with django_assert_num_queries(queries):
+        assert c.get(f"/api/v1/{path}/").status_code == 200
+    _populate(now, profile, 5)
+    with django_assert_num_queries(queries):
+        r = c.get(f"/api/v1/{path}/")
+    if path == "profiles":
+        EngineProfile.objects.bulk_create([EngineProfile(name=f"p{i}", engine="echo") for i in range(5)])
+        with django_assert_num_queries(queries):
+            r = c.get(f"/api/v1/{path}/")
+    assert r.json()["count"] >= 6
+
+
+def test_replica_filters_and_pagination(viewer, now, profile):
+    _populate(now, profile, 3)
+    c = client(viewer)
+    r = c.get("/api/v1/replicas/", {"state": "starting", "limit": 2})
+    body = r.json()
+    assert body["count"] == 3 and len(body["results"]) == 2 and body["next"]
+    node = "n0-0"  # binpack fills the first node (ties by id) before the next
+    r = c.get("/api/v1/replicas/", {"shards__node": node})
+    assert [x["shards"][0]["node"] for x in r.json()["results"]] == [node, node]
+    r = c.get("/api/v1/shards/", {"node": node})
+    assert r.json()["count"] == 2
+    rep = Replica.objects.filter(shards__node_id=node).first()
+    events = c.get(f"/api/v1/replicas/{rep.id}/events/").json()["results"]
+    assert [(e["kind"], e["from_state"], e["to_state"]) for e in events] == [
+        ("state", "pending", "starting"),
+        ("created", "", "pending"),
+    ]
+
+
+def test_dry_run_is_the_planner_over_a_fresh_snapshot(viewer, now, profile):
+    make_node("a", now=now)
+    make_node("b", now=now, gpus=2)
+    r = client(viewer).post("/api/v1/placement/dry-run", {"profile": profile.id, "replicas": 3}, format="json")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["placed"] == 2
+    first, second, third = body["plans"]
+    assert first["shards"][0]["node"] == "a" and first["reasons"] == {"b": "2 free GPUs, needs 4"}
+    assert second["shards"][0]["gpu_indices"] == [4, 5, 6, 7]
+    assert third == {
+        "ok": False,
+        "reason": "0 free GPUs, needs 4 (a); 2 free GPUs, needs 4 (b)",
+        "reasons": {"a": "0 free GPUs, needs 4", "b": "2 free GPUs, needs 4"},
+    }
+    assert not Replica.objects.exists()  # nothing written
+
+
+def test_dry_run_needs_a_profile(viewer):
+    r = client(viewer).post("/api/v1/placement/dry-run", {}, format="json")
+    assert r.status_code == 400 and r.json() == {"profile": ["name a profile or a deployment"]}
+
+
+def test_deleting_a_deployment_with_live_replicas_is_refused(operator, dep, now):
+    make_node("a", now=now)
+    reconcile(now=now)
+    c = client(operator)
+    r = c.delete(f"/api/v1/deployments/{dep.id}/")
+    assert r.status_code == 409 and r.json() == {"replicas": ["1 replicas still live: scale to 0 first"]}
+    c.post(f"/api/v1/deployments/{dep.id}/scale/", {"replicas": 0}, format="json")
+    reconcile(now=now)  # told to stop: draining
+    assert c.delete(f"/api/v1/deployments/{dep.id}/").status_code == 409
+    Shard.objects.update(state="stopped")  # the agent reports it ended
+    reconcile(now=now)
+    assert c.delete(f"/api/v1/deployments/{dep.id}/").status_code == 204
+
+
+def test_an_agent_credential_is_not_an_operator(client, settings):
+    """A node's credential talks to the agent endpoints only: placement refuses it."""
+    from tests.agents.conftest import JOIN, post
+    from tests.factories import register_payload
+
+    settings.LLMGW_JOIN_TOKEN = JOIN
+    cred = post(client, "register", register_payload("node-a"), JOIN).json()["credential"]
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {cred}"}
+    for name in LISTS:
+        assert client.get(f"/api/v1/{name}/", **auth).status_code in (401, 403)
+    r = client.post("/api/v1/placement/dry-run", {}, content_type="application/json", **auth)
+    assert r.status_code in (401, 403)
