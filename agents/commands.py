@@ -11,12 +11,12 @@ import datetime as dt
 import json
 from collections.abc import Iterable
 
-from django.db import connection
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
 from agents import wire
 from agents.models import Command
+from llmgw.db import prepared_cursor
 
 # Command.shard_id's width: the key a command is found by (a shard id of ours is a UUID).
 SHARD_KEY_LEN = 64
@@ -39,7 +39,7 @@ def pending(node_id: str, *, now: dt.datetime, limit: int = wire.MAX_COMMANDS) -
     Marks them delivered; they stay pending until acknowledged.
     """
     # Hand-written SQL: every heartbeat asks, and most find nothing.
-    with connection.cursor() as cur:
+    with prepared_cursor() as cur:
         cur.execute(
             f"SELECT id, kind, payload FROM {Command._meta.db_table} WHERE node_id = %s AND acked_at IS NULL "
             "ORDER BY created_at, id LIMIT %s",

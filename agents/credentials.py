@@ -25,11 +25,12 @@ import secrets
 from dataclasses import dataclass
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, Q
 
 from agents.models import JoinToken, NodeCredential
 from inventory.nodes import record_event
+from llmgw.db import prepared_cursor
 
 NODE_PREFIX = "llmgw-node-"
 JOIN_PREFIX = "llmgw-join-"
@@ -82,7 +83,7 @@ def authenticate_node(token: str) -> NodeAuth | None:
     h = hash_secret(token)
     # Hand-written SQL: this runs on every heartbeat, and the ORM's query
     # building costs more than the indexed lookup itself.
-    with connection.cursor() as cur:
+    with prepared_cursor() as cur:
         cur.execute(
             f"SELECT node_id, token_hash, previous_hash, rotation_requested_at FROM {NodeCredential._meta.db_table} "
             "WHERE token_hash = %s OR previous_hash = %s LIMIT 1",

@@ -136,7 +136,8 @@ def heartbeat(caller: Caller, hb: wire.Heartbeat, *, now: dt.datetime) -> wire.H
     previous = telemetry.get(node_id)
     applied = dict((previous or {}).get("applied") or {})
     with transaction.atomic():
-        touched = hb_rules.touch(node_id, now=now)
+        # Asynchronous commit: the next heartbeat repeats all of this (inventory/heartbeat.py).
+        touched = hb_rules.touch(node_id, now=now, durable=False)
         if touched is None:
             raise UNAUTHENTICATED
         if hb.acks:

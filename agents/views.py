@@ -5,14 +5,23 @@ wire schema, and hand it to agents/protocol.py. The checks come in an order
 that tells a stranger nothing: credentials first (401), then the envelope
 (415, 413), then the body (400 naming each field), then whether the
 credential may speak for the node the body names (403).
+
+A heartbeat arrives every few seconds from every node, so these are plain
+Django views: the DRF classes below only describe the endpoints for the
+OpenAPI document (`as_view` returns a function that calls `serve` directly,
+skipping DRF's request wrapping, content negotiation and permission layers,
+which cost more than the heartbeat's own work). agents/wsgi.py serves them
+without the middleware stack, which sessions, CSRF and messages need but
+bearer-token agents do not.
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
-from django.http import HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
 from drf_spectacular.utils import OpenApiResponse, extend_schema
 from pydantic import BaseModel, ValidationError
 from rest_framework.parsers import JSONParser
@@ -86,7 +95,11 @@ def _responses(ok: type[BaseModel]) -> dict:
 
 
 class AgentEndpoint(APIView):
-    """Common handling of an agent request; subclasses name the message and the protocol function."""
+    """Common handling of an agent request; subclasses name the message and the protocol function.
+
+    An APIView only so that drf-spectacular documents it; requests never go
+    through DRF (see `as_view`).
+    """
 
     authentication_classes = ()
     permission_classes = ()
@@ -106,9 +119,30 @@ class AgentEndpoint(APIView):
         """Values the schema allows but the inventory cannot hold (agents/limits.py)."""
         return []
 
+    @classmethod
+    def as_view(cls, **initkwargs):
+        """A plain Django view serving POST; `cls` stays visible to the schema generator."""
+        endpoint = cls(**initkwargs)
+
+        def view(request: HttpRequest, *args, **kwargs) -> HttpResponse:
+            if request.method != "POST":
+                resp = problem(405, f'method "{request.method}" not allowed')
+                resp["Allow"] = "POST"
+                return resp
+            return endpoint.serve(request)
+
+        view.cls = cls
+        view.initkwargs = initkwargs
+        view.view_class = cls
+        view.__doc__ = cls.__doc__
+        return csrf_exempt(view)
+
     def post(self, request):
+        return self.serve(request._request)
+
+    def serve(self, django_request: HttpRequest) -> HttpResponse:
+        """Answer one agent request (a Django request: no DRF wrapping)."""
         now = timezone.now()
-        django_request = request._request
         try:
             caller = protocol.authenticate(
                 credentials.bearer(django_request.META.get("HTTP_AUTHORIZATION")),

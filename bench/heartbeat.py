@@ -1,26 +1,36 @@
-"""Heartbeats per second against the real stack: gunicorn, PostgreSQL, Redis.
+"""Heartbeats per second against the real stack: the production web server, PostgreSQL, Redis.
 
-Creates a fresh database (<test database>_bench), migrates it, starts gunicorn
-on a free loopback port, registers NODES 8-GPU nodes over HTTP (timing each
-registration), gives each node 4 running shards, then drives realistic
-heartbeats (8 GPUs with sensors and wear, 8 IB ports with counters, 4 shards)
-from several load-generator processes, each holding persistent connections,
-for a bounded time. Reports sustained heartbeats/s and latency percentiles.
+Creates a fresh database (<test database>_bench), migrates it, starts the web
+server as `make run` does (scripts/serve.sh: granian, or gunicorn) on a free
+loopback port, registers NODES 8-GPU nodes over HTTP (timing each
+registration), gives each node 4 running shards, then drives heartbeats as
+the agent sends them (8 GPUs with sensors and wear, 8 IB ports with growing
+counters, 4 shards; about 9 KB of JSON) from load-generator processes
+holding keep-alive connections: first as fast as answers come back, then at
+a fixed offered rate with latency measured from each heartbeat's scheduled
+time. Reports heartbeats/s, latency percentiles, and the CPU each heartbeat
+costs the server, PostgreSQL, Redis and the load generator.
 
-The load generator runs on the same cores as the server, so the figure is
-what the server gets while sharing the machine with its own clients.
+The load generator runs on the same cores as the server, so the figures are
+what the server gets while sharing the machine with its own clients (and
+with whatever else runs: the CPU per heartbeat is the figure that does not
+depend on that).
 
-Knobs (environment): BENCH_HB_NODES (default 500), BENCH_HB_SECONDS (10),
-BENCH_HB_WORKERS (gunicorn processes, 3), BENCH_HB_THREADS (threads per
-gunicorn process, 2), BENCH_HB_CLIENTS (load processes, 2),
-BENCH_HB_CONCURRENCY (connections per load process, 4).
+Knobs (environment): BENCH_HB_NODES (default 500), BENCH_HB_SECONDS (10 per
+phase), BENCH_HB_RATE (offered heartbeats/s of the paced phase, 1000; 0
+skips it), BENCH_HB_SERVER (granian or gunicorn), BENCH_HB_WORKERS (server
+processes, one per core), BENCH_HB_THREADS (threads per process, 4),
+BENCH_HB_CLIENTS (load processes, 2), BENCH_HB_CONCURRENCY (connections per
+load process, 8).
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import multiprocessing as mp
 import os
+import re
 import secrets
 import socket
 import statistics
@@ -32,7 +42,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
+from agents import wire
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -199,34 +209,151 @@ json.dump(out, sys.stdout)
 """
 
 
-def _load(url: str, nodes: list[tuple[str, str, list[str]]], seconds: float, concurrency: int, q) -> None:
-    """One load-generator process: `concurrency` threads, each with its own persistent connection."""
+def heartbeat_template(node_id: str, shards: list[str]) -> str:
+    """A node's heartbeat as JSON with %-placeholders for what changes from one heartbeat to the next.
+
+    The agent's clock, each port's counters and each card's temperature,
+    power and utilisation vary; the load generator fills them in with one
+    string formatting instead of building and encoding the payload each time,
+    so it leaves the cores to the server.
+    """
+    # As the agent sends it: every field of the wire model but the empty ones (exclude_none).
+    payload = wire.Heartbeat.model_validate(heartbeat_payload(node_id, shards, 0)).model_dump(
+        mode="json", exclude_none=True
+    )
+    payload["at"] = "@at@"
+    for i, g in enumerate(payload["gpus"]):
+        g["temp_c"], g["power_w"], g["util_percent"] = f"@temp{i}@", f"@power{i}@", f"@util{i}@"
+    for i, p in enumerate(payload["ib_ports"]):
+        p["counters"]["port_xmit_data"], p["counters"]["port_rcv_data"] = f"@tx{i}@", f"@rx{i}@"
+    text = json.dumps(payload).replace("%", "%%")
+    return re.sub(r'"@(\w+)@"', r"%(\1)s", text)
+
+
+def heartbeat_values(tick: int, salt: int) -> dict[str, str]:
+    """The changing values of a node's `tick`-th heartbeat: counters only grow."""
+    values = {"at": repr(1_800_000_000.0 + 5 * tick)}
+    for i in range(8):
+        values[f"temp{i}"] = repr(55.0 + (tick + i + salt) % 20)
+        values[f"power{i}"] = repr(400.0 + (tick * 7 + i + salt) % 250)
+        values[f"util{i}"] = repr(float((tick * 3 + i + salt) % 101))
+        values[f"tx{i}"] = str((10**9 + i + salt) * tick)
+        values[f"rx{i}"] = str((2 * 10**9 + i + salt) * tick)
+    return values
+
+
+def _post(conn: http.client.HTTPConnection, path: str, body: bytes, token: str) -> tuple[int, bytes]:
+    conn.request(
+        "POST", path, body=body, headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    )
+    resp = conn.getresponse()
+    return resp.status, resp.read()
+
+
+class KeepAlive:
+    """A minimal HTTP/1.1 client on one keep-alive connection: pre-built request head, Content-Length answers.
+
+    http.client parses every answer's headers with the email package, which
+    costs the shared cores more than the heartbeat's JSON; the server's
+    answers here are small and always carry Content-Length.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.sock: socket.socket | None = None
+        self.buf = b""
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.sock, self.buf = None, b""
+
+    def post(self, path: str, body: bytes, token: str) -> tuple[int, bytes]:
+        if self.sock is None:
+            self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=10)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        self.sock.sendall(head + body)
+        while b"\r\n\r\n" not in self.buf:
+            self._read()
+        raw_head, _, rest = self.buf.partition(b"\r\n\r\n")
+        lines = raw_head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        length = 0
+        closing = False
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            name = name.strip().lower()
+            if name == b"content-length":
+                length = int(value)
+            elif name == b"connection" and value.strip().lower() == b"close":
+                closing = True
+        while len(rest) < length:
+            self.buf = rest
+            self._read()
+            rest = self.buf
+        answer, self.buf = rest[:length], rest[length:]
+        if closing:
+            self.close()
+        return status, answer
+
+    def _read(self) -> None:
+        assert self.sock is not None
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        self.buf += chunk
+
+
+def _load(port: int, nodes: list[tuple[str, str, list[str]]], seconds: float, concurrency: int, rate: float, q) -> None:
+    """One load-generator process: `concurrency` threads, each with its own keep-alive connection.
+
+    With `rate` (heartbeats a second for this process) each connection sends
+    on a fixed schedule and latency is measured from the scheduled time, so a
+    server that falls behind is charged for the queueing it causes; without,
+    each connection sends as fast as answers come back.
+    """
     lat: list[float] = []
     errors = [0]
     lock = threading.Lock()
-    deadline = time.perf_counter() + seconds
+    templates = {node_id: heartbeat_template(node_id, shards) for node_id, _, shards in nodes}
+    start = time.perf_counter()
+    deadline = start + seconds
 
     def worker(k: int) -> None:
         mine = nodes[k::concurrency]
         local: list[float] = []
         bad = 0
-        with httpx.Client(base_url=url, timeout=10) as http:
-            tick = 1
-            while time.perf_counter() < deadline:
-                for node_id, cred, shards in mine:
-                    if time.perf_counter() >= deadline:
-                        break
-                    body = json.dumps(heartbeat_payload(node_id, shards, tick))
+        interval = concurrency / rate if rate else 0.0
+        scheduled = start + interval * k / concurrency
+        conn = KeepAlive(port)
+        tick = 1
+        while time.perf_counter() < deadline:
+            for salt, (node_id, cred, _) in enumerate(mine):
+                now = time.perf_counter()
+                if now >= deadline:
+                    break
+                body = (templates[node_id] % heartbeat_values(tick, salt)).encode()
+                if interval:
+                    if now < scheduled:
+                        time.sleep(scheduled - now)
+                    t0 = scheduled
+                    scheduled += interval
+                else:
                     t0 = time.perf_counter()
-                    r = http.post(
-                        "/api/v1/agent/heartbeat",
-                        content=body,
-                        headers={"Authorization": f"Bearer {cred}", "Content-Type": "application/json"},
-                    )
-                    local.append(time.perf_counter() - t0)
-                    if r.status_code != 200:
-                        bad += 1
-                tick += 1
+                try:
+                    status, _ = conn.post("/api/v1/agent/heartbeat", body, cred)
+                except (OSError, ValueError, IndexError):
+                    conn.close()
+                    status = 0
+                local.append(time.perf_counter() - t0)
+                if status != 200:
+                    bad += 1
+            tick += 1
+        conn.close()
         with lock:
             lat.extend(local)
             errors[0] += bad
@@ -244,86 +371,201 @@ def _percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(p / 100 * len(ordered)))]
 
 
+def _wait_until_up(port: int, server: subprocess.Popen) -> None:
+    for _ in range(300):
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("the server did not start listening")
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) a process has used; 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out
+
+
+class CPUMeter:
+    """CPU seconds used by the server's processes, its PostgreSQL backends, Redis and the load generator.
+
+    Throughput on a shared machine depends on what else runs; CPU per
+    heartbeat does not, and says what the heartbeat costs whole.
+    """
+
+    def __init__(self, server_pid: int, db_url: str) -> None:
+        self.server_pid = server_pid
+        self.db_url = db_url
+
+    def _pg_pids(self) -> list[int]:
+        import psycopg
+
+        name = urlsplit(self.db_url).path.lstrip("/")
+        with psycopg.connect(self.db_url, autocommit=True) as conn:
+            rows = conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()", [name]
+            ).fetchall()
+        return [r[0] for r in rows]
+
+    def _redis(self) -> float:
+        import redis
+
+        info = redis.Redis.from_url(os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0").info("cpu")
+        return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+    def sample(self) -> dict[str, float]:
+        server = [self.server_pid, *_children(self.server_pid)]
+        t = os.times()
+        return {
+            "server": sum(_proc_cpu(p) for p in server),
+            "postgres": sum(_proc_cpu(p) for p in self._pg_pids()),
+            "redis": self._redis(),
+            "load": t.children_user + t.children_system,
+        }
+
+
+def _drive(port: int, nodes: list, seconds: float, clients: int, concurrency: int, rate: float) -> tuple:
+    """Run the load processes for `seconds`; returns (latencies, errors, elapsed)."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_load, args=(port, nodes[c::clients], seconds, concurrency, rate / clients, q))
+        for c in range(clients)
+    ]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    results = [q.get() for _ in procs]
+    for p in procs:
+        p.join()
+    elapsed = time.perf_counter() - t0
+    return [x for r in results for x in r[0]], sum(r[1] for r in results), elapsed
+
+
+def _figures(label: str, lat: list[float], errors: int, elapsed: float, cpu: dict[str, float]) -> list[str]:
+    n = max(1, len(lat))
+    per = {k: v / n * 1000 for k, v in cpu.items()}
+    total = sum(per.values())
+    return [
+        f"{label}: {len(lat) / elapsed:,.0f}/s ({len(lat)} in {elapsed:.1f} s, {errors} errors), "
+        f"p50 {_percentile(lat, 50) * 1000:.1f} ms, p99 {_percentile(lat, 99) * 1000:.1f} ms, "
+        f"max {max(lat) * 1000:.1f} ms",
+        f"  CPU per heartbeat: {total:.2f} ms = server {per['server']:.2f} + PostgreSQL {per['postgres']:.2f} "
+        f"+ Redis {per['redis']:.2f} + load generator {per['load']:.2f}; "
+        f"{os.cpu_count()} idle cores would carry {(os.cpu_count() or 1) * 1000 / total:,.0f}/s",
+    ]
+
+
+def _measured(meter: CPUMeter, *args) -> tuple:
+    before = meter.sample()
+    lat, errors, elapsed = _drive(*args)
+    after = meter.sample()
+    return lat, errors, elapsed, {k: after[k] - before[k] for k in before}
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def _server_description(env: dict[str, str]) -> str:
+    """The server settings scripts/serve.sh runs with."""
+    workers = env.get("WEB_CONCURRENCY") or os.cpu_count()
+    threads = env.get("LLMGW_WEB_THREADS") or 4
+    return f"{env.get('LLMGW_WEB_SERVER') or 'granian'}, {workers} workers x {threads} threads"
+
+
 def run() -> list[str]:
     n_nodes = _env_int("BENCH_HB_NODES", 500)
     seconds = float(os.environ.get("BENCH_HB_SECONDS", 10))
-    workers = _env_int("BENCH_HB_WORKERS", 3)
-    threads = _env_int("BENCH_HB_THREADS", 2)
+    rate = float(os.environ.get("BENCH_HB_RATE", 1000))
     clients = _env_int("BENCH_HB_CLIENTS", 2)
-    concurrency = _env_int("BENCH_HB_CONCURRENCY", 4)
+    concurrency = _env_int("BENCH_HB_CONCURRENCY", 8)
 
+    load_before = _loadavg()
     db_url = _bench_database_url()
     _recreate_database(db_url)
     join = secrets.token_urlsafe(24)
     env = _server_env(db_url, join)
     subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
     port = _free_port()
-    gunicorn = [
-        sys.executable, "-m", "gunicorn", "llmgw.wsgi:application",
-        "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--threads", str(threads),
-        "--worker-class", "gthread", "--keep-alive", "30", "--log-level", "warning",
-    ]  # fmt: skip
-    server = subprocess.Popen(gunicorn, cwd=ROOT, env=env)
-    url = f"http://127.0.0.1:{port}"
+    # The production server as `make run` starts it (scripts/serve.sh), on the bench's own address.
+    for knob, var in (("BENCH_HB_SERVER", "LLMGW_WEB_SERVER"), ("BENCH_HB_WORKERS", "WEB_CONCURRENCY"),
+                      ("BENCH_HB_THREADS", "LLMGW_WEB_THREADS")):  # fmt: skip
+        if os.environ.get(knob):
+            env[var] = os.environ[knob]
+    env["PYTHON"] = sys.executable
+    env["LLMGW_WEB_LOG_LEVEL"] = "warning"
+    server = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh"), f"127.0.0.1:{port}"], cwd=ROOT, env=env)
     lines: list[str] = []
     try:
-        with httpx.Client(base_url=url, timeout=10) as http:
-            for _ in range(200):
-                try:
-                    http.get("/metrics")
-                    break
-                except httpx.TransportError:
-                    time.sleep(0.1)
-            # Registration of an 8-GPU node, one at a time.
-            creds: dict[str, str] = {}
-            reg_times = []
-            ids = [f"bench-{i:05d}" for i in range(n_nodes)]
-            for node_id in ids:
-                t0 = time.perf_counter()
-                r = http.post("/api/v1/agent/register", json=register_payload(node_id),
-                              headers={"Authorization": f"Bearer {join}"})  # fmt: skip
-                reg_times.append(time.perf_counter() - t0)
-                r.raise_for_status()
-                creds[node_id] = r.json()["credential"]
-            made = subprocess.run(
-                [sys.executable, "-c", _MAKE_SHARDS], cwd=ROOT, env=env, input=json.dumps(ids),
-                capture_output=True, text=True, check=True,
-            )  # fmt: skip
-            shards = json.loads(made.stdout)
-            # Re-registration with the node's credential, adopting 4 running shards.
-            rereg = []
-            for node_id in ids[: min(100, n_nodes)]:
-                running = [{"replica_id": str(uuid.uuid4()), "shard_id": s, "state": "ready"} for s in shards[node_id]]
-                t0 = time.perf_counter()
-                r = http.post("/api/v1/agent/register", json=register_payload(node_id, running),
-                              headers={"Authorization": f"Bearer {creds[node_id]}"})  # fmt: skip
-                rereg.append(time.perf_counter() - t0)
-                r.raise_for_status()
-        nodes = [(n, creds[n], shards[n]) for n in ids]
-        # A short warm-up (connections, caches, the first heartbeat's baseline), then the measured run.
-        for phase_seconds in (2.0, seconds):
-            q = mp.get_context("fork").Queue()
-            procs = [
-                mp.get_context("fork").Process(
-                    target=_load, args=(url, nodes[c::clients], phase_seconds, concurrency, q)
-                )
-                for c in range(clients)
-            ]
+        _wait_until_up(port, server)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        # Registration of an 8-GPU node, one at a time.
+        creds: dict[str, str] = {}
+        reg_times = []
+        ids = [f"bench-{i:05d}" for i in range(n_nodes)]
+        for node_id in ids:
+            body = json.dumps(register_payload(node_id)).encode()
             t0 = time.perf_counter()
-            for p in procs:
-                p.start()
-            results = [q.get() for _ in procs]
-            for p in procs:
-                p.join()
-            elapsed = time.perf_counter() - t0
-        lat = [x for r in results for x in r[0]]
-        errors = sum(r[1] for r in results)
+            status, answer = _post(conn, "/api/v1/agent/register", body, join)
+            reg_times.append(time.perf_counter() - t0)
+            if status != 200:
+                raise RuntimeError(f"registration of {node_id}: {status} {answer[:300]!r}")
+            creds[node_id] = json.loads(answer)["credential"]
+        made = subprocess.run(
+            [sys.executable, "-c", _MAKE_SHARDS], cwd=ROOT, env=env, input=json.dumps(ids),
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        shards = json.loads(made.stdout)
+        # Re-registration with the node's credential, adopting 4 running shards.
+        rereg = []
+        for node_id in ids[: min(100, n_nodes)]:
+            running = [{"replica_id": str(uuid.uuid4()), "shard_id": s, "state": "ready"} for s in shards[node_id]]
+            body = json.dumps(register_payload(node_id, running)).encode()
+            t0 = time.perf_counter()
+            status, answer = _post(conn, "/api/v1/agent/register", body, creds[node_id])
+            rereg.append(time.perf_counter() - t0)
+            if status != 200:
+                raise RuntimeError(f"re-registration of {node_id}: {status} {answer[:300]!r}")
+        conn.close()
+        nodes = [(n, creds[n], shards[n]) for n in ids]
+        # A short warm-up (connections, the first heartbeat's baseline), then as fast as answers come
+        # back, then at a fixed offered rate.
+        _drive(port, nodes, 2.0, clients, concurrency, 0)
+        meter = CPUMeter(server.pid, db_url)
+        saturated = _measured(meter, port, nodes, seconds, clients, concurrency, 0)
+        paced = _measured(meter, port, nodes, seconds, clients, concurrency, rate) if rate else None
         lines += [
-            f"{n_nodes} nodes; gunicorn {workers} workers x {threads} threads; "
-            f"load: {clients} processes x {concurrency} connections, {seconds:.0f} s, "
-            f"on the same {os.cpu_count()} cores",
-            f"heartbeats: {len(lat) / elapsed:,.0f}/s sustained ({len(lat)} in {elapsed:.1f} s, {errors} errors)",
-            f"heartbeat latency: p50 {_percentile(lat, 50) * 1000:.1f} ms, p99 {_percentile(lat, 99) * 1000:.1f} ms",
+            f"{n_nodes} nodes; server: {_server_description(env)}; load: {clients} processes x {concurrency} "
+            f"keep-alive connections, on the same {os.cpu_count()} cores (load average at the start: {load_before})",
+            *_figures("heartbeats, as fast as answered", *saturated),
+            *(_figures(f"heartbeats, offered {rate:,.0f}/s", *paced) if paced else []),
             f"register (8 GPUs, new node, join token): median {statistics.median(reg_times) * 1000:.1f} ms, "
             f"p99 {_percentile(reg_times, 99) * 1000:.1f} ms",
             f"re-register (8 GPUs, 4 shards adopted): median {statistics.median(rereg) * 1000:.1f} ms, "

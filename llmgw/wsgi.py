@@ -7,3 +7,8 @@ from django.core.wsgi import get_wsgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")
 
 application = get_wsgi_application()
+
+# Imported after setup: the agent endpoints skip the middleware stack (agents/wsgi.py).
+from agents.wsgi import with_agent_fast_path  # noqa: E402
+
+application = with_agent_fast_path(application)

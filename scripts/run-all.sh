@@ -24,7 +24,7 @@ pids+=($!)
 if [ "${DEBUG:-0}" = "1" ]; then
     $BIN/python manage.py runserver --noreload "$ADDR" &
 else
-    $BIN/gunicorn llmgw.wsgi --bind "$ADDR" --workers "${WEB_CONCURRENCY:-4}" &
+    ./scripts/serve.sh "$ADDR" &
 fi
 pids+=($!)
 echo "llmgw is up: http://$ADDR/admin/  (Ctrl-C stops web, worker and beat)"

@@ -145,3 +145,28 @@ def test_a_port_gaining_a_master_is_not_a_failover(now):
     ports[2]["sm_guid"] = "0xA088C20300B3C4FF"
     beat(now + dt.timedelta(seconds=5), ib_ports=ports)
     assert SMChange.objects.count() == 0
+
+
+def _synchronous_commit() -> str:
+    from django.db import connection
+
+    with connection.cursor() as cur:
+        cur.execute("SHOW synchronous_commit")
+        return cur.fetchone()[0]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeats_transaction_commits_asynchronously_and_only_it(now):
+    from django.db import transaction
+
+    make_node("node-a", now=now)
+    with transaction.atomic():
+        touched = hb_rules.touch("node-a", now=now + dt.timedelta(seconds=5), durable=False)
+        assert _synchronous_commit() == "off"
+    assert touched is not None and touched.state == NodeState.READY
+    assert Node.objects.get(id="node-a").last_seen == now + dt.timedelta(seconds=5)
+    # SET LOCAL: the setting ends with the transaction.
+    assert _synchronous_commit() == "on"
+    with transaction.atomic():
+        hb_rules.touch("node-a", now=now, durable=True)
+        assert _synchronous_commit() == "on"

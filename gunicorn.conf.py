@@ -1,0 +1,18 @@
+"""gunicorn's settings for llmgw, when LLMGW_WEB_SERVER=gunicorn (scripts/serve.sh).
+
+Sized for the agent heartbeat, the busiest request by far: short, CPU-bound
+requests that wait on PostgreSQL and Redis for a few round trips each.
+WEB_CONCURRENCY (processes, default one per core) and LLMGW_WEB_THREADS
+(threads per process, default 4: they overlap those waits) as for granian.
+"""
+
+import os
+
+workers = int(os.environ.get("WEB_CONCURRENCY") or os.cpu_count() or 1)
+worker_class = "gthread"
+threads = int(os.environ.get("LLMGW_WEB_THREADS") or 4)
+# Agents keep their connection open between heartbeats (every few seconds):
+# a new TCP connection per heartbeat would cost more than the heartbeat.
+keepalive = 30
+# Far more connections than threads can be idle in keep-alive at once.
+worker_connections = 10000

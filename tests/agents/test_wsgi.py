@@ -1,0 +1,140 @@
+"""The agent endpoints served without the middleware stack, and everything else with it."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import contextmanager
+
+import pytest
+from django.core.signals import request_finished, request_started
+from django.db import close_old_connections
+
+from agents.wsgi import AGENT_PREFIX, AgentHandler, with_agent_fast_path
+from inventory.models import Node
+from tests.agents.conftest import JOIN, heartbeat_payload
+from tests.factories import register_payload
+
+pytestmark = pytest.mark.django_db
+
+
+@contextmanager
+def _inside_test_transaction():
+    # As Django's test client does: the request signals would close the
+    # connection that holds the test's transaction.
+    request_started.disconnect(close_old_connections)
+    request_finished.disconnect(close_old_connections)
+    try:
+        yield
+    finally:
+        request_started.connect(close_old_connections)
+        request_finished.connect(close_old_connections)
+
+
+def call(app, path: str, body=None, *, token: str | None = None, method: str = "POST", host: str = "127.0.0.1"):
+    """One WSGI request; returns (status code, headers, body bytes)."""
+    data = json.dumps(body).encode() if body is not None else b""
+    environ = {
+        "REQUEST_METHOD": method,
+        "PATH_INFO": path,
+        "SCRIPT_NAME": "",
+        "QUERY_STRING": "",
+        "SERVER_NAME": "127.0.0.1",
+        "SERVER_PORT": "80",
+        "SERVER_PROTOCOL": "HTTP/1.1",
+        "HTTP_HOST": host,
+        "CONTENT_TYPE": "application/json",
+        "CONTENT_LENGTH": str(len(data)),
+        "wsgi.input": io.BytesIO(data),
+        "wsgi.errors": io.StringIO(),
+        "wsgi.url_scheme": "http",
+        "wsgi.version": (1, 0),
+        "wsgi.multithread": True,
+        "wsgi.multiprocess": True,
+        "wsgi.run_once": False,
+    }
+    if token:
+        environ["HTTP_AUTHORIZATION"] = f"Bearer {token}"
+    started = []
+    with _inside_test_transaction():
+        result = app(environ, lambda status, headers, exc_info=None: started.append((status, headers)))
+        try:
+            payload = b"".join(result)
+        finally:
+            getattr(result, "close", lambda: None)()
+    status, headers = started[0]
+    return int(status.split()[0]), dict(headers), payload
+
+
+class Recorder:
+    """A stand-in for the project's WSGI application: records what reached it."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def __call__(self, environ, start_response):
+        self.paths.append(environ["PATH_INFO"])
+        start_response("204 No Content", [])
+        return [b""]
+
+
+@pytest.fixture
+def app(join_token):
+    other = Recorder()
+    return with_agent_fast_path(other), other
+
+
+def test_register_and_heartbeat_without_middleware(app):
+    fast, other = app
+    status, headers, body = call(fast, f"{AGENT_PREFIX}register", register_payload("node-a"), token=JOIN)
+    assert status == 200, body
+    credential = json.loads(body)["credential"]
+    # No middleware ran: no session cookie, no clickjacking or content-type-options header.
+    assert "Set-Cookie" not in headers
+    assert "X-Frame-Options" not in headers
+    assert headers["Content-Type"] == "application/json"
+    assert headers["Content-Length"] == str(len(body))
+    status, _, body = call(fast, f"{AGENT_PREFIX}heartbeat", heartbeat_payload(at=1.0), token=credential)
+    assert status == 200, body
+    assert json.loads(body)["commands"] == []
+    assert Node.objects.get(id="node-a").last_seen is not None
+    assert other.paths == []
+
+
+def test_refusals_are_the_same_on_the_fast_path(app, joined):
+    fast, _ = app
+    status, headers, body = call(fast, f"{AGENT_PREFIX}heartbeat", heartbeat_payload())
+    assert (status, json.loads(body)["detail"]) == (401, "missing or invalid credentials")
+    assert headers["WWW-Authenticate"].startswith("Bearer")
+    status, _, body = call(fast, f"{AGENT_PREFIX}heartbeat", heartbeat_payload(gpus=[{"index": 99}]), token=joined)
+    assert status == 400
+    assert json.loads(body)["errors"][0]["field"] == "gpus.0.index"
+    status, headers, _ = call(fast, f"{AGENT_PREFIX}heartbeat", method="GET", token=joined)
+    assert (status, headers["Allow"]) == (405, "POST")
+
+
+def test_other_paths_go_to_the_project_application(app):
+    fast, other = app
+    for path in ("/admin/", "/api/v1/nodes/", "/metrics", "/api/v1/agentx"):
+        assert call(fast, path)[0] == 204
+    assert other.paths == ["/admin/", "/api/v1/nodes/", "/metrics", "/api/v1/agentx"]
+
+
+def test_the_fast_path_reaches_agent_views_only(app):
+    fast, other = app
+    # Dot segments are not collapsed: nothing outside agents.urls resolves here.
+    for path in (f"{AGENT_PREFIX}../nodes/", f"{AGENT_PREFIX}../../admin/", f"{AGENT_PREFIX}nodes"):
+        assert call(fast, path)[0] == 404
+    assert other.paths == []
+
+
+def test_a_host_outside_allowed_hosts_is_400(app):
+    fast, _ = app
+    status, _, _ = call(fast, f"{AGENT_PREFIX}heartbeat", heartbeat_payload(), host="evil.example")
+    assert status == 400
+
+
+def test_the_project_application_uses_the_fast_path():
+    from llmgw import wsgi
+
+    assert isinstance(wsgi.application.agent_handler, AgentHandler)

@@ -1,0 +1,29 @@
+"""The Redis cache backend: Django's, with one redis-py client per connection pool."""
+
+from __future__ import annotations
+
+import pytest
+from django.conf import settings
+from django.core.cache import cache
+
+pytestmark = pytest.mark.skipif(not settings.REDIS_URL, reason="the Redis backend is configured only with REDIS_URL")
+
+
+def test_the_redis_backend_is_llmgws():
+    assert settings.CACHES["default"]["BACKEND"] == "llmgw.cache.RedisCache"
+
+
+def test_one_client_per_pool_serves_every_call():
+    first = cache._cache.get_client("a", write=True)
+    assert cache._cache.get_client("b", write=True) is first
+    assert cache._cache.get_client("c") is first  # one server: reads use the write pool
+
+
+def test_values_round_trip_as_with_djangos_backend():
+    cache.set("k", {"gpus": [1, 2], "at": 1.5}, timeout=30)
+    cache.set("n", 7, timeout=30)
+    assert cache.get("k") == {"gpus": [1, 2], "at": 1.5}
+    assert cache.incr("n") == 8
+    assert cache.get_many(["k", "n", "missing"]) == {"k": {"gpus": [1, 2], "at": 1.5}, "n": 8}
+    cache.delete("k")
+    assert cache.get("k") is None
