@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import time
 
+from bench.common import StatementCounter, scratch_database
+
 SIZES = (1000, 5000)
 GPUS = 8
 PORTS = 8
@@ -154,30 +156,11 @@ def _populate(count: int, now) -> list[str]:
     return ids
 
 
-class _Counter:
-    """Counts the statements a block sends to the database."""
-
-    def __init__(self, connection) -> None:
-        self.connection, self.count = connection, 0
-
-    def __call__(self, execute, sql, params, many, context):
-        self.count += 1
-        return execute(sql, params, many, context)
-
-    def __enter__(self):
-        self._cm = self.connection.execute_wrapper(self)
-        self._cm.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._cm.__exit__(*exc)
-
-
 def _timed(fn, connection, repeat: int = 3) -> tuple[float, int, object]:
     """The best of `repeat` runs (seconds), its query count and its value."""
     best, queries, value = float("inf"), 0, None
     for _ in range(repeat):
-        with _Counter(connection) as q:
+        with StatementCounter(connection) as q:
             started = time.perf_counter()
             value = fn()
             took = time.perf_counter() - started
@@ -209,12 +192,9 @@ def run() -> list[str]:
 
     sizes = [int(s) for s in os.environ.get("LLMGW_BENCH_METRICS_NODES", "").split(",") if s] or SIZES
     lines: list[str] = []
-    old_name = connection.settings_dict["NAME"]
-    connection.settings_dict.setdefault("TEST", {})["NAME"] = f"{old_name}_bench_metrics"
-    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
-    setup_test_environment()  # the test client's host, as the tests have it
-    client = Client()
-    try:
+    with scratch_database("bench_metrics"):
+        setup_test_environment()  # the test client's host, as the tests have it
+        client = Client()
         for count in sizes:
             Node.objects.all().delete()
             FabricScan.objects.all().delete()
@@ -240,6 +220,4 @@ def run() -> list[str]:
                 f"doctor alone {took_doc:.2f} s, {queries_doc} queries (verdicts {sorted(verdicts)}); "
                 f"scrape within the doctor's cache window {took_cached:.2f} s, {queries_cached} queries"
             )
-    finally:
-        connection.creation.destroy_test_db(old_name, verbosity=0)
     return lines

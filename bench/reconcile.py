@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 import uuid
 
+from bench.common import StatementCounter, scratch_database
+
 
 def _populate(deployments: int, replicas_per: int, now) -> None:
     from inventory.models import GPU, AllocatedGPU, Allocation, Node
@@ -80,25 +82,6 @@ def _populate(deployments: int, replicas_per: int, now) -> None:
     AllocatedGPU.objects.bulk_create(held, batch_size=5000)
 
 
-class _Counter:
-    """Counts the statements a block sends to the database."""
-
-    def __init__(self, connection) -> None:
-        self.connection, self.count = connection, 0
-
-    def __call__(self, execute, sql, params, many, context):
-        self.count += 1
-        return execute(sql, params, many, context)
-
-    def __enter__(self):
-        self._cm = self.connection.execute_wrapper(self)
-        self._cm.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._cm.__exit__(*exc)
-
-
 def run() -> list[str]:
     import django
 
@@ -109,26 +92,22 @@ def run() -> list[str]:
     from placement.models import Deployment, Shard
     from placement.reconciler import reconcile
 
-    old_name = connection.settings_dict["NAME"]
-    connection.creation.create_test_db(verbosity=0, autoclobber=True, keepdb=False)
-    try:
+    with scratch_database("bench_reconcile"):
         now = timezone.now()
         _populate(1000, 10, now)
         shards = Shard.objects.count()
         reconcile(now=now)  # warm the code paths and the database's caches
-        with _Counter(connection) as q1:
+        with StatementCounter(connection) as q1:
             started = time.perf_counter()
             report = reconcile(now=now)
             took = time.perf_counter() - started
         steady = (report.created, report.placed, report.stopped, report.failed)
         # Scale 1,000 deployments up by one replica each: a pass that places.
         Deployment.objects.update(replicas=11)
-        with _Counter(connection) as q2:
+        with StatementCounter(connection) as q2:
             started = time.perf_counter()
             grown = reconcile(now=now)
             took2 = time.perf_counter() - started
-    finally:
-        connection.creation.destroy_test_db(old_name, verbosity=0)
     return [
         f"steady pass over 1,000 deployments and {shards:,} shards: {took * 1000:.0f} ms, "
         f"{q1.count} SQL queries (target < 2 s; changes {steady})",
