@@ -198,6 +198,7 @@ if CELERY_BROKER_URL == "filesystem://":
         "data_folder_in": str(_broker_dir),
         "data_folder_out": str(_broker_dir),
         "processed_folder": str(VAR_DIR / "celery" / "processed"),
+        "control_folder": str(VAR_DIR / "celery" / "control"),
         "store_processed": False,
     }
 CELERY_TASK_IGNORE_RESULT = True

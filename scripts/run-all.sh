@@ -7,7 +7,7 @@ BIN=.venv/bin
 ADDR="${LLMGW_LISTEN:-127.0.0.1:8000}"
 VAR="${LLMGW_VAR_DIR:-var}"
 # The filesystem broker's folders (settings put them under LLMGW_VAR_DIR).
-mkdir -p "$VAR/celery/broker" "$VAR/celery/processed"
+mkdir -p "$VAR/celery/broker" "$VAR/celery/processed" "$VAR/celery/control"
 
 pids=()
 cleanup() {
