@@ -194,6 +194,35 @@ def test_bad_registration_writes_nothing(client, joined):
     assert NodeEvent.objects.count() == events
 
 
+def test_a_refused_heartbeat_renews_no_lease_and_wakes_no_node(client, join_token, joined):
+    post(client, "register", register_payload("node-b"), join_token)
+    old = timezone.now() - dt.timedelta(hours=1)
+    Node.objects.update(last_seen=old, state="unreachable", unreachable_since=old)
+    events = NodeEvent.objects.count()
+    refusals = [
+        (post(client, "heartbeat", heartbeat_payload("node-b"), joined), 403),
+        (post(client, "heartbeat", heartbeat_payload(gpus=[{"index": 64}]), joined), 400),
+        (post(client, "heartbeat", heartbeat_payload(padding="x" * (MAX_HEARTBEAT_BODY + 1)), joined), 413),
+        (
+            client.post(
+                "/api/v1/agent/heartbeat", data="x", content_type="text/plain", HTTP_AUTHORIZATION=f"Bearer {joined}"
+            ),
+            415,
+        ),
+        # A stranger learns nothing about the body: the credential is refused first.
+        (post(client, "heartbeat", b"{not json", "llmgw-node-wrong"), 401),
+    ]
+    assert [r.status_code for r, _ in refusals] == [code for _, code in refusals]
+    assert list(Node.objects.values_list("last_seen", "state", "unreachable_since")) == [
+        (old, "unreachable", old),
+        (old, "unreachable", old),
+    ]
+    assert NodeEvent.objects.count() == events
+    assert post(client, "heartbeat", heartbeat_payload(), joined).status_code == 200
+    node = Node.objects.get(id="node-a")
+    assert (node.last_seen > old, node.state, node.unreachable_since) == (True, "ready", None)
+
+
 def test_commands_are_delivered_until_acknowledged_never_after(client, joined, now):
     cmd = commands.enqueue("node-a", wire.InstallEngine(engine="vllm", version="0.11.0"), now=now)
     first = post(client, "heartbeat", heartbeat_payload(), joined).json()["commands"]
