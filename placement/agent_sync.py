@@ -16,6 +16,7 @@ from django.db import connection, transaction
 
 from agents import commands, wire
 from agents.models import Command, CommandKind
+from llmgw.db import prepared_cursor
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
 
 log = logging.getLogger(__name__)
@@ -123,17 +124,21 @@ _ROW_FIELDS = ("id", "state", "reason", "exit_code", "replica_id", "replica__dep
 
 def _shard_rows(node_id: str, ids: list[uuid.UUID]) -> dict[uuid.UUID, dict]:
     # Hand-written SQL: this read runs on every heartbeat that lists shards.
-    # Portable: the ids adapted as the backend stores them, one placeholder each.
     shard, replica = Shard._meta.db_table, Replica._meta.db_table
+    sql = (
+        f"SELECT s.id, s.state, s.reason, s.exit_code, s.replica_id, r.deployment_id, r.state "
+        f"FROM {shard} s JOIN {replica} r ON r.id = s.replica_id WHERE s.node_id = %s AND s.id "
+    )
     pk = Shard._meta.pk
-    params = [pk.get_db_prep_value(i, connection) for i in ids]
-    marks = ", ".join(["%s"] * len(params))
-    with connection.cursor() as cur:
-        cur.execute(
-            f"SELECT s.id, s.state, s.reason, s.exit_code, s.replica_id, r.deployment_id, r.state "
-            f"FROM {shard} s JOIN {replica} r ON r.id = s.replica_id WHERE s.node_id = %s AND s.id IN ({marks})",
-            [node_id, *params],
-        )
+    if connection.vendor == "postgresql":
+        # One statement whatever the number of shards, so PostgreSQL prepares it once (llmgw/db.py).
+        sql, params = sql + "= ANY(%s)", [node_id, list(ids)]
+    else:
+        # Portable: the ids adapted as the backend stores them, one placeholder each.
+        values = [pk.get_db_prep_value(i, connection) for i in ids]
+        sql, params = sql + f"IN ({', '.join(['%s'] * len(values))})", [node_id, *values]
+    with prepared_cursor() as cur:
+        cur.execute(sql, params)
         rows = {}
         for row in cur.fetchall():
             d = dict(zip(_ROW_FIELDS, row, strict=True))
