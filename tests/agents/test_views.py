@@ -184,6 +184,22 @@ def test_bad_input_is_400_naming_the_field(client, joined, path, body, field, pr
     assert any(e["field"] == field and e["problem"].startswith(problem) for e in errors), errors
 
 
+def test_heartbeat_port_names_and_guids_the_inventory_cannot_hold_are_400(client, joined):
+    def port(hca: str, guid: str) -> dict:
+        return {"hca": hca, "port": 255, "sm_guid": guid}
+
+    fits = [port("h" * 124, "0x" + "f" * 62), port("h", "1"), port("h", "g" * 64)]
+    assert post(client, "heartbeat", heartbeat_payload(ib_ports=fits), joined).status_code == 200
+    # "h" * 125 + "/255" is 129 characters; a GUID of 63 hex digits is 65 once spelt with its 0x.
+    bad = [port("h" * 125, "0x1"), port("h", "f" * 63)]
+    resp = post(client, "heartbeat", heartbeat_payload(ib_ports=bad), joined)
+    assert resp.status_code == 400
+    assert resp.json()["errors"] == [
+        {"field": "ib_ports.0.hca", "problem": "String should have at most 128 characters"},
+        {"field": "ib_ports.1.sm_guid", "problem": "String should have at most 64 characters"},
+    ]
+
+
 def test_bad_registration_writes_nothing(client, joined):
     node = Node.objects.get(id="node-a")
     events = NodeEvent.objects.count()
