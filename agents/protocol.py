@@ -176,10 +176,14 @@ def _record(
     # In the caller's transaction, after the lease renewal: (pending commands, what the cache records as applied).
     node_id = hb.node_id
     applied = dict((previous or {}).get("applied") or {})
+    pending_rows = None
     if hb.acks:
         commands.acknowledge(node_id, hb.acks, now=now)
     if hb.shards:
-        sync = agent_sync.record_shard_states(node_id, hb.shards, now=now)
+        # The pending commands come with the shards' read: one round trip fewer (after the acks, so
+        # what they acknowledged is not delivered again).
+        sync = agent_sync.record_shard_states(node_id, hb.shards, now=now, pending_limit=wire.MAX_COMMANDS)
+        pending_rows = sync.pending
         if sync.changed:
             agent_sync.queue_reconcile()
     if hb.gpu_fabrics is not None:
@@ -196,7 +200,7 @@ def _record(
         hb_rules.apply_imex(node_id, hb.imex, touched=touched, now=now)
     if hb.ib_ports:
         hb_rules.record_sm_changes(node_id, hb.ib_ports, previous, now=now)
-    return commands.pending(node_id, now=now), applied
+    return commands.pending(node_id, now=now, rows=pending_rows), applied
 
 
 def _answer(

@@ -11,7 +11,7 @@ from agents import commands, credentials, wire
 from agents.models import Command, JoinToken, NodeCredential
 from agents.views import MAX_HEARTBEAT_BODY
 from inventory.models import GPU, FabricScan, Node, NodeEvent
-from tests.agents.conftest import heartbeat_payload, post
+from tests.agents.conftest import heartbeat_payload, make_shard, post
 from tests.factories import register_payload
 
 pytestmark = pytest.mark.django_db
@@ -254,6 +254,39 @@ def test_commands_are_delivered_until_acknowledged_never_after(client, joined, n
     cmd.refresh_from_db()
     assert cmd.acked_at is not None and cmd.deliveries == 2
     assert post(client, "heartbeat", heartbeat_payload(), joined).json()["commands"] == []
+
+
+def test_commands_come_in_queue_order_with_a_fence_the_same_heartbeat_queued(
+    client, joined, now, django_assert_num_queries
+):
+    shard = make_shard("node-a", now=now)
+    stranger = "00000000-0000-4000-8000-000000000001"
+    # Queued before the heartbeat (its fence is stamped with the request's own time).
+    before = timezone.now() - dt.timedelta(minutes=1)
+    queued = [
+        commands.enqueue("node-a", wire.InstallEngine(engine=f"e{i}"), now=before + dt.timedelta(seconds=s))
+        for i, s in enumerate([3, 1, 2])
+    ]
+    acked = commands.enqueue("node-a", wire.InstallEngine(engine="acked"), now=before)
+    shards = [
+        {"shard_id": str(shard.id), "replica_id": str(shard.replica_id), "state": "ready"},
+        {"shard_id": stranger, "replica_id": "r", "state": "ready"},
+    ]
+    body = post(client, "heartbeat", heartbeat_payload(shards=shards, acks=[str(acked.id)]), joined).json()
+    # Oldest first; the acknowledged one is not sent again; the fence of the unknown shard comes last.
+    assert [(c["kind"], c.get("engine") or c.get("shard_id")) for c in body["commands"]] == [
+        ("install_engine", "e1"),
+        ("install_engine", "e2"),
+        ("install_engine", "e0"),
+        ("stop_shard", stranger),
+    ]
+    assert [c["id"] for c in body["commands"][:3]] == [str(queued[i].id) for i in (1, 2, 0)]
+    # The fence is pending already: nothing new is queued, and the same commands come with the shards' read.
+    # Lease and shards-with-commands, the pending fence looked up, the deliveries marked, the savepoint pair.
+    with django_assert_num_queries(2 + 1 + 1 + 2):
+        again = post(client, "heartbeat", heartbeat_payload(shards=shards), joined).json()["commands"]
+    assert again == body["commands"]
+    assert sorted(Command.objects.filter(acked_at__isnull=True).values_list("deliveries", flat=True)) == [2] * 4
 
 
 def test_acks_of_another_nodes_commands_are_ignored(client, join_token, joined, now):
