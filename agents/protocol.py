@@ -149,10 +149,9 @@ def heartbeat_request(
 ) -> wire.HeartbeatResponse:
     """A heartbeat from its bearer token on: authenticate, read the body (`read`), and do what heartbeat does.
 
-    A steady-state heartbeat costs a fixed handful of queries whatever it
-    carries: the credential lookup and the lease update in one statement, one
-    read of the shards it reports, and the pending commands. Telemetry goes
-    to the cache. The refusals come in the endpoints' order: 401, then
+    A steady-state heartbeat costs two statements whatever it carries: the
+    credential lookup with the lease update, and the read of the shards it
+    reports with its pending commands. Telemetry goes to the cache. The refusals come in the endpoints' order: 401, then
     whatever `read` refuses (415, 413, 400), then 403; a refused heartbeat
     leaves nothing written, the lease renewal included (it is rolled back).
     """
