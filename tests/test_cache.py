@@ -27,7 +27,7 @@ def test_values_round_trip_as_with_djangos_backend():
     assert cache.get_many(["k", "n", "missing"]) == {"k": {"gpus": [1, 2], "at": 1.5}, "n": 8}
     cache.delete("k")
     assert cache.get("k") is None
-    # Pipelines take connections of their own from the pool.
+    # Through pipelines.
     cache.set_many({"a": 1, "b": [2]}, timeout=30)
     assert cache.get_many(["a", "b"]) == {"a": 1, "b": [2]}
     cache.delete_many(["a", "b"])
