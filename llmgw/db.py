@@ -6,7 +6,7 @@ import select
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from django.db import DEFAULT_DB_ALIAS, connection, connections
+from django.db import DEFAULT_DB_ALIAS, connections
 
 # Executions of one statement on a connection before psycopg prepares it (psycopg's own default).
 PREPARE_THRESHOLD = 5
@@ -24,25 +24,27 @@ def prepared_cursor() -> Iterator:
     transaction, seen by query logging and counting. Other databases get
     Django's plain cursor.
     """
-    if connection.vendor != "postgresql":
-        with connection.cursor() as cur:
+    # The wrapper itself: each attribute of django.db.connection is a lookup in a context-local.
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.vendor != "postgresql":
+        with db.cursor() as cur:
             yield cur
         return
     import psycopg
 
     # As Django's own cursors do: a connection due a health check gets it
     # (and is replaced when it fails) before the statement is sent.
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    conn = connection.connection
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    conn = db.connection
     if conn.prepare_threshold is None:
         # Django turns preparation off for the connection; only cursors that
         # bind on the server (these) ever prepare, so turning it on here
         # changes nothing for the ORM's own cursors.
         conn.prepare_threshold = PREPARE_THRESHOLD
-    with connection.wrap_database_errors:
+    with db.wrap_database_errors:
         raw = psycopg.Cursor(conn)
-    cur = connection.make_debug_cursor(raw) if connection.queries_logged else connection.make_cursor(raw)
+    cur = db.make_debug_cursor(raw) if db.queries_logged else db.make_cursor(raw)
     with cur:
         yield cur
 
