@@ -33,30 +33,42 @@ def enqueue(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:
     )
 
 
-def pending(node_id: str, *, now: dt.datetime, limit: int = wire.MAX_COMMANDS) -> list[WireCommand]:
+def pending_select(*, before: str = "", after: str = "") -> str:
+    """The SQL reading a node's pending commands (parameters: node id, limit), as (before) id, kind, payload (after).
+
+    For a caller folding this read into a statement of its own, to spare a
+    round trip (placement/agent_sync.py); `before` and `after` are extra
+    columns of that caller's.
+    """
+    return (
+        f"SELECT {before}id, kind, payload{after} FROM {Command._meta.db_table} "
+        "WHERE node_id = %s AND acked_at IS NULL ORDER BY created_at, id LIMIT %s"
+    )
+
+
+def pending(
+    node_id: str, *, now: dt.datetime, limit: int = wire.MAX_COMMANDS, rows: list[tuple] | None = None
+) -> list[WireCommand]:
     """The unacknowledged commands for a node, oldest first, as wire messages.
 
-    Marks them delivered; they stay pending until acknowledged.
+    Marks them delivered; they stay pending until acknowledged. `rows` are
+    the (id, kind, payload) of pending_select's read when the caller made it
+    already, in the same transaction.
     """
-    # Hand-written SQL: every heartbeat asks, and most find nothing.
-    with prepared_cursor() as cur:
-        cur.execute(
-            f"SELECT id, kind, payload FROM {Command._meta.db_table} WHERE node_id = %s AND acked_at IS NULL "
-            "ORDER BY created_at, id LIMIT %s",
-            [node_id, limit],
-        )
-        rows = [
-            Command(id=_uuid(i), kind=k, payload=json.loads(p) if isinstance(p, str) else p)
-            for i, k, p in cur.fetchall()
-        ]
+    if rows is None:
+        # Hand-written SQL: every heartbeat asks, and most find nothing.
+        with prepared_cursor() as cur:
+            cur.execute(pending_select(), [node_id, limit])
+            rows = cur.fetchall()
     if not rows:
         return []
-    ids = [r.id for r in rows]
+    found = [Command(id=_uuid(i), kind=k, payload=json.loads(p) if isinstance(p, str) else p) for i, k, p in rows]
+    ids = [r.id for r in found]
     # One statement: a heartbeat's cost must not grow with its commands.
     Command.objects.filter(id__in=ids).update(
         deliveries=F("deliveries") + 1, first_delivered_at=Coalesce(F("first_delivered_at"), Value(now))
     )
-    return [to_wire(r) for r in rows]
+    return [to_wire(r) for r in found]
 
 
 def to_wire(row: Command) -> WireCommand:

@@ -29,6 +29,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from agents.models import JoinToken, NodeCredential
+from inventory.heartbeat import Touched, touch_credential_holder
 from inventory.nodes import record_event
 from llmgw.db import prepared_cursor
 
@@ -92,7 +93,28 @@ def authenticate_node(token: str) -> NodeAuth | None:
         row = cur.fetchone()
     if row is None:
         return None
-    node_id, current, previous, requested = row
+    return _node_auth(row[0], h, row[1], row[2], row[3])
+
+
+def authenticate_and_touch(token: str, *, now: dt.datetime, durable: bool = True) -> tuple[NodeAuth, Touched] | None:
+    """authenticate_node and the lease renewal of its node (inventory/heartbeat.py touch) in one statement.
+
+    For the heartbeat, whose credential lookup would otherwise be a round
+    trip of its own. None when the credential belongs to no node; the caller
+    must refuse, and roll the lease back, when the request turns out not to
+    be the node's to make.
+    """
+    if not token.startswith(NODE_PREFIX):
+        return None
+    h = hash_secret(token)
+    found = touch_credential_holder(h, now=now, durable=durable)
+    if found is None:
+        return None
+    (node_id, current, previous, requested), touched = found
+    return _node_auth(node_id, h, current, previous, requested), touched
+
+
+def _node_auth(node_id: str, h: str, current: str, previous: str | None, requested) -> NodeAuth:
     used_previous = current != h
     if not used_previous and previous is not None:
         # The agent has the new secret: the old one is done.

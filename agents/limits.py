@@ -9,6 +9,7 @@ database halfway through a request.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import cache
 
 from agents import wire
 from inventory import fabric as fabric_rules
@@ -18,7 +19,9 @@ from inventory.models import GPU, EngineInstall, FabricScan, LocalWeights, Node,
 INT32 = 2**31 - 1
 
 
+@cache
 def _max(model, field: str) -> int:
+    # Once per column and process: every heartbeat asks.
     return model._meta.get_field(field).max_length
 
 
@@ -94,8 +97,11 @@ def heartbeat_problems(hb: wire.Heartbeat) -> list[dict]:
     port_len = _max(SMChange, "port")
     guid_len = _max(SMChange, "to_guid")
     for i, p in enumerate(hb.ib_ports or []):
-        _long(f"ib_ports.{i}.hca", f"{p.hca}/{p.port}", port_len, out)
-        _long(f"ib_ports.{i}.sm_guid", fabric_rules.canonical_guid(p.sm_guid), guid_len, out)
+        if len(p.hca) + 4 > port_len:  # "/" and a port number of at most 3 digits (wire.IBPort)
+            _long(f"ib_ports.{i}.hca", f"{p.hca}/{p.port}", port_len, out)
+        # Spelling a GUID canonically adds at most its "0x", or pads it to 18 characters.
+        if len(p.sm_guid) + 2 > guid_len or guid_len < 18:
+            _long(f"ib_ports.{i}.sm_guid", fabric_rules.canonical_guid(p.sm_guid), guid_len, out)
     return out
 
 

@@ -8,6 +8,7 @@ written only after the transaction committed.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -28,10 +29,12 @@ class Refused(Exception):
     The message never says anything about a node other than the caller's own.
     """
 
-    def __init__(self, status: int, detail: str) -> None:
+    def __init__(self, status: int, detail: str, errors: list[dict] | None = None) -> None:
         super().__init__(detail)
         self.status = status
         self.detail = detail
+        # For a bad body: each field's problem ({"field", "problem"}).
+        self.errors = errors or []
 
 
 UNAUTHENTICATED = Refused(401, "missing or invalid credentials")
@@ -127,43 +130,85 @@ def _forget_applied(node_id: str) -> None:
 def heartbeat(caller: Caller, hb: wire.Heartbeat, *, now: dt.datetime) -> wire.HeartbeatResponse:
     """Renew the node's lease, record what changed, and answer with its pending commands.
 
-    A steady-state heartbeat costs a fixed handful of queries whatever it
-    carries: the lease update, the pending commands, and one read of the
-    shards it reports. Telemetry goes to the cache.
+    For a caller already authenticated; the endpoint uses heartbeat_request,
+    which authenticates and renews the lease in one statement.
     """
     auth = _own(caller, hb.node_id)
-    node_id = hb.node_id
-    previous = telemetry.get(node_id)
-    applied = dict((previous or {}).get("applied") or {})
+    previous = telemetry.get(hb.node_id)
     with transaction.atomic():
         # Asynchronous commit: the next heartbeat repeats all of this (inventory/heartbeat.py).
-        touched = hb_rules.touch(node_id, now=now, durable=False)
+        touched = hb_rules.touch(hb.node_id, now=now, durable=False)
         if touched is None:
             raise UNAUTHENTICATED
-        if hb.acks:
-            commands.acknowledge(node_id, hb.acks, now=now)
-        if hb.shards:
-            sync = agent_sync.record_shard_states(node_id, hb.shards, now=now)
-            if sync.changed:
-                agent_sync.queue_reconcile()
-        if hb.gpu_fabrics is not None:
-            d = hb_rules.digest(hb.gpu_fabrics)
-            if applied.get("fabrics") != d:
-                hb_rules.apply_gpu_fabrics(node_id, hb.gpu_fabrics, current_domain=touched.nvlink_domain, now=now)
-                applied["fabrics"] = d
-        if hb.engine_installs is not None:
-            d = hb_rules.digest(hb.engine_installs)
-            if applied.get("installs") != d:
-                hb_rules.apply_engine_installs(node_id, hb.engine_installs)
-                applied["installs"] = d
-        if hb.imex is not None:
-            hb_rules.apply_imex(node_id, hb.imex, touched=touched, now=now)
-        if hb.ib_ports:
-            hb_rules.record_sm_changes(node_id, hb.ib_ports, previous, now=now)
-        pending = commands.pending(node_id, now=now)
+        pending, applied = _record(hb, touched, previous, now=now)
+    return _answer(auth, hb, previous, applied, pending, now=now)
+
+
+def heartbeat_request(
+    token: str | None, read: Callable[[], wire.Heartbeat], *, now: dt.datetime
+) -> wire.HeartbeatResponse:
+    """A heartbeat from its bearer token on: authenticate, read the body (`read`), and do what heartbeat does.
+
+    A steady-state heartbeat costs two statements whatever it carries: the
+    credential lookup with the lease update, and the read of the shards it
+    reports with its pending commands. Telemetry goes to the cache. The refusals come in the endpoints' order: 401, then
+    whatever `read` refuses (415, 413, 400), then 403; a refused heartbeat
+    leaves nothing written, the lease renewal included (it is rolled back).
+    """
+    if token is None:
+        raise UNAUTHENTICATED
+    with transaction.atomic():
+        found = credentials.authenticate_and_touch(token, now=now, durable=False)
+        if found is None:
+            raise UNAUTHENTICATED
+        auth, touched = found
+        hb = read()
+        _own(Caller(node=auth), hb.node_id)
+        previous = telemetry.get(hb.node_id)
+        pending, applied = _record(hb, touched, previous, now=now)
+    return _answer(auth, hb, previous, applied, pending, now=now)
+
+
+def _record(
+    hb: wire.Heartbeat, touched: hb_rules.Touched, previous: dict | None, *, now: dt.datetime
+) -> tuple[list, dict]:
+    # In the caller's transaction, after the lease renewal: (pending commands, what the cache records as applied).
+    node_id = hb.node_id
+    applied = dict((previous or {}).get("applied") or {})
+    pending_rows = None
+    if hb.acks:
+        commands.acknowledge(node_id, hb.acks, now=now)
+    if hb.shards:
+        # The pending commands come with the shards' read: one round trip fewer (after the acks, so
+        # what they acknowledged is not delivered again).
+        sync = agent_sync.record_shard_states(node_id, hb.shards, now=now, pending_limit=wire.MAX_COMMANDS)
+        pending_rows = sync.pending
+        if sync.changed:
+            agent_sync.queue_reconcile()
+    if hb.gpu_fabrics is not None:
+        d = hb_rules.digest(hb.gpu_fabrics)
+        if applied.get("fabrics") != d:
+            hb_rules.apply_gpu_fabrics(node_id, hb.gpu_fabrics, current_domain=touched.nvlink_domain, now=now)
+            applied["fabrics"] = d
+    if hb.engine_installs is not None:
+        d = hb_rules.digest(hb.engine_installs)
+        if applied.get("installs") != d:
+            hb_rules.apply_engine_installs(node_id, hb.engine_installs)
+            applied["installs"] = d
+    if hb.imex is not None:
+        hb_rules.apply_imex(node_id, hb.imex, touched=touched, now=now)
+    if hb.ib_ports:
+        hb_rules.record_sm_changes(node_id, hb.ib_ports, previous, now=now)
+    return commands.pending(node_id, now=now, rows=pending_rows), applied
+
+
+def _answer(
+    auth: NodeAuth, hb: wire.Heartbeat, previous: dict | None, applied: dict, pending: list, *, now: dt.datetime
+) -> wire.HeartbeatResponse:
+    # After the commit: the cache never holds what the database rolled back.
     entry = hb_rules.telemetry(hb, previous, now=now)
     entry["applied"] = applied
-    telemetry.put(node_id, entry)
+    telemetry.put(hb.node_id, entry)
     return wire.HeartbeatResponse(
         commands=pending,
         server_time=now.timestamp(),

@@ -149,30 +149,37 @@ class AgentEndpoint(APIView):
                 now=now,
                 allow_join=self.allow_join,
             )
+            msg = self.read(django_request)
+            result = self.handle_message(caller, msg, now=now)
         except protocol.Refused as exc:
-            return problem(exc.status, exc.detail)
+            return problem(exc.status, exc.detail, exc.errors)
+        return self.answer(result)
+
+    def read(self, django_request: HttpRequest):
+        """The request's message; raises Refused (415, 413, 400 naming each field) for a body it cannot be."""
         if django_request.content_type != "application/json":
-            return problem(415, "the body must be application/json")
+            raise protocol.Refused(415, "the body must be application/json")
         try:
             declared = int(django_request.META.get("CONTENT_LENGTH") or 0)
         except ValueError:
-            return problem(400, "invalid Content-Length")
+            raise protocol.Refused(400, "invalid Content-Length") from None
         if declared > self.max_body:
-            return problem(413, f"the body must be at most {self.max_body} bytes")
+            raise protocol.Refused(413, f"the body must be at most {self.max_body} bytes")
         body = django_request.read(self.max_body + 1)
         if len(body) > self.max_body:
-            return problem(413, f"the body must be at most {self.max_body} bytes")
+            raise protocol.Refused(413, f"the body must be at most {self.max_body} bytes")
         try:
             msg = self.message.model_validate_json(body)
         except ValidationError as exc:
-            return problem(400, "invalid request body", field_errors(exc))
+            raise protocol.Refused(400, "invalid request body", field_errors(exc)) from None
         too_big = self.problems(msg)
         if too_big:
-            return problem(400, "invalid request body", too_big[:MAX_ERRORS])
-        try:
-            result = self.handle_message(caller, msg, now=now)
-        except protocol.Refused as exc:
-            return problem(exc.status, exc.detail)
+            raise protocol.Refused(400, "invalid request body", too_big[:MAX_ERRORS])
+        return msg
+
+    @staticmethod
+    def answer(result: BaseModel | dict) -> HttpResponse:
+        """The 200 answer."""
         if isinstance(result, BaseModel):
             return HttpResponse(result.model_dump_json(), content_type="application/json")
         return JsonResponse(result)
@@ -225,6 +232,17 @@ class HeartbeatView(AgentEndpoint):
 
     def problems(self, msg):
         return limits.heartbeat_problems(msg)
+
+    def serve(self, django_request: HttpRequest) -> HttpResponse:
+        # The credential lookup is the lease renewal's own statement
+        # (protocol.heartbeat_request); the refusals come in the same order.
+        now = timezone.now()
+        token = credentials.bearer(django_request.META.get("HTTP_AUTHORIZATION"))
+        try:
+            result = protocol.heartbeat_request(token, lambda: self.read(django_request), now=now)
+        except protocol.Refused as exc:
+            return problem(exc.status, exc.detail, exc.errors)
+        return self.answer(result)
 
     def handle_message(self, caller, msg, *, now):
         return protocol.heartbeat(caller, msg, now=now)

@@ -48,6 +48,21 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 WearCount = Annotated[int, Field(ge=-1, le=2**53)]
 
 
+def empty_list() -> Any:
+    """An empty list as a field's default, without a copy per message.
+
+    pydantic deep-copies a mutable default (`= []`) for every message that
+    omits the field; a factory builds a fresh one for less. The JSON schema
+    still says the default is [].
+    """
+    return Field(default_factory=list, json_schema_extra={"default": []})
+
+
+def empty_dict() -> Any:
+    """An empty dict as a field's default (see empty_list)."""
+    return Field(default_factory=dict, json_schema_extra={"default": {}})
+
+
 class Message(BaseModel):
     """Base of every wire message: fields a newer peer adds are ignored."""
 
@@ -90,7 +105,7 @@ class Host(Message):
     os_version: Short = ""
     os_codename: Short = ""
     arch: Short = ""
-    cpu_flags: Annotated[list[Short], Field(max_length=1024)] = []
+    cpu_flags: Annotated[list[Short], Field(max_length=1024)] = empty_list()
     nvidia_driver: Short = ""
     kernel: Short = ""
 
@@ -119,13 +134,13 @@ class GPU(Message):
     driver_version: Short = ""
     cuda_version: Short = ""
     utilization_percent: Annotated[int, Field(ge=0, le=100)] | None = None
-    nvlink_peers: Annotated[list[GPUIndex], Field(max_length=MAX_GPUS)] = []
+    nvlink_peers: Annotated[list[GPUIndex], Field(max_length=MAX_GPUS)] = empty_list()
     # HCA name -> topology path from `nvidia-smi topo -m` (PIX, PXB, NODE, SYS...).
-    nic_paths: Annotated[dict[Short, Short], Field(max_length=MAX_PORTS)] = {}
+    nic_paths: Annotated[dict[Short, Short], Field(max_length=MAX_PORTS)] = empty_dict()
     fabric: GPUFabric | None = None
     ecc_errors: Count | None = None
     temperature_c: Annotated[int, Field(ge=-100, le=300)] | None = None
-    problems: Annotated[list[Text], Field(max_length=64)] = []
+    problems: Annotated[list[Text], Field(max_length=64)] = empty_list()
 
 
 class Storage(Message):
@@ -154,7 +169,7 @@ class FabricAttachment(Message):
     """
 
     name: Annotated[str, StringConstraints(min_length=1, max_length=63)]
-    hcas: Annotated[list[Short], Field(max_length=MAX_PORTS)] = []
+    hcas: Annotated[list[Short], Field(max_length=MAX_PORTS)] = empty_list()
     rate_gbps: Annotated[int, Field(ge=0, le=100_000)] = 0
 
 
@@ -176,8 +191,8 @@ class EngineProfile(Message):
     pp: Annotated[int, Field(ge=1, le=1024)] = 1
     gpus_per_node: Annotated[int, Field(ge=0, le=MAX_GPUS)] = 0
     nodes: Annotated[int, Field(ge=1, le=1024)] = 1
-    args: Annotated[list[Text], Field(max_length=MAX_LIST)] = []
-    env: Annotated[dict[Short, Text], Field(max_length=MAX_LIST)] = {}
+    args: Annotated[list[Text], Field(max_length=MAX_LIST)] = empty_list()
+    env: Annotated[dict[Short, Text], Field(max_length=MAX_LIST)] = empty_dict()
     model_path: Text = ""
     served_model_name: Short = ""
 
@@ -188,8 +203,8 @@ class RunningShard(Message):
     replica_id: Short
     shard_id: Short
     rank: SmallInt = 0
-    gpu_indices: Annotated[list[GPUIndex], Field(max_length=MAX_GPUS)] = []
-    hcas: Annotated[list[Short], Field(max_length=MAX_PORTS)] = []
+    gpu_indices: Annotated[list[GPUIndex], Field(max_length=MAX_GPUS)] = empty_list()
+    hcas: Annotated[list[Short], Field(max_length=MAX_PORTS)] = empty_list()
     http_port: Port | None = None
     leader_addr: Short = ""
     state: ShardState = ShardState.FAILED
@@ -222,23 +237,23 @@ class Register(Message):
     node_id: NodeId
     hostname: Name = ""
     mgmt_addr: Name = ""
-    labels: Labels = {}
+    labels: Labels = empty_dict()
     agent_version: Short = ""
-    features: Annotated[list[Short], Field(max_length=MAX_LIST)] = []
-    engine_versions: Annotated[dict[Short, Short], Field(max_length=MAX_LIST)] = {}
+    features: Annotated[list[Short], Field(max_length=MAX_LIST)] = empty_list()
+    engine_versions: Annotated[dict[Short, Short], Field(max_length=MAX_LIST)] = empty_dict()
     # Says engine_versions is an answer: an empty map then means "has none"
     # rather than "an agent too old to say".
     engines_probed: bool = False
     memory_total_mb: Count | None = None
     cpu_count: Annotated[int, Field(ge=0, le=100_000)] | None = None
     host: Host | None = None
-    gpus: Annotated[list[GPU], Field(max_length=MAX_GPUS)] = []
+    gpus: Annotated[list[GPU], Field(max_length=MAX_GPUS)] = empty_list()
     # None: the agent was not asked to look (constrains nothing).
     storage: Annotated[list[Storage], Field(max_length=MAX_LIST)] | None = None
     weights: Annotated[list[LocalWeights], Field(max_length=4096)] | None = None
-    fabrics: Annotated[list[FabricAttachment], Field(max_length=16)] = []
+    fabrics: Annotated[list[FabricAttachment], Field(max_length=16)] = empty_list()
     imex: IMEX | None = None
-    running_shards: Annotated[list[RunningShard], Field(max_length=MAX_SHARDS)] = []
+    running_shards: Annotated[list[RunningShard], Field(max_length=MAX_SHARDS)] = empty_list()
     engine_installs: Annotated[list[EngineInstall], Field(max_length=MAX_LIST)] | None = None
     at: float | None = None
 
@@ -261,8 +276,8 @@ class RegisterResponse(Message):
     # the agent keeps it in its state directory, mode 0600.
     credential: str | None = None
     heartbeat_interval_s: float = 5.0
-    adopted: list[str] = []
-    commands: list[Command] = []
+    adopted: list[str] = empty_list()
+    commands: list[Command] = empty_list()
 
 
 # --- heartbeat --------------------------------------------------------------
@@ -285,7 +300,7 @@ class Load(Message):
     load15: Annotated[float, Field(ge=0, le=1e6)] = 0.0
     mem_used_bytes: Count = 0
     mem_avail_bytes: Count = 0
-    shards: Annotated[dict[Short, ShardLoad], Field(max_length=MAX_SHARDS)] = {}
+    shards: Annotated[dict[Short, ShardLoad], Field(max_length=MAX_SHARDS)] = empty_dict()
     cpu_temp_c: Annotated[float, Field(ge=-100, le=300)] = 0.0
     cpu_power_w: Annotated[float, Field(ge=0, le=1e6)] = 0.0
     inlet_temp_c: Annotated[float, Field(ge=-100, le=300)] = 0.0
@@ -319,7 +334,7 @@ class GPUSensor(Message):
     memory_temp_c: Annotated[float, Field(ge=-100, le=300)] = 0.0
     power_w: Annotated[float, Field(ge=0, le=100_000)] = 0.0
     power_limit_w: Annotated[float, Field(ge=0, le=100_000)] = 0.0
-    throttle: Annotated[list[Short], Field(max_length=32)] = []
+    throttle: Annotated[list[Short], Field(max_length=32)] = empty_list()
     util_percent: Annotated[float, Field(ge=-1, le=100)] = -1
     mem_util_percent: Annotated[float, Field(ge=-1, le=100)] = -1
     memory_used_mb: Annotated[float, Field(ge=0, le=1e9)] = 0.0
@@ -327,7 +342,7 @@ class GPUSensor(Message):
     sm_clock_mhz: Annotated[float, Field(ge=0, le=1e6)] = 0.0
     ecc_uncorrected: Annotated[float, Field(ge=0, le=2**53)] = 0.0
     wear: GPUWear | None = None
-    problems: Annotated[list[Text], Field(max_length=64)] = []
+    problems: Annotated[list[Text], Field(max_length=64)] = empty_list()
 
 
 class SubnetManager(Message):
@@ -348,7 +363,7 @@ class IBPort(Message):
     phys_state: Short = ""
     rate_gbps: Annotated[int, Field(ge=0, le=100_000)] = 0
     link_layer: Short = ""
-    counters: Annotated[dict[Short, Count], Field(max_length=128)] = {}
+    counters: Annotated[dict[Short, Count], Field(max_length=128)] = empty_dict()
     node_guid: Short = ""
     port_guid: Short = ""
     gid_prefix: Short = ""
@@ -363,7 +378,7 @@ class IBPort(Message):
     network: Short = ""
     netdev: Short = ""
     # Every subnet manager on the fabric, on the one port per fabric that asked.
-    sms: Annotated[list[SubnetManager], Field(max_length=64)] = []
+    sms: Annotated[list[SubnetManager], Field(max_length=64)] = empty_list()
     sms_error: Text = ""
 
 
@@ -376,7 +391,7 @@ class ShardStatus(Message):
     reason: Text = ""
     exit_code: Annotated[int, Field(ge=-1024, le=1024)] | None = None
     http_port: Port | None = None
-    log_tail: Annotated[list[Text], Field(max_length=50)] = []
+    log_tail: Annotated[list[Text], Field(max_length=50)] = empty_list()
 
     @field_validator("state", mode="before")
     @classmethod
@@ -400,12 +415,12 @@ class Heartbeat(Message):
     load: Load | None = None
     gpus: Annotated[list[GPUSensor], Field(max_length=MAX_GPUS)] | None = None
     ib_ports: Annotated[list[IBPort], Field(max_length=MAX_PORTS)] | None = None
-    shards: Annotated[list[ShardStatus], Field(max_length=MAX_SHARDS)] = []
+    shards: Annotated[list[ShardStatus], Field(max_length=MAX_SHARDS)] = empty_list()
     engine_installs: Annotated[list[EngineInstall], Field(max_length=MAX_LIST)] | None = None
     gpu_fabrics: Annotated[list[GPUFabricReport], Field(max_length=MAX_GPUS)] | None = None
     imex: IMEX | None = None
     # Ids of commands the agent has received and applied.
-    acks: Annotated[list[Short], Field(max_length=MAX_COMMANDS)] = []
+    acks: Annotated[list[Short], Field(max_length=MAX_COMMANDS)] = empty_list()
 
 
 # --- commands ---------------------------------------------------------------
@@ -422,10 +437,10 @@ class StartShard(Message):
     nnodes: Annotated[int, Field(ge=1, le=1024)] = 1
     leader_addr: Short = ""
     leader_port: Port | None = None
-    gpu_indices: Annotated[list[GPUIndex], Field(max_length=MAX_GPUS)] = []
+    gpu_indices: Annotated[list[GPUIndex], Field(max_length=MAX_GPUS)] = empty_list()
     # Only the HCAs of the replica's own fabric: NCCL handed an adapter on a
     # second fabric picks a peer it cannot reach and hangs instead of failing.
-    hcas: Annotated[list[Short], Field(max_length=MAX_PORTS)] = []
+    hcas: Annotated[list[Short], Field(max_length=MAX_PORTS)] = empty_list()
     mgmt_interface: Short = ""
     http_port: Port
     profile: EngineProfile
@@ -474,7 +489,7 @@ Command = Annotated[StartShard | StopShard | ScanFabric | InstallEngine, Field(d
 class HeartbeatResponse(Message):
     """The answer to a heartbeat: the commands pending for this node, each with an id."""
 
-    commands: list[Command] = []
+    commands: list[Command] = empty_list()
     server_time: float | None = None
     heartbeat_interval_s: float = 5.0
     # An operator asked for a new credential: the agent calls the rotate endpoint.

@@ -8,7 +8,8 @@ JSON, so /api/v1/agent/ is served by a handler with no middleware, which
 roughly halves the framework's share of a heartbeat. It keeps Django's
 request signals (database connections are reused and closed as usual), URL
 resolution, exception handling (a crash is a logged 500) and the
-ALLOWED_HOSTS check.
+ALLOWED_HOSTS check. The connection's health check asks the socket instead
+of PostgreSQL (llmgw/db.py trust_idle_connection).
 
 Everything else goes to the ordinary handler. `with_agent_fast_path` wraps
 the project's WSGI application (llmgw/wsgi.py).
@@ -22,6 +23,8 @@ from django.core.handlers.exception import convert_exception_to_response
 from django.core.handlers.wsgi import WSGIHandler
 from django.http import HttpRequest, HttpResponse
 from django.urls import include, path
+
+from llmgw.db import trust_idle_connection
 
 AGENT_PREFIX = "/api/v1/agent/"
 
@@ -45,6 +48,8 @@ class AgentHandler(WSGIHandler):
         # CommonMiddleware would call this: a Host outside ALLOWED_HOSTS is a 400.
         request.get_host()
         request.urlconf = __name__
+        # Every heartbeat would otherwise pay Django's `SELECT 1` health check (llmgw/db.py).
+        trust_idle_connection()
         response = self._get_response(request)
         # As CommonMiddleware would: a known length spares the server chunked encoding.
         if not response.streaming and not response.has_header("Content-Length"):

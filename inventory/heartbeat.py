@@ -19,6 +19,7 @@ from typing import Any
 from django.db import connection
 
 from agents import wire
+from agents.models import NodeCredential
 from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules
 from inventory.models import GPU, EngineInstall, Node, NodeState
@@ -41,6 +42,22 @@ class Touched:
     nvlink_domain: str
 
 
+def _relax(durable: bool) -> list[str]:
+    # A FROM item of the UPDATE itself: a separate SET LOCAL would cost a round trip.
+    if not durable and connection.vendor == "postgresql":
+        return ["(SELECT set_config('synchronous_commit', 'off', true)) AS async_commit"]
+    return []
+
+
+def _touched(node_id: str, row: tuple, *, now: dt.datetime) -> Touched:
+    state = row[0]
+    if state in (NodeState.UNREACHABLE, NodeState.LOST) and change_state(
+        node_id, NodeState.READY, now=now, expected=state, reason="heartbeat resumed", actor_name="agent"
+    ):
+        state = NodeState.READY
+    return Touched(state=state, imex_state=row[1], imex_channels=row[2], nvlink_domain=row[3])
+
+
 def touch(node_id: str, *, now: dt.datetime, durable: bool = True) -> Touched | None:
     """Renew a node's lease and bring an unreachable or lost node back to ready.
 
@@ -56,26 +73,44 @@ def touch(node_id: str, *, now: dt.datetime, durable: bool = True) -> Touched | 
     heartbeat saves a disk flush: about half of PostgreSQL's work per
     heartbeat, and its longest wait.
     """
-    table = Node._meta.db_table
-    relax = ""
-    if not durable and connection.vendor == "postgresql":
-        # In the same statement: a separate SET LOCAL would cost a round trip.
-        relax = "FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit "
+    relax = _relax(durable)
+    from_items = f"FROM {', '.join(relax)} " if relax else ""
     with prepared_cursor() as cur:
         cur.execute(
-            f"UPDATE {table} SET last_seen = %s, unreachable_since = NULL {relax}WHERE id = %s "
+            f"UPDATE {Node._meta.db_table} SET last_seen = %s, unreachable_since = NULL {from_items}WHERE id = %s "
             "RETURNING state, imex_state, imex_channels, nvlink_domain",
             [now, node_id],
         )
         row = cur.fetchone()
     if row is None:
         return None
-    state = row[0]
-    if state in (NodeState.UNREACHABLE, NodeState.LOST) and change_state(
-        node_id, NodeState.READY, now=now, expected=state, reason="heartbeat resumed", actor_name="agent"
-    ):
-        state = NodeState.READY
-    return Touched(state=state, imex_state=row[1], imex_channels=row[2], nvlink_domain=row[3])
+    return _touched(node_id, row, now=now)
+
+
+def touch_credential_holder(
+    token_hash: str, *, now: dt.datetime, durable: bool = True
+) -> tuple[tuple[str, str, str | None, dt.datetime | None], Touched] | None:
+    """touch() for the node holding a credential, found by its current or previous hash, in the same statement.
+
+    A heartbeat's authentication and its lease renewal are then one round
+    trip. Returns the credential's (node id, token hash, previous hash,
+    rotation requested at) and the touched node; None when no node holds
+    that hash. The caller decides what the credential may do, and rolls the
+    lease back when it refuses the request.
+    """
+    from_items = ", ".join([f"{NodeCredential._meta.db_table} AS c", *_relax(durable)])
+    with prepared_cursor() as cur:
+        cur.execute(
+            f"UPDATE {Node._meta.db_table} AS n SET last_seen = %s, unreachable_since = NULL FROM {from_items} "
+            "WHERE (c.token_hash = %s OR c.previous_hash = %s) AND n.id = c.node_id "
+            "RETURNING c.node_id, c.token_hash, c.previous_hash, c.rotation_requested_at, "
+            "n.state, n.imex_state, n.imex_channels, n.nvlink_domain",
+            [now, token_hash, token_hash],
+        )
+        row = cur.fetchone()
+    if row is None:
+        return None
+    return (row[0], row[1], row[2], row[3]), _touched(row[0], row[4:], now=now)
 
 
 def port_key(port: Any) -> str:

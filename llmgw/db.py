@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import select
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connections
 
 # Executions of one statement on a connection before psycopg prepares it (psycopg's own default).
 PREPARE_THRESHOLD = 5
@@ -23,21 +24,63 @@ def prepared_cursor() -> Iterator:
     transaction, seen by query logging and counting. Other databases get
     Django's plain cursor.
     """
-    if connection.vendor != "postgresql":
-        with connection.cursor() as cur:
+    # The wrapper itself: each attribute of django.db.connection is a lookup in a context-local.
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.vendor != "postgresql":
+        with db.cursor() as cur:
             yield cur
         return
     import psycopg
 
-    connection.ensure_connection()
-    conn = connection.connection
+    # As Django's own cursors do: a connection due a health check gets it
+    # (and is replaced when it fails) before the statement is sent.
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    conn = db.connection
     if conn.prepare_threshold is None:
         # Django turns preparation off for the connection; only cursors that
         # bind on the server (these) ever prepare, so turning it on here
         # changes nothing for the ORM's own cursors.
         conn.prepare_threshold = PREPARE_THRESHOLD
-    with connection.wrap_database_errors:
+    with db.wrap_database_errors:
         raw = psycopg.Cursor(conn)
-    cur = connection.make_debug_cursor(raw) if connection.queries_logged else connection.make_cursor(raw)
+    cur = db.make_debug_cursor(raw) if db.queries_logged else db.make_cursor(raw)
     with cur:
         yield cur
+
+
+def trust_idle_connection(alias: str = DEFAULT_DB_ALIAS) -> bool:
+    """Count a kept-alive connection as checked when the server has said nothing on it since its last answer.
+
+    With CONN_HEALTH_CHECKS, Django sends `SELECT 1` before a request's first
+    query: a round trip that costs PostgreSQL as much as the heartbeat's own
+    lease update. A server that restarts, or ends the backend, closes the
+    socket (after a termination notice); an idle connection whose socket has
+    nothing to read has therefore not been closed by the server. This asks
+    the socket instead, without a round trip, and leaves the real check to
+    Django whenever the socket has something to say. A silently dead peer
+    (no FIN, e.g. a network partition) is not seen here, as it is not by
+    `SELECT 1` until its timeout; the request fails and Django's
+    errors-occurred check replaces the connection at the next one.
+
+    Returns True when the round trip was spared.
+    """
+    conn = connections[alias]
+    if (
+        conn.connection is None
+        or not conn.health_check_enabled
+        or conn.health_check_done
+        or conn.vendor != "postgresql"
+    ):
+        return False
+    try:
+        fd = conn.connection.fileno()
+    except Exception:
+        return False
+    # poll, not select: a server holding thousands of client sockets has descriptors past FD_SETSIZE.
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    if poller.poll(0):
+        return False
+    conn.health_check_done = True
+    return True

@@ -16,6 +16,7 @@ from django.db import connection, transaction
 
 from agents import commands, wire
 from agents.models import Command, CommandKind
+from llmgw.db import prepared_cursor
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
 
 log = logging.getLogger(__name__)
@@ -64,12 +65,15 @@ class SyncResult:
     fenced: list[str] = field(default_factory=list)
     changed: list[tuple[str, str, str]] = field(default_factory=list)  # (shard id, from, to)
     failed_missing: list[str] = field(default_factory=list)
+    # The node's pending commands as (id, kind, payload), when read with the shards.
+    pending: list[tuple] | None = None
 
 
-def _fence(node_id: str, targets: list[tuple[str, str, str]], result: SyncResult, *, now: dt.datetime) -> None:
-    """Queue a StopShard for each (shard id, replica id, reason), unless one is already pending."""
+def _fence(node_id: str, targets: list[tuple[str, str, str]], result: SyncResult, *, now: dt.datetime) -> int:
+    """Queue a StopShard for each (shard id, replica id, reason), unless one is already pending; returns how many."""
     if not targets:
-        return
+        return 0
+    queued = 0
     key_len = commands.SHARD_KEY_LEN
     already = set(
         Command.objects.filter(
@@ -86,6 +90,8 @@ def _fence(node_id: str, targets: list[tuple[str, str, str]], result: SyncResult
         already.add(shard_id[:key_len])
         message = wire.StopShard(shard_id=shard_id, replica_id=replica_id, reason=reason[:MAX_REASON])
         commands.enqueue(node_id, message, now=now)
+        queued += 1
+    return queued
 
 
 def _set_states(changes: list[tuple[dict, str, str, int | None, str]], *, now: dt.datetime, actor: str) -> list:
@@ -121,29 +127,57 @@ def _set_states(changes: list[tuple[dict, str, str, int | None, str]], *, now: d
 _ROW_FIELDS = ("id", "state", "reason", "exit_code", "replica_id", "replica__deployment_id", "replica__state")
 
 
-def _shard_rows(node_id: str, ids: list[uuid.UUID]) -> dict[uuid.UUID, dict]:
-    # Hand-written SQL: this read runs on every heartbeat that lists shards.
-    # Portable: the ids adapted as the backend stores them, one placeholder each.
+def _shard_rows(
+    node_id: str, ids: list[uuid.UUID], *, pending_limit: int | None = None
+) -> tuple[dict[uuid.UUID, dict], list[tuple] | None]:
+    """The node's rows of these shards, and with pending_limit (PostgreSQL) its pending commands in the same statement.
+
+    Hand-written SQL: this read runs on every heartbeat that lists shards. The
+    pending commands are None when not read.
+    """
     shard, replica = Shard._meta.db_table, Replica._meta.db_table
     pk = Shard._meta.pk
-    params = [pk.get_db_prep_value(i, connection) for i in ids]
-    marks = ", ".join(["%s"] * len(params))
-    with connection.cursor() as cur:
-        cur.execute(
-            f"SELECT s.id, s.state, s.reason, s.exit_code, s.replica_id, r.deployment_id, r.state "
-            f"FROM {shard} s JOIN {replica} r ON r.id = s.replica_id WHERE s.node_id = %s AND s.id IN ({marks})",
-            [node_id, *params],
+    columns = "s.id, s.state, s.reason, s.exit_code, s.replica_id, r.deployment_id, r.state"
+    source = f"{shard} s JOIN {replica} r ON r.id = s.replica_id WHERE s.node_id = %s AND s.id "
+    if connection.vendor != "postgresql":
+        # Portable: the ids adapted as the backend stores them, one placeholder each.
+        values = [pk.get_db_prep_value(i, connection) for i in ids]
+        sql = f"SELECT {columns} FROM {source}IN ({', '.join(['%s'] * len(values))})"
+        params: list = [node_id, *values]
+        pending_limit = None
+    elif pending_limit is None:
+        # One statement whatever the number of shards, so PostgreSQL prepares it once (llmgw/db.py).
+        sql, params = f"SELECT {columns} FROM {source}= ANY(%s)", [node_id, list(ids)]
+    else:
+        # One round trip for both reads: each row says which it answers (0: a shard, 1: a command, in
+        # queue order); a command's payload stands beside a shard's state.
+        commands_sql = commands.pending_select(
+            before="1, row_number() OVER (ORDER BY created_at, id), ", after=", NULL, NULL, NULL, NULL, NULL"
         )
-        rows = {}
+        shard_columns = "s.id, s.state, NULL::jsonb, s.reason, s.exit_code, s.replica_id, r.deployment_id, r.state"
+        sql = f"SELECT 0, 0, {shard_columns} FROM {source}= ANY(%s) UNION ALL ({commands_sql}) ORDER BY 1, 2"
+        params = [node_id, list(ids), node_id, pending_limit]
+    rows: dict[uuid.UUID, dict] = {}
+    pending: list[tuple] | None = None if pending_limit is None else []
+    with prepared_cursor() as cur:
+        cur.execute(sql, params)
         for row in cur.fetchall():
+            if pending is not None:
+                part, _, *row = row
+                if part == 1:
+                    pending.append((row[0], row[1], row[2]))
+                    continue
+                del row[2]
             d = dict(zip(_ROW_FIELDS, row, strict=True))
             d["id"] = pk.to_python(d["id"])
             d["replica_id"] = pk.to_python(d["replica_id"])
             rows[d["id"]] = d
-        return rows
+    return rows, pending
 
 
-def record_shard_states(node_id: str, statuses: Iterable[wire.ShardStatus], *, now: dt.datetime) -> SyncResult:
+def record_shard_states(
+    node_id: str, statuses: Iterable[wire.ShardStatus], *, now: dt.datetime, pending_limit: int | None = None
+) -> SyncResult:
     """Record the shard states a heartbeat reports; fence what should no longer run.
 
     One read for all of them; a write only for a shard whose state, reason or
@@ -152,6 +186,10 @@ def record_shard_states(node_id: str, statuses: Iterable[wire.ShardStatus], *, n
     the control plane has written off (failed after its node was lost, its
     replica released or deleted) gets a StopShard: that is the fence after a
     node comes back from a partition without restarting its agent.
+
+    With pending_limit, the read of the shards also reads the node's pending
+    commands (agents/commands.py pending_select): result.pending, None when
+    not read or when a fence queued one since (read them again).
     """
     result = SyncResult()
     reports = {}
@@ -161,7 +199,7 @@ def record_shard_states(node_id: str, statuses: Iterable[wire.ShardStatus], *, n
             reports[sid] = s
     if not reports:
         return result
-    rows = _shard_rows(node_id, list(reports))
+    rows, result.pending = _shard_rows(node_id, list(reports), pending_limit=pending_limit)
     changes = []
     fence = []
     for sid, s in reports.items():
@@ -184,7 +222,9 @@ def record_shard_states(node_id: str, statuses: Iterable[wire.ShardStatus], *, n
             # Same state, new detail (a loading shard's progress): the row, no event.
             Shard.objects.filter(id=sid, state=old).update(reason=s.reason, exit_code=s.exit_code, updated_at=now)
     result.changed = _set_states(changes, now=now, actor="agent")
-    _fence(node_id, fence, result, now=now)
+    if _fence(node_id, fence, result, now=now):
+        # A command queued after the read: read them again.
+        result.pending = None
     return result
 
 

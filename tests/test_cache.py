@@ -27,3 +27,20 @@ def test_values_round_trip_as_with_djangos_backend():
     assert cache.get_many(["k", "n", "missing"]) == {"k": {"gpus": [1, 2], "at": 1.5}, "n": 8}
     cache.delete("k")
     assert cache.get("k") is None
+    # Through pipelines.
+    cache.set_many({"a": 1, "b": [2]}, timeout=30)
+    assert cache.get_many(["a", "b"]) == {"a": 1, "b": [2]}
+    cache.delete_many(["a", "b"])
+    assert cache.get_many(["a", "b"]) == {}
+
+
+def test_a_connection_redis_closed_is_replaced():
+    import redis
+
+    cache.set("k", 1, timeout=30)
+    client = cache._cache.get_client()
+    own = client.client_id()
+    # As a Redis restart (or its timeout of idle clients) does.
+    redis.Redis.from_url(settings.REDIS_URL).client_kill_filter(_id=own)
+    assert cache.get("k") == 1
+    assert client.client_id() != own

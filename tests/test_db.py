@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.db import connection, transaction
 
-from llmgw.db import PREPARE_THRESHOLD, prepared_cursor
+from llmgw.db import PREPARE_THRESHOLD, prepared_cursor, trust_idle_connection
 
 pytestmark = pytest.mark.django_db
 
@@ -43,3 +43,53 @@ def test_it_runs_in_djangos_transaction(now):
             cur.execute(f"UPDATE {Node._meta.db_table} SET hostname = %s WHERE id = %s", ["changed", "node-a"])
         raise RuntimeError("roll back")
     assert Node.objects.get(id="node-a").hostname != "changed"
+
+
+def _backend_pid() -> int:
+    with connection.cursor() as cur:
+        cur.execute("SELECT pg_backend_pid()")
+        return cur.fetchone()[0]
+
+
+def _terminate(pid: int) -> None:
+    import time
+
+    import psycopg
+    from django.conf import settings
+
+    db = settings.DATABASES["default"]
+    with psycopg.connect(
+        host=db["HOST"], port=db["PORT"] or 5432, user=db["USER"], password=db["PASSWORD"] or None,
+        dbname=db["NAME"], autocommit=True,
+    ) as other:  # fmt: skip
+        other.execute("SELECT pg_terminate_backend(%s)", [pid])
+        for _ in range(100):
+            if not other.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [pid]).fetchone():
+                return
+            time.sleep(0.01)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_idle_connection_skips_the_health_check_round_trip(django_assert_num_queries):
+    pid = _backend_pid()
+    # As at the start of a request: the connection is due a health check.
+    connection.close_if_unusable_or_obsolete()
+    assert connection.health_check_done is False
+    assert trust_idle_connection() is True
+    assert connection.health_check_done is True
+    with django_assert_num_queries(1):
+        assert _backend_pid() == pid
+    # Already checked: nothing more to spare.
+    assert trust_idle_connection() is False
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_connection_the_server_ended_is_still_checked_and_replaced():
+    pid = _backend_pid()
+    connection.close_if_unusable_or_obsolete()
+    _terminate(pid)
+    # The server closed the socket: Django's own check runs, fails, and a new connection answers.
+    assert trust_idle_connection() is False
+    assert connection.health_check_done is False
+    new_pid = _backend_pid()
+    assert new_pid != pid

@@ -32,11 +32,11 @@ def test_steady_state_heartbeat_query_count(client, joined, now, django_assert_n
         post(client, "heartbeat", realistic(shards, at=1.0, counters=10, gpu_fabrics=fabrics), joined).status_code
         == 200
     )
-    # Credential lookup, lease update (returning the node), shards read, pending commands.
-    with django_assert_num_queries(4 + 2):  # + the savepoint pair of the test's transaction
+    # The credential lookup with the lease update (returning the node); the shards read with the pending commands.
+    with django_assert_num_queries(2 + 2):  # + the savepoint pair of the test's transaction
         resp = post(client, "heartbeat", realistic(shards, at=6.0, counters=20, gpu_fabrics=fabrics), joined)
     assert resp.status_code == 200
-    with django_assert_num_queries(6):
+    with django_assert_num_queries(4):
         resp = post(client, "heartbeat", realistic(shards, at=11.0, counters=30), joined)
     assert resp.status_code == 200
 
@@ -46,9 +46,9 @@ def test_heartbeat_with_a_command_and_an_ack(client, joined, now, django_assert_
     post(client, "heartbeat", realistic(shards, at=1.0, counters=10), joined)
     cmd = commands.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=now)
     # + marking the delivered command.
-    with django_assert_num_queries(7):
+    with django_assert_num_queries(5):
         assert len(post(client, "heartbeat", realistic(shards, at=2.0, counters=10), joined).json()["commands"]) == 1
     # + the acknowledgement; nothing left to mark.
-    with django_assert_num_queries(7):
+    with django_assert_num_queries(5):
         body = post(client, "heartbeat", realistic(shards, at=3.0, counters=10, acks=[str(cmd.id)]), joined).json()
     assert body["commands"] == []

@@ -11,7 +11,7 @@ from agents import commands, credentials, wire
 from agents.models import Command, JoinToken, NodeCredential
 from agents.views import MAX_HEARTBEAT_BODY
 from inventory.models import GPU, FabricScan, Node, NodeEvent
-from tests.agents.conftest import heartbeat_payload, post
+from tests.agents.conftest import heartbeat_payload, make_shard, post
 from tests.factories import register_payload
 
 pytestmark = pytest.mark.django_db
@@ -184,6 +184,22 @@ def test_bad_input_is_400_naming_the_field(client, joined, path, body, field, pr
     assert any(e["field"] == field and e["problem"].startswith(problem) for e in errors), errors
 
 
+def test_heartbeat_port_names_and_guids_the_inventory_cannot_hold_are_400(client, joined):
+    def port(hca: str, guid: str) -> dict:
+        return {"hca": hca, "port": 255, "sm_guid": guid}
+
+    fits = [port("h" * 124, "0x" + "f" * 62), port("h", "1"), port("h", "g" * 64)]
+    assert post(client, "heartbeat", heartbeat_payload(ib_ports=fits), joined).status_code == 200
+    # "h" * 125 + "/255" is 129 characters; a GUID of 63 hex digits is 65 once spelt with its 0x.
+    bad = [port("h" * 125, "0x1"), port("h", "f" * 63)]
+    resp = post(client, "heartbeat", heartbeat_payload(ib_ports=bad), joined)
+    assert resp.status_code == 400
+    assert resp.json()["errors"] == [
+        {"field": "ib_ports.0.hca", "problem": "String should have at most 128 characters"},
+        {"field": "ib_ports.1.sm_guid", "problem": "String should have at most 64 characters"},
+    ]
+
+
 def test_bad_registration_writes_nothing(client, joined):
     node = Node.objects.get(id="node-a")
     events = NodeEvent.objects.count()
@@ -192,6 +208,35 @@ def test_bad_registration_writes_nothing(client, joined):
     assert Node.objects.get(id="node-a").hostname == node.hostname
     assert GPU.objects.filter(node_id="node-a").count() == 8
     assert NodeEvent.objects.count() == events
+
+
+def test_a_refused_heartbeat_renews_no_lease_and_wakes_no_node(client, join_token, joined):
+    post(client, "register", register_payload("node-b"), join_token)
+    old = timezone.now() - dt.timedelta(hours=1)
+    Node.objects.update(last_seen=old, state="unreachable", unreachable_since=old)
+    events = NodeEvent.objects.count()
+    refusals = [
+        (post(client, "heartbeat", heartbeat_payload("node-b"), joined), 403),
+        (post(client, "heartbeat", heartbeat_payload(gpus=[{"index": 64}]), joined), 400),
+        (post(client, "heartbeat", heartbeat_payload(padding="x" * (MAX_HEARTBEAT_BODY + 1)), joined), 413),
+        (
+            client.post(
+                "/api/v1/agent/heartbeat", data="x", content_type="text/plain", HTTP_AUTHORIZATION=f"Bearer {joined}"
+            ),
+            415,
+        ),
+        # A stranger learns nothing about the body: the credential is refused first.
+        (post(client, "heartbeat", b"{not json", "llmgw-node-wrong"), 401),
+    ]
+    assert [r.status_code for r, _ in refusals] == [code for _, code in refusals]
+    assert list(Node.objects.values_list("last_seen", "state", "unreachable_since")) == [
+        (old, "unreachable", old),
+        (old, "unreachable", old),
+    ]
+    assert NodeEvent.objects.count() == events
+    assert post(client, "heartbeat", heartbeat_payload(), joined).status_code == 200
+    node = Node.objects.get(id="node-a")
+    assert (node.last_seen > old, node.state, node.unreachable_since) == (True, "ready", None)
 
 
 def test_commands_are_delivered_until_acknowledged_never_after(client, joined, now):
@@ -209,6 +254,39 @@ def test_commands_are_delivered_until_acknowledged_never_after(client, joined, n
     cmd.refresh_from_db()
     assert cmd.acked_at is not None and cmd.deliveries == 2
     assert post(client, "heartbeat", heartbeat_payload(), joined).json()["commands"] == []
+
+
+def test_commands_come_in_queue_order_with_a_fence_the_same_heartbeat_queued(
+    client, joined, now, django_assert_num_queries
+):
+    shard = make_shard("node-a", now=now)
+    stranger = "00000000-0000-4000-8000-000000000001"
+    # Queued before the heartbeat (its fence is stamped with the request's own time).
+    before = timezone.now() - dt.timedelta(minutes=1)
+    queued = [
+        commands.enqueue("node-a", wire.InstallEngine(engine=f"e{i}"), now=before + dt.timedelta(seconds=s))
+        for i, s in enumerate([3, 1, 2])
+    ]
+    acked = commands.enqueue("node-a", wire.InstallEngine(engine="acked"), now=before)
+    shards = [
+        {"shard_id": str(shard.id), "replica_id": str(shard.replica_id), "state": "ready"},
+        {"shard_id": stranger, "replica_id": "r", "state": "ready"},
+    ]
+    body = post(client, "heartbeat", heartbeat_payload(shards=shards, acks=[str(acked.id)]), joined).json()
+    # Oldest first; the acknowledged one is not sent again; the fence of the unknown shard comes last.
+    assert [(c["kind"], c.get("engine") or c.get("shard_id")) for c in body["commands"]] == [
+        ("install_engine", "e1"),
+        ("install_engine", "e2"),
+        ("install_engine", "e0"),
+        ("stop_shard", stranger),
+    ]
+    assert [c["id"] for c in body["commands"][:3]] == [str(queued[i].id) for i in (1, 2, 0)]
+    # The fence is pending already: nothing new is queued, and the same commands come with the shards' read.
+    # Lease and shards-with-commands, the pending fence looked up, the deliveries marked, the savepoint pair.
+    with django_assert_num_queries(2 + 1 + 1 + 2):
+        again = post(client, "heartbeat", heartbeat_payload(shards=shards), joined).json()["commands"]
+    assert again == body["commands"]
+    assert sorted(Command.objects.filter(acked_at__isnull=True).values_list("deliveries", flat=True)) == [2] * 4
 
 
 def test_acks_of_another_nodes_commands_are_ignored(client, join_token, joined, now):

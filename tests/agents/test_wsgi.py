@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 from contextlib import contextmanager
@@ -31,8 +32,21 @@ def _inside_test_transaction():
         request_finished.connect(close_old_connections)
 
 
-def call(app, path: str, body=None, *, token: str | None = None, method: str = "POST", host: str = "127.0.0.1"):
-    """One WSGI request; returns (status code, headers, body bytes)."""
+def call(
+    app,
+    path: str,
+    body=None,
+    *,
+    token: str | None = None,
+    method: str = "POST",
+    host: str = "127.0.0.1",
+    signals: bool = False,
+):
+    """One WSGI request; returns (status code, headers, body bytes).
+
+    signals=True keeps Django's connection handling at the request's start
+    and end (only outside the test's transaction).
+    """
     data = json.dumps(body).encode() if body is not None else b""
     environ = {
         "REQUEST_METHOD": method,
@@ -56,7 +70,7 @@ def call(app, path: str, body=None, *, token: str | None = None, method: str = "
     if token:
         environ["HTTP_AUTHORIZATION"] = f"Bearer {token}"
     started = []
-    with _inside_test_transaction():
+    with contextlib.nullcontext() if signals else _inside_test_transaction():
         result = app(environ, lambda status, headers, exc_info=None: started.append((status, headers)))
         try:
             payload = b"".join(result)
@@ -138,3 +152,20 @@ def test_the_project_application_uses_the_fast_path():
     from llmgw import wsgi
 
     assert isinstance(wsgi.application.agent_handler, AgentHandler)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_after_the_database_ended_the_connection_is_answered(app, join_token):
+    from tests.test_db import _backend_pid, _terminate
+
+    fast, _ = app
+    status, _, body = call(fast, f"{AGENT_PREFIX}register", register_payload("node-a"), token=JOIN, signals=True)
+    assert status == 200, body
+    credential = json.loads(body)["credential"]
+    assert call(fast, f"{AGENT_PREFIX}heartbeat", heartbeat_payload(at=1.0), token=credential, signals=True)[0] == 200
+    pid = _backend_pid()
+    # As a PostgreSQL restart does to every kept-alive connection.
+    _terminate(pid)
+    status, _, body = call(fast, f"{AGENT_PREFIX}heartbeat", heartbeat_payload(at=2.0), token=credential, signals=True)
+    assert status == 200, body
+    assert _backend_pid() != pid

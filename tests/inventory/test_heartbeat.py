@@ -170,3 +170,40 @@ def test_a_heartbeats_transaction_commits_asynchronously_and_only_it(now):
     with transaction.atomic():
         hb_rules.touch("node-a", now=now, durable=True)
         assert _synchronous_commit() == "on"
+
+
+def _credential(node_id: str, *, now: dt.datetime, token_hash: str, previous_hash: str | None = None):
+    from agents.models import NodeCredential
+
+    return NodeCredential.objects.create(
+        node_id=node_id, token_hash=token_hash, previous_hash=previous_hash, issued_at=now, issued_by="test"
+    )
+
+
+def test_touch_by_credential_renews_only_its_holder_and_brings_it_back(now):
+    make_node("node-a", now=now)
+    make_node("node-b", now=now)
+    _credential("node-a", now=now, token_hash="a" * 64, previous_hash="p" * 64)
+    _credential("node-b", now=now, token_hash="b" * 64)
+    change_state("node-a", NodeState.UNREACHABLE, now=now)
+    later = now + dt.timedelta(seconds=30)
+    found = hb_rules.touch_credential_holder("p" * 64, now=later)
+    assert found == (("node-a", "a" * 64, "p" * 64, None), hb_rules.Touched("ready", "", 0, ""))
+    assert dict(Node.objects.values_list("id", "last_seen")) == {"node-a": later, "node-b": now}
+    assert Node.objects.get(id="node-a").state == NodeState.READY
+    assert hb_rules.touch_credential_holder("c" * 64, now=later) is None
+
+
+@pytest.mark.django_db(transaction=True)
+def test_touch_by_credential_commits_asynchronously_when_asked(now):
+    from django.db import transaction
+
+    make_node("node-a", now=now)
+    _credential("node-a", now=now, token_hash="a" * 64)
+    with transaction.atomic():
+        assert hb_rules.touch_credential_holder("a" * 64, now=now, durable=False) is not None
+        assert _synchronous_commit() == "off"
+    assert _synchronous_commit() == "on"
+    with transaction.atomic():
+        hb_rules.touch_credential_holder("a" * 64, now=now)
+        assert _synchronous_commit() == "on"
