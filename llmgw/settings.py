@@ -240,7 +240,7 @@ CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
 # reconciler runs (it is also queued by events).
 LLMGW_SHARD_PORT_BASE = int(os.environ.get("LLMGW_SHARD_PORT_BASE", "18000"))
 # Unique shard ports across the whole cluster, for simulated fleets sharing one host.
-LLMGW_SHARD_PORTS_UNIQUE = os.environ.get("LLMGW_SHARD_PORTS_UNIQUE", "") in ("1", "true", "yes")
+LLMGW_SHARD_PORTS_UNIQUE = env_bool("LLMGW_SHARD_PORTS_UNIQUE", False)
 LLMGW_RECONCILE_INTERVAL = env_seconds("LLMGW_RECONCILE_INTERVAL", 10.0)
 CELERY_BEAT_SCHEDULE["placement-reconcile"] = {
     "task": "placement.reconcile",
