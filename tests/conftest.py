@@ -5,9 +5,10 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
-from django.contrib.auth.models import Group, Permission
+from django.contrib.auth.models import Group
 from django.core.cache import cache
 
+from llmgw import roles
 from tests.factories import make_node, register_payload  # noqa: F401
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, 0, tzinfo=dt.UTC)
@@ -27,19 +28,17 @@ def _clean_cache():
 
 @pytest.fixture
 def viewer(django_user_model):
-    """A user who may look at everything and change nothing."""
+    """A user in the install's viewer group: may look at everything, change nothing."""
+    roles.ensure_roles()  # a transactional test starts from a flushed database
     user = django_user_model.objects.create_user("viewer", password="pw-viewer-1")
-    group, _ = Group.objects.get_or_create(name="viewer")
-    group.permissions.set(Permission.objects.filter(codename__startswith="view_"))
-    user.groups.add(group)
+    user.groups.add(Group.objects.get(name=roles.VIEWER))
     return user
 
 
 @pytest.fixture
 def operator(django_user_model):
-    """A user who may look and act (every permission of llmgw's apps)."""
+    """A staff user in the install's operator group: may look and act."""
+    roles.ensure_roles()
     user = django_user_model.objects.create_user("operator", password="pw-operator-1", is_staff=True)
-    group, _ = Group.objects.get_or_create(name="operator")
-    group.permissions.set(Permission.objects.filter(content_type__app_label__in=["inventory", "placement", "agents"]))
-    user.groups.add(group)
+    user.groups.add(Group.objects.get(name=roles.OPERATOR))
     return user
