@@ -44,12 +44,26 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
+def env_int(name: str, default: int, *, minimum: int = 0) -> int:
+    """Read a whole number from the environment, at least `minimum`."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name}={raw!r} is not a whole number") from exc
+    if value < minimum:
+        raise ImproperlyConfigured(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
 DEBUG = env_bool("DEBUG", False)
 
 SECRET_KEY = os.environ.get("SECRET_KEY", "")
 if not SECRET_KEY:
     if not DEBUG:
-        raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is off")
+        raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is off (or set DEBUG=1 on a laptop)")
     # Only a development server on a laptop gets here.
     SECRET_KEY = "llmgw-insecure-development-key-do-not-use-in-production"
 
@@ -111,7 +125,7 @@ WSGI_APPLICATION = "llmgw.wsgi.application"
 DATABASES = {
     "default": dj_database_url.parse(
         os.environ.get("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'llmgw.sqlite3'}",
-        conn_max_age=int(os.environ.get("DATABASE_CONN_MAX_AGE", "60")),
+        conn_max_age=env_int("DATABASE_CONN_MAX_AGE", 60),
         conn_health_checks=True,
     )
 }
@@ -238,7 +252,7 @@ CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
 
 # Placement: the first HTTP port a shard gets on a node, and how often the
 # reconciler runs (it is also queued by events).
-LLMGW_SHARD_PORT_BASE = int(os.environ.get("LLMGW_SHARD_PORT_BASE", "18000"))
+LLMGW_SHARD_PORT_BASE = env_int("LLMGW_SHARD_PORT_BASE", 18000, minimum=1)
 # Unique shard ports across the whole cluster, for simulated fleets sharing one host.
 LLMGW_SHARD_PORTS_UNIQUE = env_bool("LLMGW_SHARD_PORTS_UNIQUE", False)
 LLMGW_RECONCILE_INTERVAL = env_seconds("LLMGW_RECONCILE_INTERVAL", 10.0)

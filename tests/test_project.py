@@ -54,30 +54,3 @@ def test_ensure_admin_creates_once(tmp_path, settings, capsys, django_user_model
     call_command("ensure_admin")
     assert "admin login exists" in capsys.readouterr().out
     assert django_user_model.objects.filter(is_superuser=True).count() == 1
-
-
-def test_the_embedded_default_keeps_its_files_under_var(tmp_path):
-    # kombu's filesystem transport writes its exchange table to ./control
-    # unless told otherwise: a laptop's `make run` must not litter the tree.
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"}}
-    env.update(DJANGO_SETTINGS_MODULE="llmgw.settings", DEBUG="1", LLMGW_VAR_DIR=str(tmp_path))
-    code = (
-        "import json; from django.conf import settings as s; "
-        "print(json.dumps([s.CELERY_BROKER_URL, s.CELERY_BROKER_TRANSPORT_OPTIONS, "
-        "s.DATABASES['default']['ENGINE'], str(s.DATABASES['default']['NAME'])]))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    broker, options, engine, name = json.loads(out)
-    assert broker == "filesystem://"
-    assert {k: v for k, v in options.items() if k.endswith("_folder") or k.startswith("data_folder")} == {
-        "data_folder_in": str(tmp_path / "celery" / "broker"),
-        "data_folder_out": str(tmp_path / "celery" / "broker"),
-        "processed_folder": str(tmp_path / "celery" / "processed"),
-        "control_folder": str(tmp_path / "celery" / "control"),
-    }
-    assert (engine, name) == ("django.db.backends.sqlite3", str(tmp_path / "llmgw.sqlite3"))

@@ -1,0 +1,84 @@
+"""Settings come from the environment; a bad value is refused with its variable's name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_READ = (
+    "import json; from django.conf import settings as s; "
+    "print(json.dumps([s.CELERY_BROKER_URL, s.CELERY_BROKER_TRANSPORT_OPTIONS, "
+    "s.DATABASES['default']['ENGINE'], str(s.DATABASES['default']['NAME'])]))"
+)
+
+
+def load_settings(tmp_path, code: str = _READ, **env: str) -> subprocess.CompletedProcess:
+    """Run `code` against llmgw.settings in a fresh interpreter: the embedded default, `env` on top."""
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "SECRET_KEY", "DEBUG"}
+    }
+    base.update({"DJANGO_SETTINGS_MODULE": "llmgw.settings", "DEBUG": "1", "LLMGW_VAR_DIR": str(tmp_path)})
+    base.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=base, capture_output=True, text=True)
+
+
+def test_the_embedded_default_keeps_its_files_under_var(tmp_path):
+    # kombu's filesystem transport writes its exchange table to ./control
+    # unless told otherwise: a laptop's `make run` must not litter the tree.
+    done = load_settings(tmp_path)
+    assert done.returncode == 0, done.stderr
+    broker, options, engine, name = json.loads(done.stdout)
+    assert broker == "filesystem://"
+    assert {k: v for k, v in options.items() if k.endswith("_folder") or k.startswith("data_folder")} == {
+        "data_folder_in": str(tmp_path / "celery" / "broker"),
+        "data_folder_out": str(tmp_path / "celery" / "broker"),
+        "processed_folder": str(tmp_path / "celery" / "processed"),
+        "control_folder": str(tmp_path / "celery" / "control"),
+    }
+    assert (engine, name) == ("django.db.backends.sqlite3", str(tmp_path / "llmgw.sqlite3"))
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DEBUG": "maybe"}, "DEBUG='maybe' is not a boolean (use 1/0, true/false)"),
+        ({"LLMGW_LOST_AFTER": "5m"}, "LLMGW_LOST_AFTER='5m' is not a number of seconds"),
+        ({"LLMGW_UNREACHABLE_AFTER": "0"}, "LLMGW_UNREACHABLE_AFTER='0' must be positive"),
+        ({"LLMGW_SHARD_PORT_BASE": "eighteen"}, "LLMGW_SHARD_PORT_BASE='eighteen' is not a whole number"),
+        ({"LLMGW_SHARD_PORT_BASE": "0"}, "LLMGW_SHARD_PORT_BASE='0' must be at least 1"),
+        ({"DATABASE_CONN_MAX_AGE": "1.5"}, "DATABASE_CONN_MAX_AGE='1.5' is not a whole number"),
+        ({"LLMGW_SHARD_PORTS_UNIQUE": "si"}, "LLMGW_SHARD_PORTS_UNIQUE='si' is not a boolean"),
+        (
+            {"DEBUG": "0", "SECRET_KEY": ""},
+            "SECRET_KEY must be set when DEBUG is off (or set DEBUG=1 on a laptop)",
+        ),
+    ],
+)
+def test_a_bad_value_names_its_variable(tmp_path, env, message):
+    done = load_settings(tmp_path, **env)
+    assert done.returncode != 0
+    assert f"ImproperlyConfigured: {message}" in done.stderr
+
+
+def test_numbers_and_flags_are_read(tmp_path):
+    code = (
+        "from django.conf import settings as s; "
+        "print(s.LLMGW_SHARD_PORT_BASE, s.LLMGW_SHARD_PORTS_UNIQUE, s.LLMGW_LOST_AFTER, s.DEBUG)"
+    )
+    done = load_settings(
+        tmp_path,
+        code,
+        SECRET_KEY="k",
+        DEBUG="off",
+        LLMGW_SHARD_PORT_BASE="20000",
+        LLMGW_SHARD_PORTS_UNIQUE="yes",
+        LLMGW_LOST_AFTER="90",
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["20000", "True", "90.0", "False"]
