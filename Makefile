@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 TEST_ENV := DJANGO_SETTINGS_MODULE=llmgw.settings_test
 
-.PHONY: run test lint check bench demo services migrations clean browser
+.PHONY: run test lint bench demo services migrations clean browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
