@@ -11,11 +11,12 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from agents import wire
 from agents.node import config as config_mod
-from agents.node.loop import Agent, Refused, Unreachable, backoff_delay
+from agents.node.loop import Agent, NeedsRegister, Refused, Unreachable, backoff_delay
 from tests.agents.node.helpers import echo_start, wait_for
 
 JOIN = "join-secret-123"
@@ -420,3 +421,24 @@ def test_gpu_fabrics_are_read_again_once_a_minute(make_agent, cp):
     assert [(r.index, r.fabric.cluster_uuid) for r in agent.heartbeat_body().gpu_fabrics] == [(0, "c-1")]
     t[0] = 1061.0
     assert agent.heartbeat_body().gpu_fabrics is None
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "raised"),
+    [
+        (404, {"detail": "no such node"}, NeedsRegister),  # the node was forgotten: register again
+        (400, {"detail": "bad heartbeat"}, Refused),
+        (200, {"commands": "not a list"}, Unreachable),  # an answer it cannot read is no answer
+    ],
+)
+def test_heartbeat_answers_decide_what_the_loop_does_next(make_agent, status, body, raised):
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/agent/register":
+            return httpx.Response(200, json={"node_id": "gpu-01", "credential": "cred-1"})
+        return httpx.Response(status, json=body)
+
+    agent = make_agent(http=httpx.Client(base_url="http://cp.test", transport=httpx.MockTransport(answer)))
+    agent.register()
+    with pytest.raises(raised):
+        agent.heartbeat()
+    assert agent.registered is (raised is not NeedsRegister)
