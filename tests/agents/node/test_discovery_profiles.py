@@ -115,6 +115,7 @@ def test_a_broken_tool_is_a_problem_even_when_its_error_says_not_installed(tmp_p
     (tmp_path / "cmd").mkdir()
     (tmp_path / "cmd" / "vllm_--version.err").write_text("exit 1: ImportError: flash_attn is not installed")
     (tmp_path / "cmd" / "nvidia-smi_topo_-m.err").write_text("exit 9: the NVIDIA driver is not installed")
+    (tmp_path / "cmd" / "sglang_version.err").write_text("exit 1: ModuleNotFoundError: No module named 'torch'")
     (tmp_path / "cmd" / "nvidia-smi_-q.txt").write_text(
         (PROFILES / "hgx-h100" / "cmd" / "nvidia-smi_-q.txt").read_text()
     )
@@ -122,6 +123,9 @@ def test_a_broken_tool_is_a_problem_even_when_its_error_says_not_installed(tmp_p
     assert d.engine_versions == {}
     assert "engine vllm: vllm: exit 1: ImportError: flash_attn is not installed" in d.problems
     assert "nvidia-smi topo -m: nvidia-smi: exit 9: the NVIDIA driver is not installed" in d.problems
+    assert "engine sglang: python3: exit 1: ModuleNotFoundError: No module named 'torch'" in d.problems
+    (tmp_path / "cmd" / "sglang_version.err").write_text("exit 1: ModuleNotFoundError: No module named 'sglang'")
+    assert not any("sglang" in p for p in discover(root=tmp_path, model_dirs=[]).problems)  # simply not installed
 
 
 def test_nvml_conversion_on_recorded_values():
