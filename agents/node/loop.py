@@ -331,12 +331,21 @@ class Agent:
                 log.warning("the control plane refused this node's credential (reset?); joining again with the token")
                 own = ""
         if not own:
-            token = self.config.token()
+            c = self.config
+            source = c.source or "agent.yaml"
+            token = c.token()
             if not token:
-                raise Refused("no credential yet and no join_token or join_token_file in agent.yaml")
+                raise Refused(
+                    f"this node has no credential yet and {source} gives no join token:"
+                    " set join_token or join_token_file (an operator creates one)"
+                )
             r = self._post("/api/v1/agent/register", body, token)
             if r.status_code == 401:
-                raise Refused("the join token was refused (401): check join_token in agent.yaml")
+                key = f"join_token_file {c.join_token_file!r}" if c.join_token_file else "join_token"
+                raise Refused(
+                    f"the join token was refused (401): {key} in {source} holds a token that is unknown,"
+                    " revoked, expired or used up; ask an operator for a new one"
+                )
             if r.status_code == 403:
                 # A valid token, but this node id already holds a credential
                 # (its state directory was lost): the control plane says so.

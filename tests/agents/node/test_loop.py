@@ -287,6 +287,26 @@ def test_bad_join_token_is_refused_not_fatal(make_agent, cp):
         agent.register()
 
 
+def test_join_token_refusals_name_the_key_and_the_file(make_agent, cp, tmp_path):
+    agent = make_agent()
+    token_file = tmp_path / "join-token"
+    token_file.write_text("wrong\n")
+    agent.config = config_mod.parse({**_cfg_dict(agent), "join_token_file": str(token_file)}, source="/etc/a.yaml")
+    with pytest.raises(Refused) as exc:
+        agent.register()
+    assert str(exc.value) == (
+        f"the join token was refused (401): join_token_file {str(token_file)!r} in /etc/a.yaml holds a token"
+        " that is unknown, revoked, expired or used up; ask an operator for a new one"
+    )
+    agent.config = config_mod.parse(_cfg_dict(agent), source="/etc/a.yaml")
+    with pytest.raises(Refused) as exc:
+        agent.register()
+    assert str(exc.value) == (
+        "this node has no credential yet and /etc/a.yaml gives no join token:"
+        " set join_token or join_token_file (an operator creates one)"
+    )
+
+
 def test_join_refused_for_a_node_with_a_credential_says_why(make_agent, cp):
     cp.taken.add("gpu-01")
     with pytest.raises(Refused) as exc:
