@@ -257,17 +257,13 @@ class Agent:
         return r
 
     @staticmethod
-    def _detail(r: httpx.Response) -> str:
+    def _why(r: httpx.Response) -> str:
         """The control plane's own words for a refusal (its `detail`), else the start of the body."""
         try:
             detail = r.json().get("detail")
         except (ValueError, AttributeError):
             detail = None
-        return f"HTTP {r.status_code}: {detail if isinstance(detail, str) else r.text[:200]}"
-
-    @staticmethod
-    def _why(r: httpx.Response) -> str:
-        return f"HTTP {r.status_code}: {r.text[:500]}"
+        return f"HTTP {r.status_code}: {detail if isinstance(detail, str) else r.text[:500]}"
 
     def _answer(
         self, r: httpx.Response, model: type[_Answer], what: str, *, reregister_on: tuple[int, ...] = ()
@@ -349,7 +345,7 @@ class Agent:
             if r.status_code == 403:
                 # A valid token, but this node id already holds a credential
                 # (its state directory was lost): the control plane says so.
-                raise Refused(f"the join token was refused: {self._detail(r)}")
+                raise Refused(f"the join token was refused: {self._why(r)}")
         resp = self._answer(r, wire.RegisterResponse, "registration")
         if resp.credential:
             self._save_credential(resp.credential)

@@ -459,6 +459,8 @@ def test_heartbeat_answers_decide_what_the_loop_does_next(make_agent, status, bo
 
     agent = make_agent(http=httpx.Client(base_url="http://cp.test", transport=httpx.MockTransport(answer)))
     agent.register()
-    with pytest.raises(raised):
+    with pytest.raises(raised) as exc:
         agent.heartbeat()
     assert agent.registered is (raised is not NeedsRegister)
+    if raised is Refused:
+        assert str(exc.value) == "heartbeat refused: HTTP 400: bad heartbeat"  # the control plane's words, not its JSON
