@@ -181,6 +181,16 @@ def test_log_rotation_keeps_backups(sup, tmp_path):
     assert (tmp_path / "state" / "logs" / "s1.log.1").read_text() == "first run\n"
 
 
+def test_a_running_shards_log_is_rotated_once_it_outgrows_log_max_bytes(sup):
+    s = sup(log_max_bytes=64, log_backups=1)
+    shard = s.start(echo_start("s1", load=0))
+    log = s.log_path("s1")
+    wait_for(lambda: _state(s, "s1") == S.READY and log.with_name("s1.log.1").exists())
+    assert log.with_name("s1.log.1").read_text().startswith("# llmgw-agent: starting")
+    assert log.stat().st_size < log.with_name("s1.log.1").stat().st_size
+    assert proc_identity(shard.pid) is not None  # the engine runs on, writing to the same file
+
+
 def test_invalid_transition_refused(sup):
     s = sup()
     shard = s.start(echo_start("s1", load=0))
