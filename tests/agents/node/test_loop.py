@@ -199,7 +199,8 @@ def make_agent(tmp_path, cp):
         a.close()
 
 
-def test_first_registration_uses_join_token_and_keeps_credential(make_agent, cp, tmp_path):
+def test_first_registration_uses_join_token_and_keeps_credential(make_agent, cp, tmp_path, caplog):
+    caplog.set_level("DEBUG")
     agent = make_agent()
     agent.step()
     (path, token, body), (hb_path, hb_token, hb) = cp.requests
@@ -218,6 +219,9 @@ def test_first_registration_uses_join_token_and_keeps_credential(make_agent, cp,
     cp.requests.clear()
     make_agent().register()
     assert cp.requests[0][1] == "cred-1"
+    # Neither secret is ever logged.
+    assert "registered as gpu-01" in caplog.text
+    assert JOIN not in caplog.text and "cred-1" not in caplog.text
 
 
 def test_reset_credential_falls_back_to_join_token(make_agent, cp, tmp_path):
