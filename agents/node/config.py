@@ -145,9 +145,11 @@ def parse(data: Any, *, source: str = "<agent.yaml>") -> Config:
     if token and token_file:
         raise ConfigError(f"{source}: give join_token or join_token_file, not both")
 
-    node_id = _str(data, "node_id", source=source) or socket.gethostname().split(".")[0]
+    given = _str(data, "node_id", source=source)
+    node_id = given or socket.gethostname().split(".")[0]
     if not _NAME.match(node_id) or len(node_id) > 253:
-        raise ConfigError(f"{source}: node_id {node_id!r} must be letters, digits, '.', '_' or '-'")
+        origin = "" if given else " (this host's name: node_id is not set; set it)"
+        raise ConfigError(f"{source}: node_id {node_id!r}{origin} must be letters, digits, '.', '_' or '-'")
 
     labels = data.get("labels") or {}
     if not isinstance(labels, dict):
