@@ -37,8 +37,8 @@ TOP_KEYS = (
 )
 FABRIC_KEYS = ("name", "hcas", "rate_gbps")
 
-_NODE_ID = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
-_FABRIC_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+# A node id or fabric name: letters, digits, '.', '_' or '-', starting and ending with a letter or digit.
+_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 
 
 class ConfigError(ValueError):
@@ -118,7 +118,7 @@ def _fabric(i: int, raw: Any, *, source: str) -> Fabric:
     name = _str(raw, "name", source=source, where=where)
     if not name:
         raise ConfigError(f"{source}: {where}name is required")
-    if not _FABRIC_NAME.match(name) or len(name) > 63:
+    if not _NAME.match(name) or len(name) > 63:
         raise ConfigError(f"{source}: {where}name {name!r} must be letters, digits, '.', '_' or '-' (at most 63)")
     rate = raw.get("rate_gbps", 0)
     if isinstance(rate, bool) or not isinstance(rate, int) or rate < 0:
@@ -145,9 +145,11 @@ def parse(data: Any, *, source: str = "<agent.yaml>") -> Config:
     if token and token_file:
         raise ConfigError(f"{source}: give join_token or join_token_file, not both")
 
-    node_id = _str(data, "node_id", source=source) or socket.gethostname().split(".")[0]
-    if not _NODE_ID.match(node_id) or len(node_id) > 253:
-        raise ConfigError(f"{source}: node_id {node_id!r} must be letters, digits, '.', '_' or '-'")
+    given = _str(data, "node_id", source=source)
+    node_id = given or socket.gethostname().split(".")[0]
+    if not _NAME.match(node_id) or len(node_id) > 253:
+        origin = "" if given else " (this host's name: node_id is not set; set it)"
+        raise ConfigError(f"{source}: node_id {node_id!r}{origin} must be letters, digits, '.', '_' or '-'")
 
     labels = data.get("labels") or {}
     if not isinstance(labels, dict):

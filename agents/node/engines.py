@@ -115,7 +115,7 @@ def _sglang(start: wire.StartShard, version: str) -> Launch:
     return Launch(argv=argv + list(p.args), health_path=health)
 
 
-def _llama_server(start: wire.StartShard, version: str) -> Launch:
+def _llama_server(start: wire.StartShard) -> Launch:
     p = start.profile
     if start.nnodes > 1 or p.pp > 1:
         raise EngineError(
@@ -131,7 +131,7 @@ def _llama_server(start: wire.StartShard, version: str) -> Launch:
     return Launch(argv=argv + list(p.args))
 
 
-def _echo(start: wire.StartShard, version: str, python: str) -> Launch:
+def _echo(start: wire.StartShard, python: str) -> Launch:
     p = start.profile
     argv = [python, "-m", "agents.node.echo", "--host", "127.0.0.1", "--port", str(start.http_port)]
     argv += ["--served-model-name", _served_name(start)]
@@ -172,9 +172,9 @@ def build(
     elif name == "sglang":
         launch = _sglang(start, version)
     elif name == "llama-server":
-        launch = _llama_server(start, version)
+        launch = _llama_server(start)
     elif name == "echo":
-        launch = _echo(start, version, python)
+        launch = _echo(start, python)
     else:
         raise EngineError(
             f"shard {start.shard_id}: unknown engine {start.profile.engine!r} (known: {', '.join(ENGINES)})"

@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from urllib.parse import urlparse
 
 import httpx
@@ -49,6 +49,8 @@ FABRIC_EVERY_S = 60.0
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 60.0
 APPLIED_KEEP = 2000
+
+_Answer = TypeVar("_Answer", bound=pydantic.BaseModel)
 
 
 class Probe(Protocol):
@@ -209,15 +211,7 @@ class Agent:
         outstanding until a rotation succeeds. Neither secret is ever logged.
         """
         r = self._post("/api/v1/agent/rotate", wire.RotateCredential(node_id=self.config.node_id), self.credential())
-        if r.status_code in (401, 403):
-            self.registered = False
-            raise NeedsRegister(f"credential rotation refused ({r.status_code})")
-        if r.status_code != 200:
-            raise Refused(f"credential rotation refused: {self._why(r)}")
-        try:
-            resp = wire.RegisterResponse.model_validate_json(r.content)
-        except pydantic.ValidationError as e:
-            raise Unreachable(f"unreadable rotation answer: {e}") from e
+        resp = self._answer(r, wire.RegisterResponse, "credential rotation", reregister_on=(401, 403))
         if not resp.credential:
             raise Refused("the rotation answer carries no credential")
         self._save_credential(resp.credential)
@@ -263,17 +257,32 @@ class Agent:
         return r
 
     @staticmethod
-    def _detail(r: httpx.Response) -> str:
+    def _why(r: httpx.Response) -> str:
         """The control plane's own words for a refusal (its `detail`), else the start of the body."""
         try:
             detail = r.json().get("detail")
         except (ValueError, AttributeError):
             detail = None
-        return f"HTTP {r.status_code}: {detail if isinstance(detail, str) else r.text[:200]}"
+        return f"HTTP {r.status_code}: {detail if isinstance(detail, str) else r.text[:500]}"
 
-    @staticmethod
-    def _why(r: httpx.Response) -> str:
-        return f"HTTP {r.status_code}: {r.text[:500]}"
+    def _answer(
+        self, r: httpx.Response, model: type[_Answer], what: str, *, reregister_on: tuple[int, ...] = ()
+    ) -> _Answer:
+        """The control plane's answer to `what`, read as `model`.
+
+        A status in `reregister_on` means the control plane no longer knows
+        this node or its credential (NeedsRegister); any other status but 200
+        is a refusal; an answer that does not parse is treated like no answer.
+        """
+        if r.status_code in reregister_on:
+            self.registered = False
+            raise NeedsRegister(f"{what} refused ({r.status_code})")
+        if r.status_code != 200:
+            raise Refused(f"{what} refused: {self._why(r)}")
+        try:
+            return model.model_validate_json(r.content)
+        except pydantic.ValidationError as e:
+            raise Unreachable(f"unreadable {what} answer: {e}") from e
 
     # --- registration -----------------------------------------------------
 
@@ -318,22 +327,26 @@ class Agent:
                 log.warning("the control plane refused this node's credential (reset?); joining again with the token")
                 own = ""
         if not own:
-            token = self.config.token()
+            c = self.config
+            source = c.source or "agent.yaml"
+            token = c.token()
             if not token:
-                raise Refused("no credential yet and no join_token or join_token_file in agent.yaml")
+                raise Refused(
+                    f"this node has no credential yet and {source} gives no join token:"
+                    " set join_token or join_token_file (an operator creates one)"
+                )
             r = self._post("/api/v1/agent/register", body, token)
             if r.status_code == 401:
-                raise Refused("the join token was refused (401): check join_token in agent.yaml")
+                key = f"join_token_file {c.join_token_file!r}" if c.join_token_file else "join_token"
+                raise Refused(
+                    f"the join token was refused (401): {key} in {source} holds a token that is unknown,"
+                    " revoked, expired or used up; ask an operator for a new one"
+                )
             if r.status_code == 403:
                 # A valid token, but this node id already holds a credential
                 # (its state directory was lost): the control plane says so.
-                raise Refused(f"the join token was refused: {self._detail(r)}")
-        if r.status_code != 200:
-            raise Refused(f"registration refused: {self._why(r)}")
-        try:
-            resp = wire.RegisterResponse.model_validate_json(r.content)
-        except pydantic.ValidationError as e:
-            raise Unreachable(f"unreadable registration answer: {e}") from e
+                raise Refused(f"the join token was refused: {self._why(r)}")
+        resp = self._answer(r, wire.RegisterResponse, "registration")
         if resp.credential:
             self._save_credential(resp.credential)
             log.info("registered as %s; credential stored in %s (mode 0600)", resp.node_id, self.credential_path)
@@ -388,15 +401,7 @@ class Agent:
         """Send one heartbeat and apply the commands in its answer."""
         body = self.heartbeat_body()
         r = self._post("/api/v1/agent/heartbeat", body, self.credential())
-        if r.status_code in (401, 403, 404):
-            self.registered = False
-            raise NeedsRegister(f"heartbeat refused ({r.status_code})")
-        if r.status_code != 200:
-            raise Refused(f"heartbeat refused: {self._why(r)}")
-        try:
-            resp = wire.HeartbeatResponse.model_validate_json(r.content)
-        except pydantic.ValidationError as e:
-            raise Unreachable(f"unreadable heartbeat answer: {e}") from e
+        resp = self._answer(r, wire.HeartbeatResponse, "heartbeat", reregister_on=(401, 403, 404))
         with self._lock:
             for a in body.acks:
                 self._acks.pop(a, None)

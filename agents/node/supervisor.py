@@ -253,6 +253,15 @@ class Supervisor:
         with open(path, "r+b") as f:
             f.truncate(0)
 
+    def _rotate_if_big(self, shard: Shard) -> None:
+        """Rotate a running shard's log once it outgrows log_max_bytes."""
+        path = self.log_path(shard.shard_id)
+        try:
+            if path.stat().st_size > self.log_max_bytes:
+                self._rotate(path)
+        except OSError as e:
+            log.warning("shard %s: cannot rotate %s: %s", shard.shard_id, path, e.strerror or e)
+
     def log_tail(self, shard_id: str, lines: int = LOG_TAIL_LINES) -> list[str]:
         """The last lines of a shard's log."""
         path = self.log_path(shard_id)
@@ -400,6 +409,8 @@ class Supervisor:
             for shard in list(self.shards.values()):
                 st = shard.st
                 alive = self._alive(shard)
+                if alive:
+                    self._rotate_if_big(shard)
                 if shard.kill_at is not None and alive and now >= shard.kill_at:
                     log.warning("shard %s: still running after its grace period, SIGKILL", shard.shard_id)
                     self._signal(shard, signal.SIGKILL)

@@ -70,7 +70,7 @@ def _readings(root: Path | None) -> tuple[list[GPUReading], str, list[str]]:
         res = run_tool(["nvidia-smi", "-q"], root=root, timeout=TOOL_TIMEOUT)
         if res.ok:
             smi = nvidia_smi.parse_query(res.stdout)
-        elif nvml_ok or (root is not None and "not installed" not in res.error):
+        elif nvml_ok or (root is not None and not res.missing):
             problems.append(f"nvidia-smi -q: {res.error}")
     if not nvml_ok and smi is not None:
         readings = smi.gpus
@@ -89,7 +89,7 @@ def _topology(root: Path | None, problems: list[str]) -> dict[int, topo.GPUTopo]
     res = run_tool(["nvidia-smi", "topo", "-m"], root=root, timeout=TOOL_TIMEOUT)
     if not res.ok:
         # Without nvidia-smi (an NVML-only install) the paths are unknown, not wrong.
-        if "not installed" not in res.error:
+        if not res.missing:
             problems.append(f"nvidia-smi topo -m: {res.error}")
         return {}
     return topo.parse_topo(res.stdout)
@@ -103,7 +103,7 @@ def read_imex(root: Path | None) -> tuple[wire.IMEX | None, list[str]]:
         names = []
     channels = imex.count_channels(names)
     res = run_tool(["nvidia-imex-ctl", "-N"], root=root, timeout=TOOL_TIMEOUT)
-    if not res.ok and "not installed" in res.error and not channels:
+    if res.missing and not channels:
         return None, []
     if not res.ok:
         return wire.IMEX(state="DOWN", channels=channels, detail=res.error[:4096]), [f"IMEX: {res.error}"]

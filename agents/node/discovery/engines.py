@@ -37,7 +37,9 @@ def probe_engines(root: Path | None, *, timeout: float = 20.0) -> tuple[dict[str
     for engine, (argv, record) in PROBES.items():
         res = run_tool(argv, root=root, timeout=timeout, record=record)
         if not res.ok:
-            if "not installed" not in res.error and "No module named" not in res.error:
+            # Absent: no program, or no module of the engine's own name (a module
+            # the engine itself imports missing is a broken install, and reported).
+            if not res.missing and f"No module named '{engine}'" not in res.error:
                 problems.append(f"engine {engine}: {res.error}")
             continue
         v = parse_version(engine, res.stdout)

@@ -99,20 +99,12 @@ def to_gpu(
 
 
 def to_wear(r: GPUReading) -> wire.GPUWear:
-    """The wear counters of a card, without XIDs (those come from the kernel or NVML events)."""
-    return wire.GPUWear(
-        pcie_replays=r.pcie_replays,
-        retired_pages_sbe=r.retired_pages_sbe,
-        retired_pages_dbe=r.retired_pages_dbe,
-        retire_pending=r.retire_pending,
-        remapped_rows_correctable=r.remapped_rows_correctable,
-        remapped_rows_uncorrectable=r.remapped_rows_uncorrectable,
-        remap_pending=r.remap_pending,
-        remap_failure=r.remap_failure,
-        nvlink_crc_errors=r.nvlink_crc_errors,
-        nvlink_replay_errors=r.nvlink_replay_errors,
-        nvlink_recovery_errors=r.nvlink_recovery_errors,
-    )
+    """The wear counters of a card, read field by field under GPUWear's own names.
+
+    XIDs are not a reading's (they come from the kernel or NVML events): those
+    fields keep GPUWear's "not reported" defaults.
+    """
+    return wire.GPUWear.model_validate(r, from_attributes=True)
 
 
 def to_sensor(r: GPUReading) -> wire.GPUSensor:

@@ -36,6 +36,8 @@ class ToolResult:
     ok: bool
     stdout: str = ""
     error: str = ""
+    # The tool is not on this machine (or has no recording): absent, not broken.
+    missing: bool = False
 
 
 def recording_name(argv: list[str]) -> str:
@@ -65,7 +67,7 @@ def run_tool(argv: list[str], *, root: Path | None, timeout: float, record: str 
             errors="replace",
         )
     except FileNotFoundError:
-        return ToolResult(ok=False, error=f"{argv[0]}: not installed")
+        return ToolResult(ok=False, error=f"{argv[0]}: not installed", missing=True)
     except PermissionError as exc:
         return ToolResult(ok=False, error=f"{argv[0]}: {exc.strerror or 'permission denied'}")
     except subprocess.TimeoutExpired:
@@ -88,7 +90,7 @@ def _recorded(argv: list[str], cmd_dir: Path, name: str) -> ToolResult:
     out = cmd_dir / f"{name}.txt"
     if out.exists():
         return ToolResult(ok=True, stdout=out.read_text(errors="replace"))
-    return ToolResult(ok=False, error=f"{argv[0]}: not installed")
+    return ToolResult(ok=False, error=f"{argv[0]}: not installed", missing=True)
 
 
 def host_path(root: Path | None, path: str) -> Path:

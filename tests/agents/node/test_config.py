@@ -137,6 +137,17 @@ def test_errors_name_the_key_and_the_file(tmp_path, text, message):
     assert message in str(e.value)
 
 
+def test_a_host_name_unfit_for_a_node_id_says_to_set_node_id(tmp_path, monkeypatch):
+    monkeypatch.setattr("socket.gethostname", lambda: "gpu_node!.dc1")
+    path = _write(tmp_path, "control_plane: http://cp\n")
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    assert str(e.value) == (
+        f"{path}: node_id 'gpu_node!' (this host's name: node_id is not set; set it)"
+        " must be letters, digits, '.', '_' or '-'"
+    )
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load(tmp_path / "nope.yaml")

@@ -1,10 +1,11 @@
-"""NVLink error counters: per-link NVML readings summed over a card's active links."""
+"""NVLink error counters: per-link NVML readings summed over a card's active links, and carried to the heartbeat."""
 
 from __future__ import annotations
 
 import pynvml
 
 from agents.node.discovery import nvml
+from agents.node.discovery.readings import GPUReading, to_sensor
 
 # Per-link readings in the shape `query_device` records them: three active links with errors, one
 # down, and one counter (data CRC on link 1) that NVML answered NotSupported.
@@ -98,3 +99,23 @@ def test_a_card_without_nvlink_is_asked_once():
     pcie = RecordedNVML({}, {}, supported=False)
     assert nvml._nvlink_links(pcie, handle=None) == []
     assert pcie.calls == 1
+
+
+def test_every_wear_counter_of_a_reading_reaches_the_heartbeat():
+    counters = {
+        "pcie_replays": 1,
+        "retired_pages_sbe": 2,
+        "retired_pages_dbe": 3,
+        "retire_pending": True,
+        "remapped_rows_correctable": 4,
+        "remapped_rows_uncorrectable": 5,
+        "remap_pending": True,
+        "remap_failure": True,
+        "nvlink_crc_errors": 6,
+        "nvlink_replay_errors": 7,
+        "nvlink_recovery_errors": 8,
+    }
+    wear = to_sensor(GPUReading(index=0, **counters)).wear
+    assert wear.model_dump(include=set(counters)) == counters
+    # XIDs are not a reading's: they stay "not reported" until the kernel's log is read.
+    assert (wear.xid_errors, wear.last_xid, wear.last_xid_text) == (-1, 0, "")

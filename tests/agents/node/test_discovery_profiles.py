@@ -109,6 +109,25 @@ def test_missing_tool_and_timeout_are_problems(tmp_path):
     assert recording_name(["sminfo", "-C", "mlx5_0", "-P", "1"]) == "sminfo_-C_mlx5_0_-P_1"
 
 
+def test_a_broken_tool_is_a_problem_even_when_its_error_says_not_installed(tmp_path):
+    # Only a tool that is absent goes unmentioned; one that runs and fails is reported,
+    # whatever words its own error uses.
+    (tmp_path / "cmd").mkdir()
+    (tmp_path / "cmd" / "vllm_--version.err").write_text("exit 1: ImportError: flash_attn is not installed")
+    (tmp_path / "cmd" / "nvidia-smi_topo_-m.err").write_text("exit 9: the NVIDIA driver is not installed")
+    (tmp_path / "cmd" / "sglang_version.err").write_text("exit 1: ModuleNotFoundError: No module named 'torch'")
+    (tmp_path / "cmd" / "nvidia-smi_-q.txt").write_text(
+        (PROFILES / "hgx-h100" / "cmd" / "nvidia-smi_-q.txt").read_text()
+    )
+    d = discover(root=tmp_path, model_dirs=[])
+    assert d.engine_versions == {}
+    assert "engine vllm: vllm: exit 1: ImportError: flash_attn is not installed" in d.problems
+    assert "nvidia-smi topo -m: nvidia-smi: exit 9: the NVIDIA driver is not installed" in d.problems
+    assert "engine sglang: python3: exit 1: ModuleNotFoundError: No module named 'torch'" in d.problems
+    (tmp_path / "cmd" / "sglang_version.err").write_text("exit 1: ModuleNotFoundError: No module named 'sglang'")
+    assert not any("sglang" in p for p in discover(root=tmp_path, model_dirs=[]).problems)  # simply not installed
+
+
 def test_nvml_conversion_on_recorded_values():
     raw = {
         "uuid": "GPU-24fb92fc-15ec-deff-a5c1-82b48e063f59",

@@ -11,11 +11,12 @@ import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 
 from agents import wire
 from agents.node import config as config_mod
-from agents.node.loop import Agent, Refused, Unreachable, backoff_delay
+from agents.node.loop import Agent, NeedsRegister, Refused, Unreachable, backoff_delay
 from tests.agents.node.helpers import echo_start, wait_for
 
 JOIN = "join-secret-123"
@@ -198,7 +199,8 @@ def make_agent(tmp_path, cp):
         a.close()
 
 
-def test_first_registration_uses_join_token_and_keeps_credential(make_agent, cp, tmp_path):
+def test_first_registration_uses_join_token_and_keeps_credential(make_agent, cp, tmp_path, caplog):
+    caplog.set_level("DEBUG")
     agent = make_agent()
     agent.step()
     (path, token, body), (hb_path, hb_token, hb) = cp.requests
@@ -217,6 +219,9 @@ def test_first_registration_uses_join_token_and_keeps_credential(make_agent, cp,
     cp.requests.clear()
     make_agent().register()
     assert cp.requests[0][1] == "cred-1"
+    # Neither secret is ever logged.
+    assert "registered as gpu-01" in caplog.text
+    assert JOIN not in caplog.text and "cred-1" not in caplog.text
 
 
 def test_reset_credential_falls_back_to_join_token(make_agent, cp, tmp_path):
@@ -284,6 +289,26 @@ def test_bad_join_token_is_refused_not_fatal(make_agent, cp):
     agent.config = config_mod.parse({**_cfg_dict(agent), "join_token": "wrong"})
     with pytest.raises(Refused, match="join token was refused"):
         agent.register()
+
+
+def test_join_token_refusals_name_the_key_and_the_file(make_agent, cp, tmp_path):
+    agent = make_agent()
+    token_file = tmp_path / "join-token"
+    token_file.write_text("wrong\n")
+    agent.config = config_mod.parse({**_cfg_dict(agent), "join_token_file": str(token_file)}, source="/etc/a.yaml")
+    with pytest.raises(Refused) as exc:
+        agent.register()
+    assert str(exc.value) == (
+        f"the join token was refused (401): join_token_file {str(token_file)!r} in /etc/a.yaml holds a token"
+        " that is unknown, revoked, expired or used up; ask an operator for a new one"
+    )
+    agent.config = config_mod.parse(_cfg_dict(agent), source="/etc/a.yaml")
+    with pytest.raises(Refused) as exc:
+        agent.register()
+    assert str(exc.value) == (
+        "this node has no credential yet and /etc/a.yaml gives no join token:"
+        " set join_token or join_token_file (an operator creates one)"
+    )
 
 
 def test_join_refused_for_a_node_with_a_credential_says_why(make_agent, cp):
@@ -420,3 +445,26 @@ def test_gpu_fabrics_are_read_again_once_a_minute(make_agent, cp):
     assert [(r.index, r.fabric.cluster_uuid) for r in agent.heartbeat_body().gpu_fabrics] == [(0, "c-1")]
     t[0] = 1061.0
     assert agent.heartbeat_body().gpu_fabrics is None
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "raised"),
+    [
+        (404, {"detail": "no such node"}, NeedsRegister),  # the node was forgotten: register again
+        (400, {"detail": "bad heartbeat"}, Refused),
+        (200, {"commands": "not a list"}, Unreachable),  # an answer it cannot read is no answer
+    ],
+)
+def test_heartbeat_answers_decide_what_the_loop_does_next(make_agent, status, body, raised):
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/agent/register":
+            return httpx.Response(200, json={"node_id": "gpu-01", "credential": "cred-1"})
+        return httpx.Response(status, json=body)
+
+    agent = make_agent(http=httpx.Client(base_url="http://cp.test", transport=httpx.MockTransport(answer)))
+    agent.register()
+    with pytest.raises(raised) as exc:
+        agent.heartbeat()
+    assert agent.registered is (raised is not NeedsRegister)
+    if raised is Refused:
+        assert str(exc.value) == "heartbeat refused: HTTP 400: bad heartbeat"  # the control plane's words, not its JSON

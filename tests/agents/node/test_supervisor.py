@@ -8,6 +8,7 @@ import os
 import signal
 from pathlib import Path
 
+import httpx
 import pytest
 
 from agents import wire
@@ -179,6 +180,33 @@ def test_log_rotation_keeps_backups(sup, tmp_path):
     s.start(echo_start("s1", load=0))
     wait_for(lambda: _state(s, "s1") == S.READY)
     assert (tmp_path / "state" / "logs" / "s1.log.1").read_text() == "first run\n"
+
+
+def test_a_running_shards_log_is_rotated_once_it_outgrows_log_max_bytes(sup):
+    s = sup(log_max_bytes=64, log_backups=1)
+    shard = s.start(echo_start("s1", load=0))
+    log = s.log_path("s1")
+    wait_for(lambda: _state(s, "s1") == S.READY and log.with_name("s1.log.1").exists())
+    assert log.with_name("s1.log.1").read_text().startswith("# llmgw-agent: starting")
+    assert log.stat().st_size < log.with_name("s1.log.1").stat().st_size
+    assert proc_identity(shard.pid) is not None  # the engine runs on, writing to the same file
+
+
+def test_a_served_name_with_shell_characters_reaches_the_engine_as_one_argument(sup, tmp_path):
+    marker = tmp_path / "touched"
+    cmd = echo_start("s1", load=0)
+    cmd.profile.served_model_name = f"demo; touch {marker}"
+    sup().start(cmd)
+    models = wait_for(lambda: _models(cmd.http_port))
+    assert [m["id"] for m in models] == [f"demo; touch {marker}"]
+    assert not marker.exists()
+
+
+def _models(port: int) -> list[dict] | None:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/v1/models", trust_env=False, timeout=1).json()["data"]
+    except (httpx.HTTPError, KeyError):
+        return None
 
 
 def test_invalid_transition_refused(sup):
