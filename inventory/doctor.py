@@ -68,9 +68,6 @@ ERROR_COUNTERS = (
 )
 FAIL_COUNTERS = frozenset({"link_downed"})
 
-# NVLink fabric states that mean "this card has no multi-node fabric at all".
-_NO_FABRIC_STATES = frozenset({"", "n/a", "not supported", "not_supported"})
-
 
 class Result(StrEnum):
     """A check's verdict."""
@@ -273,10 +270,9 @@ def _has_nvlink_fabric(gpus: Iterable[Any]) -> bool:
     of zeros; that is no domain, and its cards are not "unjoined".
     """
     for g in gpus:
-        state = (g.fabric_state or "").strip().lower()
         if gpu_rules.fabric_joined(g.fabric_state, g.fabric_status, g.cluster_uuid):
             return True
-        if state not in _NO_FABRIC_STATES and state != "completed":
+        if gpu_rules.fabric_reported(g.fabric_state) and g.fabric_state.strip().lower() != "completed":
             return True
     return False
 

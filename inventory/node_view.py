@@ -148,7 +148,7 @@ def node_problems(node: Node, data: Mapping[str, Any] | None, *, gpus: list[GPU]
         out.append(f"heartbeats missing since {node.unreachable_since or node.last_seen or 'registration'}")
     for row in gpu_rows(gpus, data):
         out += [f"GPU {row.gpu.index}: {p}" for p in row.problems + row.wear]
-    reported = [g for g in gpus if (g.fabric_state or "").strip().lower() not in ("", "n/a", "not supported")]
+    reported = [g for g in gpus if gpu_rules.fabric_reported(g.fabric_state)]
     if reported and not node.nvlink_domain:
         joined = [g for g in reported if g.nvlink_domain]
         if joined:

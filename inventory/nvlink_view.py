@@ -87,12 +87,6 @@ class Rack:
         return self.domain.split("/", 1)[1] if "/" in self.domain else ""
 
 
-def _reported(g: GPU) -> bool:
-    """Whether a card reports an NVLink fabric at all (a PCIe card does not)."""
-    s = (g.fabric_state or "").strip().lower()
-    return bool(s) and s not in ("n/a", "not supported")
-
-
 def _candidate_domain(node: Node, cards: list[GPU]) -> str:
     """The domain a tray belongs to: its own, else the one most of its cards name."""
     if node.nvlink_domain:
@@ -102,10 +96,8 @@ def _candidate_domain(node: Node, cards: list[GPU]) -> str:
         return sorted(named.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
     # Cards still joining often already know their cluster: draw them in its rack.
     for g in cards:
-        uuid = (g.cluster_uuid or "").strip()
-        if uuid and uuid.upper() != "N/A" and uuid.strip("0-"):
-            clique = (g.clique_id or "").strip()
-            return f"{uuid}/{clique}" if clique and clique.upper() != "N/A" else uuid
+        if gpu_rules.cluster_known(g.cluster_uuid):
+            return gpu_rules.domain_name(g.cluster_uuid, g.clique_id)
     return NO_DOMAIN
 
 
@@ -172,7 +164,7 @@ def racks(nodes: Iterable[Node] | None = None) -> list[Rack]:
     by_domain: dict[str, Rack] = {}
     for node in nodes:
         cards = list(node.gpus.all())
-        if not any(_reported(g) for g in cards) and not node.nvlink_domain:
+        if not any(gpu_rules.fabric_reported(g.fabric_state) for g in cards) and not node.nvlink_domain:
             continue
         domain = _candidate_domain(node, cards)
         rack = by_domain.setdefault(domain, Rack(domain))
