@@ -14,7 +14,7 @@ from typing import Any
 from agents import wire
 from agents.models import NodeCredential
 from inventory import gpus as gpu_rules
-from inventory import telemetry
+from inventory import scans, telemetry
 from inventory.models import GPU, Node
 
 # `nvidia-smi topo -m` distances, nearest first.
@@ -117,26 +117,21 @@ class PortLive:
 
 def ib_ports(data: Mapping[str, Any] | None) -> list[PortLive]:
     """The node's IB/RoCE ports from the telemetry cache, with tx/rx in bits per second."""
-    out = []
-    for raw in (data or {}).get("ib_ports") or []:
-        try:
-            p = wire.IBPort.model_validate(raw)
-        except ValueError:
-            continue
-        out.append(
-            PortLive(
-                p.hca,
-                p.port,
-                p.state,
-                p.phys_state,
-                p.rate_gbps,
-                p.link_layer,
-                p.sm_guid,
-                p.network,
-                float(raw.get("tx_bps") or 0),
-                float(raw.get("rx_bps") or 0),
-            )
+    out = [
+        PortLive(
+            p.hca,
+            p.port,
+            p.state,
+            p.phys_state,
+            p.rate_gbps,
+            p.link_layer,
+            p.sm_guid,
+            p.network,
+            float(raw.get("tx_bps") or 0),
+            float(raw.get("rx_bps") or 0),
         )
+        for raw, p in scans.validated_ports(data)
+    ]
     return sorted(out, key=lambda p: (p.hca, p.port))
 
 
