@@ -77,6 +77,11 @@ def validate_labels(labels: Mapping[str, object]) -> dict[str, str]:
     return out
 
 
+def label_lines(labels: Mapping[str, str]) -> str:
+    """Labels written one `key=value` a line, by key: what `parse_label_lines` reads back."""
+    return "\n".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
 def parse_label_lines(text: str) -> dict[str, str]:
     """Read labels written one `key=value` a line (the admin's editor); blank lines are skipped."""
     out: dict[str, str] = {}

@@ -145,3 +145,9 @@ def test_forget_removes_node_and_telemetry(now):
     operations.forget("n1")
     assert not Node.objects.filter(id="n1").exists()
     assert telemetry.get("n1") is None
+
+
+def test_label_lines_read_back_as_written():
+    labels = {"rack": "r2", "pool": "batch", "empty": ""}
+    assert operations.label_lines(labels) == "empty=\npool=batch\nrack=r2"
+    assert operations.parse_label_lines(operations.label_lines(labels)) == labels
