@@ -9,7 +9,6 @@ exactly the trays an operator has to see.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from inventory import gpus as gpu_rules
@@ -152,15 +151,14 @@ def tray(node: Node, domain: str, cards: list[GPU]) -> Tray:
     )
 
 
-def racks(nodes: Iterable[Node] | None = None) -> list[Rack]:
+def racks() -> list[Rack]:
     """Every NVLink domain as a rack of trays, domains in name order, the domainless rack last.
 
     Nodes whose cards report no NVLink fabric (PCIe cards, an HGX box without
-    multi-node NVLink) are left out: there is nothing to join.
-    `nodes` should come with their GPUs prefetched.
+    multi-node NVLink) are left out: there is nothing to join. Two queries,
+    whatever the cluster's size.
     """
-    if nodes is None:
-        nodes = Node.objects.prefetch_related("gpus").order_by("id")
+    nodes = Node.objects.prefetch_related("gpus").order_by("id")
     by_domain: dict[str, Rack] = {}
     for node in nodes:
         cards = list(node.gpus.all())
