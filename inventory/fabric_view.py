@@ -10,9 +10,7 @@ adapters land on two keys is shown as a disagreement.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from inventory import fabric as fabric_rules
 from inventory import scans, telemetry
@@ -81,24 +79,15 @@ class FabricsPage:
     unconfirmed: list[tuple[str, str]]
 
 
-def gather(
-    *,
-    now: dt.datetime,
-    attachments: Iterable[FabricAttachment] | None = None,
-    cached: Mapping[str, Mapping[str, Any]] | None = None,
-    sm_changes_per_fabric: int = 20,
-) -> FabricsPage:
-    """Gather the fabrics page from the telemetry cache and the inventory.
+# The most recent subnet-manager changes shown per fabric.
+SM_CHANGES_PER_FABRIC = 20
 
-    `cached` (node id -> telemetry) and `attachments` default to the cache
-    and every declared attachment.
-    """
-    if attachments is None:
-        attachments = FabricAttachment.objects.order_by("node_id", "name")
-    attachments = list(attachments)
-    if cached is None:
-        # Every node, not only those declaring a fabric: an undeclared port is still on one.
-        cached = telemetry.get_many(Node.objects.values_list("id", flat=True))
+
+def gather(*, now: dt.datetime) -> FabricsPage:
+    """Gather the fabrics page from the telemetry cache and the inventory."""
+    attachments = list(FabricAttachment.objects.order_by("node_id", "name"))
+    # Every node, not only those declaring a fabric: an undeclared port is still on one.
+    cached = telemetry.get_many(Node.objects.values_list("id", flat=True))
     entries_by_node = {node_id: scans.validated_ports(cached[node_id]) for node_id in sorted(cached)}
     ports_by_node = {node_id: [p for _, p in entries] for node_id, entries in entries_by_node.items()}
     canon = fabric_rules.canonical_sms(p for ports in ports_by_node.values() for p in ports)
@@ -160,7 +149,7 @@ def gather(
             g = fabric_rules.canonical_guid(guid)
             key = f"sm:{canon.get(g, g)}" if g else ""
             if key in fabrics:
-                if len(fabrics[key].sm_changes) < sm_changes_per_fabric:
+                if len(fabrics[key].sm_changes) < SM_CHANGES_PER_FABRIC:
                     fabrics[key].sm_changes.append(change)
                 break
 
