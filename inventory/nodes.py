@@ -17,6 +17,7 @@ from inventory import labels as label_rules
 from inventory.models import (
     GPU,
     NODE_TRANSITIONS,
+    OPERATOR_STATES,
     EngineInstall,
     FabricAttachment,
     LocalWeights,
@@ -297,3 +298,8 @@ def replace_engine_installs(node_id: str, installs: list[wire.EngineInstall]) ->
             engine=i.engine,
             defaults={"version": i.version, "variant": i.variant, "state": i.state, "detail": i.detail},
         )
+
+
+def is_operator_state(state: str) -> bool:
+    """Whether a state is the operator's to leave (cordoned, draining)."""
+    return state in OPERATOR_STATES
