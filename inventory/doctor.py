@@ -462,10 +462,10 @@ def _load_baselines(node_ids: list[str]) -> dict[str, dict[str, Any]]:
     return {k[len(_COUNTER_KEY) :]: v for k, v in found.items()}
 
 
-def check_ib_errors(inv: Inventory, *, remember: bool = True) -> CheckResult:
+def check_ib_errors(inv: Inventory) -> CheckResult:
     """Error counters that rose since the baseline (see the module docstring).
 
-    With `remember`, the baselines are rolled and written back to the cache.
+    The baselines are rolled and written back to the cache.
     """
     now_s = inv.now.timestamp()
     window = COUNTER_WINDOW.total_seconds()
@@ -493,8 +493,8 @@ def check_ib_errors(inv: Inventory, *, remember: bool = True) -> CheckResult:
                     found.setdefault(node_id, []).append(f"{label} {name} +{value - old}")
                     if name in FAIL_COUNTERS:
                         fails.add(node_id)
-    if remember and updates:
-        cache.set_many({_COUNTER_KEY + k: v for k, v in updates.items()}, timeout=_COUNTER_TTL_S)
+    if updates:
+        cache.set_many({counter_key(k): v for k, v in updates.items()}, timeout=_COUNTER_TTL_S)
         inv.counter_baselines.update(updates)
     return _verdict(
         "ib_errors",
