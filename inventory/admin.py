@@ -48,36 +48,36 @@ ACTIONS = {
 }
 
 
-class GPUClassFilter(admin.SimpleListFilter):
+class _HasRowFilter(admin.SimpleListFilter):
+    """Nodes with at least one row of `model` whose `field` is the chosen value; the choices are those in use."""
+
+    model: type[GPU] | type[FabricAttachment]
+    field: str
+
+    def lookups(self, request, model_admin):
+        values = self.model.objects.exclude(**{self.field: ""}).values_list(self.field, flat=True).distinct()
+        return [(v, v) for v in sorted(set(values))]
+
+    def queryset(self, request, queryset):
+        if self.value():
+            return queryset.filter(id__in=self.model.objects.filter(**{self.field: self.value()}).values("node_id"))
+        return queryset
+
+
+class GPUClassFilter(_HasRowFilter):
     """Nodes with at least one card of a class."""
 
     title = "GPU class"
     parameter_name = "gpu_class"
-
-    def lookups(self, request, model_admin):
-        classes = GPU.objects.exclude(gpu_class="").values_list("gpu_class", flat=True).distinct()
-        return [(c, c) for c in sorted(set(classes))]
-
-    def queryset(self, request, queryset):
-        if self.value():
-            return queryset.filter(id__in=GPU.objects.filter(gpu_class=self.value()).values("node_id"))
-        return queryset
+    model, field = GPU, "gpu_class"
 
 
-class FabricFilter(admin.SimpleListFilter):
+class FabricFilter(_HasRowFilter):
     """Nodes attached to a declared fabric."""
 
     title = "fabric"
     parameter_name = "fabric"
-
-    def lookups(self, request, model_admin):
-        names = FabricAttachment.objects.values_list("name", flat=True).distinct()
-        return [(n, n) for n in sorted(set(names))]
-
-    def queryset(self, request, queryset):
-        if self.value():
-            return queryset.filter(id__in=FabricAttachment.objects.filter(name=self.value()).values("node_id"))
-        return queryset
+    model, field = FabricAttachment, "name"
 
 
 class NVLinkDomainFilter(admin.SimpleListFilter):
@@ -379,7 +379,7 @@ class NodeAdmin(admin.ModelAdmin):
         if not self.has_view_permission(request, node):
             raise PermissionDenied
         error = None
-        text = "\n".join(f"{k}={v}" for k, v in sorted(node.operator_labels.items()))
+        text = operations.label_lines(node.operator_labels)
         if request.method == "POST":
             if not self.has_labels_permission(request):
                 raise PermissionDenied
@@ -420,7 +420,7 @@ class NodeAdmin(admin.ModelAdmin):
                 storage=list(node.storage.all()),
                 weights=list(node.weights.all()),
                 installs=list(node.engine_installs.all()),
-                labels_text="\n".join(f"{k}={v}" for k, v in sorted(node.operator_labels.items())),
+                labels_text=operations.label_lines(node.operator_labels),
                 can_change_labels=self.has_labels_permission(request),
                 can_cordon=self.has_cordon_permission(request),
                 can_drain=self.has_drain_permission(request),

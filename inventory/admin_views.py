@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from django.contrib import admin
 from django.core.exceptions import PermissionDenied
-from django.db.models import Prefetch
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import path
 from django.utils import timezone
 
 from inventory import fabric_view, nvlink_view
-from inventory.models import GPU, Node
 
 
 def _require_view(request: HttpRequest) -> None:
@@ -27,8 +25,7 @@ def _require_view(request: HttpRequest) -> None:
 def nvlink_page(request: HttpRequest) -> TemplateResponse:
     """Each NVLink domain drawn as a rack of trays, with what keeps each tray out."""
     _require_view(request)
-    nodes = Node.objects.prefetch_related(Prefetch("gpus", queryset=GPU.objects.order_by("index"))).order_by("id")
-    racks = nvlink_view.racks(nodes)
+    racks = nvlink_view.racks()
     trays = [t for r in racks for t in r.trays]
     context = {
         **admin.site.each_context(request),

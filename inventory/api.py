@@ -50,7 +50,7 @@ class NodePermissions(ModelPermissions):
 
 
 class CanViewNodes(BasePermission):
-    """Seeing the NVLink domains is seeing the nodes."""
+    """Seeing the NVLink domains, or where the doctor finds trouble, is seeing the nodes."""
 
     def has_permission(self, request: Request, view) -> bool:
         user = request.user
@@ -150,5 +150,4 @@ class NVLinkView(APIView):
 
     @extend_schema(responses={200: RackSerializer(many=True)})
     def get(self, request: Request) -> Response:
-        nodes = Node.objects.prefetch_related(Prefetch("gpus", queryset=GPU.objects.order_by("index")))
-        return Response(RackSerializer(nvlink_view.racks(nodes.order_by("id")), many=True).data)
+        return Response(RackSerializer(nvlink_view.racks(), many=True).data)

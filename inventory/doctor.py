@@ -68,9 +68,6 @@ ERROR_COUNTERS = (
 )
 FAIL_COUNTERS = frozenset({"link_downed"})
 
-# NVLink fabric states that mean "this card has no multi-node fabric at all".
-_NO_FABRIC_STATES = frozenset({"", "n/a", "not supported", "not_supported"})
-
 
 class Result(StrEnum):
     """A check's verdict."""
@@ -273,10 +270,9 @@ def _has_nvlink_fabric(gpus: Iterable[Any]) -> bool:
     of zeros; that is no domain, and its cards are not "unjoined".
     """
     for g in gpus:
-        state = (g.fabric_state or "").strip().lower()
         if gpu_rules.fabric_joined(g.fabric_state, g.fabric_status, g.cluster_uuid):
             return True
-        if state not in _NO_FABRIC_STATES and state != "completed":
+        if gpu_rules.fabric_reported(g.fabric_state) and g.fabric_state.strip().lower() != "completed":
             return True
     return False
 
@@ -466,10 +462,10 @@ def _load_baselines(node_ids: list[str]) -> dict[str, dict[str, Any]]:
     return {k[len(_COUNTER_KEY) :]: v for k, v in found.items()}
 
 
-def check_ib_errors(inv: Inventory, *, remember: bool = True) -> CheckResult:
+def check_ib_errors(inv: Inventory) -> CheckResult:
     """Error counters that rose since the baseline (see the module docstring).
 
-    With `remember`, the baselines are rolled and written back to the cache.
+    The baselines are rolled and written back to the cache.
     """
     now_s = inv.now.timestamp()
     window = COUNTER_WINDOW.total_seconds()
@@ -497,8 +493,8 @@ def check_ib_errors(inv: Inventory, *, remember: bool = True) -> CheckResult:
                     found.setdefault(node_id, []).append(f"{label} {name} +{value - old}")
                     if name in FAIL_COUNTERS:
                         fails.add(node_id)
-    if remember and updates:
-        cache.set_many({_COUNTER_KEY + k: v for k, v in updates.items()}, timeout=_COUNTER_TTL_S)
+    if updates:
+        cache.set_many({counter_key(k): v for k, v in updates.items()}, timeout=_COUNTER_TTL_S)
         inv.counter_baselines.update(updates)
     return _verdict(
         "ib_errors",

@@ -5,20 +5,12 @@ from __future__ import annotations
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
-from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from inventory import doctor
-
-
-class CanViewNodes(BasePermission):
-    """The doctor tells where every node's trouble is: it needs the permission to view nodes."""
-
-    def has_permission(self, request, view) -> bool:
-        user = request.user
-        return bool(user and user.is_authenticated and user.has_perm("inventory.view_node"))
+from inventory.api import CanViewNodes
 
 
 class CheckResultSerializer(serializers.Serializer):

@@ -10,13 +10,10 @@ adapters land on two keys is shown as a disagreement.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
-from agents import wire
 from inventory import fabric as fabric_rules
-from inventory import telemetry
+from inventory import scans, telemetry
 from inventory.models import FabricAttachment, FabricScan, Node, SMChange
 
 
@@ -82,50 +79,26 @@ class FabricsPage:
     unconfirmed: list[tuple[str, str]]
 
 
-def _ports(data: Mapping[str, Any] | None) -> list[wire.IBPort]:
-    out = []
-    for raw in (data or {}).get("ib_ports") or []:
-        try:
-            out.append(wire.IBPort.model_validate(raw))
-        except ValueError:
-            continue  # a malformed cache entry shows as nothing rather than a broken page
-    return out
+# The most recent subnet-manager changes shown per fabric.
+SM_CHANGES_PER_FABRIC = 20
 
 
-def gather(
-    *,
-    now: dt.datetime,
-    attachments: Iterable[FabricAttachment] | None = None,
-    cached: Mapping[str, Mapping[str, Any]] | None = None,
-    sm_changes_per_fabric: int = 20,
-) -> FabricsPage:
-    """Gather the fabrics page from the telemetry cache and the inventory.
-
-    `cached` (node id -> telemetry) and `attachments` default to the cache
-    and every declared attachment.
-    """
-    if attachments is None:
-        attachments = FabricAttachment.objects.order_by("node_id", "name")
-    attachments = list(attachments)
-    if cached is None:
-        # Every node, not only those declaring a fabric: an undeclared port is still on one.
-        cached = telemetry.get_many(Node.objects.values_list("id", flat=True))
-    raw_by_node = {node_id: cached[node_id] for node_id in sorted(cached)}
-    ports_by_node = {node_id: _ports(data) for node_id, data in raw_by_node.items()}
-    extra_by_node = {
-        node_id: {(r.get("hca"), r.get("port")): r for r in (data.get("ib_ports") or []) if isinstance(r, dict)}
-        for node_id, data in raw_by_node.items()
-    }
+def gather(*, now: dt.datetime) -> FabricsPage:
+    """Gather the fabrics page from the telemetry cache and the inventory."""
+    attachments = list(FabricAttachment.objects.order_by("node_id", "name"))
+    # Every node, not only those declaring a fabric: an undeclared port is still on one.
+    cached = telemetry.get_many(Node.objects.values_list("id", flat=True))
+    entries_by_node = {node_id: scans.validated_ports(cached[node_id]) for node_id in sorted(cached)}
+    ports_by_node = {node_id: [p for _, p in entries] for node_id, entries in entries_by_node.items()}
     canon = fabric_rules.canonical_sms(p for ports in ports_by_node.values() for p in ports)
 
     fabrics: dict[str, PhysicalFabricView] = {}
-    for node_id, ports in ports_by_node.items():
-        for p in ports:
+    for node_id, entries in entries_by_node.items():
+        for raw, p in entries:
             key = fabric_rules.fabric_key(p, canon)
             if not key:
                 continue
             f = fabrics.setdefault(key, PhysicalFabricView(key, key.split(":", 1)[0]))
-            extra = extra_by_node[node_id].get((p.hca, p.port), {})
             f.ports.append(
                 PortRow(
                     node_id,
@@ -135,8 +108,8 @@ def gather(
                     p.rate_gbps,
                     p.link_layer,
                     fabric_rules.canonical_guid(p.sm_guid),
-                    float(extra.get("tx_bps") or 0),
-                    float(extra.get("rx_bps") or 0),
+                    float(raw.get("tx_bps") or 0),
+                    float(raw.get("rx_bps") or 0),
                 )
             )
             if node_id not in f.nodes:
@@ -176,7 +149,7 @@ def gather(
             g = fabric_rules.canonical_guid(guid)
             key = f"sm:{canon.get(g, g)}" if g else ""
             if key in fabrics:
-                if len(fabrics[key].sm_changes) < sm_changes_per_fabric:
+                if len(fabrics[key].sm_changes) < SM_CHANGES_PER_FABRIC:
                     fabrics[key].sm_changes.append(change)
                 break
 

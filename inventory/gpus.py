@@ -41,26 +41,50 @@ def healthy(ecc_errors: int | None, problems: Iterable[str] | None) -> bool:
     return not (ecc_errors or 0) and not list(problems or [])
 
 
+# Fabric states of a card that reports no NVLink fabric at all (a PCIe card).
+_NO_FABRIC_STATES = frozenset({"", "n/a", "not supported", "not_supported"})
+
+
+def fabric_reported(state: str) -> bool:
+    """Whether a card reports an NVLink fabric at all, joined or not (a PCIe card does not)."""
+    return (state or "").strip().lower() not in _NO_FABRIC_STATES
+
+
+def cluster_known(cluster_uuid: str) -> bool:
+    """Whether a fabric cluster UUID names a cluster.
+
+    A single machine's NVSwitch reports a cluster UUID of zeros: that is no
+    domain anything outside the box can share.
+    """
+    uuid = (cluster_uuid or "").strip()
+    return bool(uuid) and uuid.upper() != "N/A" and not _ZERO_UUID.match(uuid)
+
+
+def domain_name(cluster_uuid: str, clique_id: str) -> str:
+    """An NVLink domain's name: "<cluster>/<clique>", the cluster alone when the driver gives no clique."""
+    uuid = (cluster_uuid or "").strip()
+    clique = (clique_id or "").strip()
+    return f"{uuid}/{clique}" if clique and clique.upper() != "N/A" else uuid
+
+
 def fabric_joined(state: str, status: str, cluster_uuid: str) -> bool:
     """Whether a card has joined a multi-node NVLink fabric.
 
-    A single machine's NVSwitch reports a cluster UUID of zeros: that is a
-    completed fabric, but no domain anything outside the box can share.
+    A single machine's NVSwitch reports a completed fabric with a cluster UUID
+    of zeros (see `cluster_known`): that is not joined to anything.
     """
     if (state or "").strip().lower() != "completed":
         return False
     if (status or "").strip().lower() != "success":
         return False
-    uuid = (cluster_uuid or "").strip()
-    return bool(uuid) and uuid.upper() != "N/A" and not _ZERO_UUID.match(uuid)
+    return cluster_known(cluster_uuid)
 
 
 def gpu_domain(state: str, status: str, cluster_uuid: str, clique_id: str) -> str:
     """The NVLink domain a card is joined to ("<cluster>/<clique>"), "" for none."""
     if not fabric_joined(state, status, cluster_uuid):
         return ""
-    clique = (clique_id or "").strip()
-    return f"{cluster_uuid.strip()}/{clique}" if clique and clique.upper() != "N/A" else cluster_uuid.strip()
+    return domain_name(cluster_uuid, clique_id)
 
 
 def bandwidth_degraded(bandwidth: str) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 from agents import wire
 from agents.models import NodeCredential
 from inventory import gpus as gpu_rules
-from inventory import telemetry
+from inventory import scans, telemetry
 from inventory.models import GPU, Node
 
 # `nvidia-smi topo -m` distances, nearest first.
@@ -117,26 +117,21 @@ class PortLive:
 
 def ib_ports(data: Mapping[str, Any] | None) -> list[PortLive]:
     """The node's IB/RoCE ports from the telemetry cache, with tx/rx in bits per second."""
-    out = []
-    for raw in (data or {}).get("ib_ports") or []:
-        try:
-            p = wire.IBPort.model_validate(raw)
-        except ValueError:
-            continue
-        out.append(
-            PortLive(
-                p.hca,
-                p.port,
-                p.state,
-                p.phys_state,
-                p.rate_gbps,
-                p.link_layer,
-                p.sm_guid,
-                p.network,
-                float(raw.get("tx_bps") or 0),
-                float(raw.get("rx_bps") or 0),
-            )
+    out = [
+        PortLive(
+            p.hca,
+            p.port,
+            p.state,
+            p.phys_state,
+            p.rate_gbps,
+            p.link_layer,
+            p.sm_guid,
+            p.network,
+            float(raw.get("tx_bps") or 0),
+            float(raw.get("rx_bps") or 0),
         )
+        for raw, p in scans.validated_ports(data)
+    ]
     return sorted(out, key=lambda p: (p.hca, p.port))
 
 
@@ -148,7 +143,7 @@ def node_problems(node: Node, data: Mapping[str, Any] | None, *, gpus: list[GPU]
         out.append(f"heartbeats missing since {node.unreachable_since or node.last_seen or 'registration'}")
     for row in gpu_rows(gpus, data):
         out += [f"GPU {row.gpu.index}: {p}" for p in row.problems + row.wear]
-    reported = [g for g in gpus if (g.fabric_state or "").strip().lower() not in ("", "n/a", "not supported")]
+    reported = [g for g in gpus if gpu_rules.fabric_reported(g.fabric_state)]
     if reported and not node.nvlink_domain:
         joined = [g for g in reported if g.nvlink_domain]
         if joined:

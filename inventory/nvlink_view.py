@@ -9,7 +9,6 @@ exactly the trays an operator has to see.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from inventory import gpus as gpu_rules
@@ -87,12 +86,6 @@ class Rack:
         return self.domain.split("/", 1)[1] if "/" in self.domain else ""
 
 
-def _reported(g: GPU) -> bool:
-    """Whether a card reports an NVLink fabric at all (a PCIe card does not)."""
-    s = (g.fabric_state or "").strip().lower()
-    return bool(s) and s not in ("n/a", "not supported")
-
-
 def _candidate_domain(node: Node, cards: list[GPU]) -> str:
     """The domain a tray belongs to: its own, else the one most of its cards name."""
     if node.nvlink_domain:
@@ -102,10 +95,8 @@ def _candidate_domain(node: Node, cards: list[GPU]) -> str:
         return sorted(named.items(), key=lambda kv: (-kv[1], kv[0]))[0][0]
     # Cards still joining often already know their cluster: draw them in its rack.
     for g in cards:
-        uuid = (g.cluster_uuid or "").strip()
-        if uuid and uuid.upper() != "N/A" and uuid.strip("0-"):
-            clique = (g.clique_id or "").strip()
-            return f"{uuid}/{clique}" if clique and clique.upper() != "N/A" else uuid
+        if gpu_rules.cluster_known(g.cluster_uuid):
+            return gpu_rules.domain_name(g.cluster_uuid, g.clique_id)
     return NO_DOMAIN
 
 
@@ -160,19 +151,18 @@ def tray(node: Node, domain: str, cards: list[GPU]) -> Tray:
     )
 
 
-def racks(nodes: Iterable[Node] | None = None) -> list[Rack]:
+def racks() -> list[Rack]:
     """Every NVLink domain as a rack of trays, domains in name order, the domainless rack last.
 
     Nodes whose cards report no NVLink fabric (PCIe cards, an HGX box without
-    multi-node NVLink) are left out: there is nothing to join.
-    `nodes` should come with their GPUs prefetched.
+    multi-node NVLink) are left out: there is nothing to join. Two queries,
+    whatever the cluster's size.
     """
-    if nodes is None:
-        nodes = Node.objects.prefetch_related("gpus").order_by("id")
+    nodes = Node.objects.prefetch_related("gpus").order_by("id")
     by_domain: dict[str, Rack] = {}
     for node in nodes:
         cards = list(node.gpus.all())
-        if not any(_reported(g) for g in cards) and not node.nvlink_domain:
+        if not any(gpu_rules.fabric_reported(g.fabric_state) for g in cards) and not node.nvlink_domain:
             continue
         domain = _candidate_domain(node, cards)
         rack = by_domain.setdefault(domain, Rack(domain))

@@ -32,6 +32,14 @@ LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?)?$")
 LABEL_MAX = 63
 MAX_LABELS = 64
+# What an operator is told when a label breaks the rule above.
+KEY_RULE = (
+    f"a label key is 1-{LABEL_MAX} letters, digits, '.', '_', '/' or '-', starting and ending with a letter or digit"
+)
+VALUE_RULE = (
+    f"a label value is empty, or at most {LABEL_MAX} letters, digits, '.', '_', '/' or '-', "
+    "starting and ending with a letter or digit"
+)
 
 
 class LabelError(ValueError):
@@ -60,15 +68,18 @@ def validate_labels(labels: Mapping[str, object]) -> dict[str, str]:
         if not isinstance(key, str) or not key:
             raise LabelError(str(key), "a label key must be a non-empty string")
         if len(key) > LABEL_MAX or not LABEL_KEY.match(key):
-            raise LabelError(
-                key, f"a label key is 1-{LABEL_MAX} letters, digits, '.', '/' or '-', starting and ending alphanumeric"
-            )
+            raise LabelError(key, KEY_RULE)
         if not isinstance(value, str):
             raise LabelError(key, "a label value must be a string")
         if len(value) > LABEL_MAX or not LABEL_VALUE.match(value):
-            raise LabelError(key, f"a label value is at most {LABEL_MAX} letters, digits, '.', '/', '-'")
+            raise LabelError(key, VALUE_RULE)
         out[key] = value
     return out
+
+
+def label_lines(labels: Mapping[str, str]) -> str:
+    """Labels written one `key=value` a line, by key: what `parse_label_lines` reads back."""
+    return "\n".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
 def parse_label_lines(text: str) -> dict[str, str]:
@@ -156,7 +167,11 @@ def impact(action: str, nodes: Iterable[Node]) -> list[Impact]:
         if state == target:
             allowed, reason = False, f"already {state}"
         elif action == "uncordon" and state not in (NodeState.CORDONED, NodeState.DRAINING):
-            allowed, reason = False, f"{state} is not an operator's hold"
+            # Only unreachable or lost get here (ready is "already ready"): their heartbeat brings them back.
+            allowed, reason = (
+                False,
+                f"{state} is not an operator's hold: it returns to ready when its heartbeats resume",
+            )
         elif target not in NODE_TRANSITIONS[state]:
             allowed, reason = False, f"{state} cannot become {target}"
         else:

@@ -259,12 +259,26 @@ def ports_of(data: Mapping[str, Any] | None) -> list[Port | wire.IBPort]:
     for p in (data or {}).get("ib_ports") or []:
         if _plain(p):
             out.append(Port(p))
-            continue
-        try:
-            out.append(wire.IBPort.model_validate(p))
-        except ValueError:
-            continue
+        elif (port := _validated(p)) is not None:
+            out.append(port)
     return out
+
+
+def validated_ports(data: Mapping[str, Any] | None) -> list[tuple[Mapping[str, Any], wire.IBPort]]:
+    """A node's IB ports from its telemetry, each validated as wire.IBPort beside its entry.
+
+    The entry also carries what the heartbeat added (tx_bps, rx_bps). For the
+    pages, which read every wire field; bad entries are skipped, so a
+    malformed cache entry shows as nothing rather than a broken page.
+    """
+    return [(raw, port) for raw in (data or {}).get("ib_ports") or [] if (port := _validated(raw)) is not None]
+
+
+def _validated(raw: Any) -> wire.IBPort | None:
+    try:
+        return wire.IBPort.model_validate(raw)
+    except ValueError:
+        return None
 
 
 def plan_scans(

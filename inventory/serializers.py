@@ -129,7 +129,7 @@ class LabelsInput(serializers.Serializer):
                     errors[k] = ["null removes a label, only with PATCH"]
                     continue
                 if not operations.LABEL_KEY.match(k):
-                    errors[k] = ["not a valid label key"]
+                    errors[k] = [operations.KEY_RULE]
                 checked[k] = None
                 continue
             try:

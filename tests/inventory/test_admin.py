@@ -176,6 +176,7 @@ def test_forget_refused_while_holding_then_allowed(nodes, operator):
     c = login(operator)
     confirm = text(post_action(c, "forget_nodes", ["node-a", "node-b"]))
     assert "refused: node-a still holds 1 allocation" in confirm
+    assert "drain it and wait for its replicas to move" in confirm
     assert "will be forgotten" in confirm
     resp = post_action(c, "forget_nodes", ["node-a", "node-b"], post="yes")
     assert list(Node.objects.values_list("id", flat=True)) == ["node-a"]
@@ -203,6 +204,7 @@ def test_node_page_sections(nodes, operator, now):
     assert "<td>qwen</td>" in page
     assert "<td>64 GB</td>" in page
     assert "Cannot be forgotten: node-b still holds 1 allocation and 1 shard." in page
+    assert "Drain it and wait for its replicas to move" in page  # and what to do about it
     assert 'id="agent-labels"><code>rack=r2</code>' in page
     assert "node joined" in page  # history
 

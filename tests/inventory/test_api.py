@@ -5,6 +5,7 @@ import uuid
 import pytest
 from rest_framework.test import APIClient
 
+from inventory import operations
 from inventory.allocation import allocate
 from inventory.models import Node, NodeEvent
 from inventory.nodes import change_state
@@ -182,6 +183,7 @@ def test_put_labels_replaces_and_patch_removes(cluster, operator):
         ("put", {"labels": {"bad key": "x"}}, {"labels": {"bad key": None}}),
         ("put", {"labels": {"rack": "x y"}}, {"labels": {"rack": None}}),
         ("put", {"labels": {"rack": None}}, {"labels": {"rack": ["null removes a label, only with PATCH"]}}),
+        ("patch", {"labels": {"bad key": None}}, {"labels": {"bad key": [operations.KEY_RULE]}}),
         ("put", {"labels": "rack=r1"}, {"labels": None}),
         ("put", {}, {"labels": ["This field is required."]}),
     ],

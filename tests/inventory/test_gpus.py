@@ -51,6 +51,23 @@ def test_a_card_is_joined_only_when_completed_successful_and_not_zero():
     assert gpus.fabric_joined("N/A", "N/A", "N/A") is False
 
 
+def test_a_card_reports_a_fabric_unless_it_says_it_has_none():
+    for none in ("", "N/A", "Not Supported", "not_supported", " n/a "):
+        assert gpus.fabric_reported(none) is False, none
+    for some in ("Not Started", "In Progress", "Completed"):
+        assert gpus.fabric_reported(some) is True, some
+
+
+def test_domain_names_and_known_clusters():
+    assert gpus.cluster_known(CLUSTER) is True
+    assert gpus.cluster_known(ZEROS) is False
+    assert gpus.cluster_known("N/A") is False
+    assert gpus.cluster_known("") is False
+    assert gpus.domain_name(f" {CLUSTER} ", " 7 ") == f"{CLUSTER}/7"
+    assert gpus.domain_name(CLUSTER, "N/A") == CLUSTER
+    assert gpus.domain_name(CLUSTER, "") == CLUSTER
+
+
 @pytest.mark.django_db
 def test_node_domain_when_every_card_is_joined(now):
     node = make_node("gb200-01", now=now, gpus=[gpu_payload(i, fabric=joined()) for i in range(4)])

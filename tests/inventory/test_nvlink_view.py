@@ -80,3 +80,13 @@ def test_single_box_nvswitch_zero_uuid_is_no_domain(now):
     make_node("hgx", now=now, gpus=[card(0, cluster=zero)])
     (rack,) = nvlink_view.racks()
     assert rack.domain == ""
+
+
+def test_a_tray_still_joining_is_drawn_in_its_clusters_rack(now):
+    # No card joined yet, but they already name their cluster: the tray belongs in that rack, out.
+    tray("joining", now=now, joined=(False, False, False, False))
+    (rack,) = nvlink_view.racks()
+    assert rack.domain == f"{CLUSTER}/7"
+    (t,) = rack.trays
+    assert (t.node_id, t.state) == ("joining", "out")
+    assert t.reasons[0] == "GPU 0 not joined (In Progress, N/A)"

@@ -40,6 +40,28 @@ def test_uncordon_refuses_an_unreachable_node(now):
         operations.uncordon("n1", now=now)
 
 
+def test_uncordon_refusal_says_how_a_silent_node_comes_back(now):
+    make_node("n1", now=now)
+    change_state("n1", "unreachable", now=now)
+    change_state("n1", "lost", now=now)
+    with pytest.raises(TransitionError) as refused:
+        operations.uncordon("n1", now=now)
+    assert (
+        str(refused.value) == "node n1: lost is not an operator's hold: it returns to ready when its heartbeats resume"
+    )
+
+
+def test_label_errors_name_the_key_and_the_rule():
+    with pytest.raises(operations.LabelError) as key:
+        operations.validate_labels({"-rack": "r1"})
+    assert (key.value.field, key.value.message) == ("-rack", operations.KEY_RULE)
+    assert "'_'" in operations.KEY_RULE  # the rule allows it, so the message says so
+    with pytest.raises(operations.LabelError) as value:
+        operations.validate_labels({"rack": "r 1"})
+    assert (value.value.field, value.value.message) == ("rack", operations.VALUE_RULE)
+    assert operations.validate_labels({"rack_row": "r_1"}) == {"rack_row": "r_1"}
+
+
 def test_cordon_twice_is_refused_with_a_reason(now):
     make_node("n1", now=now)
     operations.cordon("n1", now=now)
@@ -123,3 +145,9 @@ def test_forget_removes_node_and_telemetry(now):
     operations.forget("n1")
     assert not Node.objects.filter(id="n1").exists()
     assert telemetry.get("n1") is None
+
+
+def test_label_lines_read_back_as_written():
+    labels = {"rack": "r2", "pool": "batch", "empty": ""}
+    assert operations.label_lines(labels) == "empty=\npool=batch\nrack=r2"
+    assert operations.parse_label_lines(operations.label_lines(labels)) == labels
