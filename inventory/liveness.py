@@ -149,14 +149,17 @@ def sweep(*, now: dt.datetime) -> SweepResult:
     ).values_list("id", "state"):
         if flag_operator_node(node_id, state, now=now, cutoff=unreachable_cutoff):
             result.flagged.append(node_id)
+    from placement.agent_sync import TERMINAL
     from placement.models import Shard
 
-    silent_operator_nodes = Node.objects.filter(state__in=OPERATOR_STATES, last_seen__lt=lost_cutoff).values_list(
-        "id", "state"
-    )
-    for node_id, state in silent_operator_nodes:
-        if Shard.objects.filter(node_id=node_id).exclude(state__in=["stopped", "failed"]).exists():
-            result.failed_shards.extend(fail_silent_operator_node(node_id, state, now=now, cutoff=lost_cutoff))
+    # Only those with a shard not yet over: one query, not one per silent node.
+    silent_with_shards = Node.objects.filter(
+        state__in=OPERATOR_STATES,
+        last_seen__lt=lost_cutoff,
+        id__in=Shard.objects.exclude(state__in=TERMINAL).values("node_id"),
+    ).values_list("id", "state")
+    for node_id, state in silent_with_shards:
+        result.failed_shards.extend(fail_silent_operator_node(node_id, state, now=now, cutoff=lost_cutoff))
     if result.unreachable or result.lost or result.flagged:
         log.info(
             "liveness: %d unreachable, %d lost, %d flagged, %d shards failed",
