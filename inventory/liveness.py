@@ -41,6 +41,11 @@ def _silent_for(seconds: float, *, now: dt.datetime) -> dt.datetime:
     return now - dt.timedelta(seconds=seconds)
 
 
+def _silence(now: dt.datetime, cutoff: dt.datetime) -> str:
+    # What the node's history says: the delay the node overstayed.
+    return f"no heartbeat for {int((now - cutoff).total_seconds())} s"
+
+
 def _lock_if_silent(node_id: str, state: str, cutoff: dt.datetime) -> bool:
     return (
         Node.objects.select_for_update()
@@ -56,13 +61,12 @@ def mark_unreachable(node_id: str, *, now: dt.datetime, cutoff: dt.datetime) -> 
     with transaction.atomic():
         if not _lock_if_silent(node_id, NodeState.READY, cutoff):
             return False
-        seconds = int((now - cutoff).total_seconds())
         if not change_state(
             node_id,
             NodeState.UNREACHABLE,
             now=now,
             expected=NodeState.READY,
-            reason=f"no heartbeat for {seconds} s",
+            reason=_silence(now, cutoff),
             actor_name="system",
         ):
             return False
@@ -77,13 +81,12 @@ def mark_lost(node_id: str, *, now: dt.datetime, cutoff: dt.datetime) -> list[st
     with transaction.atomic():
         if not _lock_if_silent(node_id, NodeState.UNREACHABLE, cutoff):
             return None
-        seconds = int((now - cutoff).total_seconds())
         change_state(
             node_id,
             NodeState.LOST,
             now=now,
             expected=NodeState.UNREACHABLE,
-            reason=f"no heartbeat for {seconds} s",
+            reason=_silence(now, cutoff),
             actor_name="system",
         )
         failed = agent_sync.fail_node_shards(node_id, reason="node lost", now=now)
@@ -102,7 +105,7 @@ def flag_operator_node(node_id: str, state: str, *, now: dt.datetime, cutoff: dt
         record_event(
             node_id,
             "unreachable",
-            f"no heartbeat for {int((now - cutoff).total_seconds())} s; stays {state}",
+            f"{_silence(now, cutoff)}; stays {state}",
             now=now,
             actor_name="system",
         )
