@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import uuid
 from collections.abc import Iterable
 
 from django.db.models import F, Value
@@ -62,7 +63,9 @@ def pending(
             rows = cur.fetchall()
     if not rows:
         return []
-    found = [Command(id=_uuid(i), kind=k, payload=json.loads(p) if isinstance(p, str) else p) for i, k, p in rows]
+    found = [
+        Command(id=uuid.UUID(str(i)), kind=k, payload=json.loads(p) if isinstance(p, str) else p) for i, k, p in rows
+    ]
     ids = [r.id for r in found]
     # One statement: a heartbeat's cost must not grow with its commands.
     Command.objects.filter(id__in=ids).update(
@@ -87,7 +90,7 @@ def acknowledge(node_id: str, ids: Iterable[str], *, now: dt.datetime) -> int:
     valid = []
     for i in ids:
         try:
-            valid.append(str(_uuid(i)))
+            valid.append(str(uuid.UUID(str(i))))
         except ValueError:
             continue
     if not valid:
@@ -99,9 +102,3 @@ def cancel_for_shard(shard_id: str) -> int:
     """Drop unacknowledged commands about a shard nobody wants any more."""
     deleted, _ = Command.objects.filter(shard_id=str(shard_id), acked_at__isnull=True).delete()
     return deleted
-
-
-def _uuid(value: str):
-    import uuid
-
-    return uuid.UUID(str(value))

@@ -122,17 +122,19 @@ def _node_auth(node_id: str, h: str, current: str, previous: str | None, request
     return NodeAuth(node_id=node_id, used_previous=used_previous, rotation_requested=requested is not None)
 
 
+def _usable_join_tokens(now: dt.datetime):
+    # Not revoked, not expired, not used up.
+    return JoinToken.objects.filter(revoked_at__isnull=True, expires_at__gt=now).filter(
+        Q(max_uses__isnull=True) | Q(uses__lt=F("max_uses"))
+    )
+
+
 def check_join_token(token: str, *, now: dt.datetime) -> JoinAuth | None:
     """Whether a token may register a new node: the bootstrap token, or a live admin-created one."""
     bootstrap = settings.LLMGW_JOIN_TOKEN
     if bootstrap and hmac.compare_digest(token.encode(), bootstrap.encode()):
         return JoinAuth(token_id=None, name="bootstrap token")
-    row = (
-        JoinToken.objects.filter(token_hash=hash_secret(token), revoked_at__isnull=True, expires_at__gt=now)
-        .filter(Q(max_uses__isnull=True) | Q(uses__lt=F("max_uses")))
-        .values_list("id", "name")
-        .first()
-    )
+    row = _usable_join_tokens(now).filter(token_hash=hash_secret(token)).values_list("id", "name").first()
     if row is None:
         return None
     return JoinAuth(token_id=row[0], name=row[1])
@@ -146,11 +148,7 @@ def consume_join_token(auth: JoinAuth, *, now: dt.datetime) -> bool:
     """
     if auth.token_id is None:
         return True
-    return bool(
-        JoinToken.objects.filter(id=auth.token_id, revoked_at__isnull=True, expires_at__gt=now)
-        .filter(Q(max_uses__isnull=True) | Q(uses__lt=F("max_uses")))
-        .update(uses=F("uses") + 1)
-    )
+    return bool(_usable_join_tokens(now).filter(id=auth.token_id).update(uses=F("uses") + 1))
 
 
 def has_credential(node_id: str) -> bool:

@@ -17,12 +17,13 @@ bearer-token agents do not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
-from drf_spectacular.utils import OpenApiResponse, extend_schema
+from drf_spectacular.utils import OpenApiResponse, extend_schema, extend_schema_view
 from pydantic import BaseModel, ValidationError
 from rest_framework.parsers import JSONParser
 from rest_framework.renderers import JSONRenderer
@@ -95,10 +96,10 @@ def _responses(ok: type[BaseModel]) -> dict:
 
 
 class AgentEndpoint(APIView):
-    """Common handling of an agent request; subclasses name the message and the protocol function.
+    """Common handling of an agent request; subclasses name the message, its bounds and the protocol function.
 
-    An APIView only so that drf-spectacular documents it; requests never go
-    through DRF (see `as_view`).
+    An APIView only so that drf-spectacular documents it (see `documented`);
+    requests never go through DRF (see `as_view`).
     """
 
     authentication_classes = ()
@@ -111,13 +112,10 @@ class AgentEndpoint(APIView):
     message: ClassVar[type[wire.Message]]
     max_body: ClassVar[int]
     allow_join: ClassVar[bool] = False
-
-    def handle_message(self, caller: protocol.Caller, msg, *, now) -> BaseModel | dict:
-        raise NotImplementedError
-
-    def problems(self, msg) -> list[dict]:
-        """Values the schema allows but the inventory cannot hold (agents/limits.py)."""
-        return []
+    # The protocol function answering (caller, message, now=).
+    handle: ClassVar[Callable[..., BaseModel | dict]]
+    # Values the schema allows but the inventory cannot hold (agents/limits.py).
+    problems: ClassVar[Callable[..., list[dict]] | None] = None
 
     @classmethod
     def as_view(cls, **initkwargs):
@@ -150,7 +148,7 @@ class AgentEndpoint(APIView):
                 allow_join=self.allow_join,
             )
             msg = self.read(django_request)
-            result = self.handle_message(caller, msg, now=now)
+            result = self.handle(caller, msg, now=now)
         except protocol.Refused as exc:
             return problem(exc.status, exc.detail, exc.errors)
         return self.answer(result)
@@ -172,7 +170,7 @@ class AgentEndpoint(APIView):
             msg = self.message.model_validate_json(body)
         except ValidationError as exc:
             raise protocol.Refused(400, "invalid request body", field_errors(exc)) from None
-        too_big = self.problems(msg)
+        too_big = self.problems(msg) if self.problems else None
         if too_big:
             raise protocol.Refused(400, "invalid request body", too_big[:MAX_ERRORS])
         return msg
@@ -185,53 +183,52 @@ class AgentEndpoint(APIView):
         return JsonResponse(result)
 
 
+def documented(operation_id: str, ok: type[BaseModel], description: str):
+    """The endpoint's entry in the OpenAPI document: its message, its 200 answer and every refusal."""
+
+    def decorate(cls: type[AgentEndpoint]) -> type[AgentEndpoint]:
+        schema = extend_schema(
+            operation_id=operation_id,
+            tags=["agent"],
+            request=cls.message,
+            responses=_responses(ok),
+            auth=[],
+            description=description,
+        )
+        return extend_schema_view(post=schema)(cls)
+
+    return decorate
+
+
+@documented(
+    "agent_register",
+    wire.RegisterResponse,
+    "An agent's registration: the whole inventory and the shards already running. "
+    "Authorization: Bearer <join token> at first, <node credential> after; the answer carries "
+    "the credential when one was issued, the adopted shards, and the pending commands.",
+)
 class RegisterView(AgentEndpoint):
     """Register a node (join token the first time, the node's credential after)."""
 
     message = wire.Register
     max_body = MAX_REGISTER_BODY
     allow_join = True
-
-    @extend_schema(
-        operation_id="agent_register",
-        tags=["agent"],
-        request=wire.Register,
-        responses=_responses(wire.RegisterResponse),
-        auth=[],
-        description="An agent's registration: the whole inventory and the shards already running. "
-        "Authorization: Bearer <join token> at first, <node credential> after; the answer carries "
-        "the credential when one was issued, the adopted shards, and the pending commands.",
-    )
-    def post(self, request):
-        return super().post(request)
-
-    def problems(self, msg):
-        return limits.register_problems(msg)
-
-    def handle_message(self, caller, msg, *, now):
-        return protocol.register(caller, msg, now=now)
+    handle = staticmethod(protocol.register)
+    problems = staticmethod(limits.register_problems)
 
 
+@documented(
+    "agent_heartbeat",
+    wire.HeartbeatResponse,
+    "Load, sensors, wear, IB ports, shard states and acknowledgements. The answer lists "
+    "every command not yet acknowledged; list their ids in `acks` of a later heartbeat.",
+)
 class HeartbeatView(AgentEndpoint):
     """A node's heartbeat; the answer carries its pending commands until acknowledged."""
 
     message = wire.Heartbeat
     max_body = MAX_HEARTBEAT_BODY
-
-    @extend_schema(
-        operation_id="agent_heartbeat",
-        tags=["agent"],
-        request=wire.Heartbeat,
-        responses=_responses(wire.HeartbeatResponse),
-        auth=[],
-        description="Load, sensors, wear, IB ports, shard states and acknowledgements. The answer lists "
-        "every command not yet acknowledged; list their ids in `acks` of a later heartbeat.",
-    )
-    def post(self, request):
-        return super().post(request)
-
-    def problems(self, msg):
-        return limits.heartbeat_problems(msg)
+    problems = staticmethod(limits.heartbeat_problems)
 
     def serve(self, django_request: HttpRequest) -> HttpResponse:
         # The credential lookup is the lease renewal's own statement
@@ -244,51 +241,30 @@ class HeartbeatView(AgentEndpoint):
             return problem(exc.status, exc.detail, exc.errors)
         return self.answer(result)
 
-    def handle_message(self, caller, msg, *, now):
-        return protocol.heartbeat(caller, msg, now=now)
 
-
+@documented(
+    "agent_scan_upload",
+    ScanStored,
+    "A failed scan keeps the last good text and records the error beside it.",
+)
 class ScanUploadView(AgentEndpoint):
     """A fabric scan's result (ibnetdiscover text, or why it failed)."""
 
     message = wire.ScanUpload
     max_body = MAX_SCAN_BODY
-
-    @extend_schema(
-        operation_id="agent_scan_upload",
-        tags=["agent"],
-        request=wire.ScanUpload,
-        responses=_responses(ScanStored),
-        auth=[],
-        description="A failed scan keeps the last good text and records the error beside it.",
-    )
-    def post(self, request):
-        return super().post(request)
-
-    def problems(self, msg):
-        return limits.scan_problems(msg)
-
-    def handle_message(self, caller, msg, *, now):
-        return protocol.upload_scan(caller, msg, now=now)
+    handle = staticmethod(protocol.upload_scan)
+    problems = staticmethod(limits.scan_problems)
 
 
+@documented(
+    "agent_rotate_credential",
+    wire.RegisterResponse,
+    "Issue a new node credential (in `credential`). The current one stays valid until "
+    "the new one is first used, so a lost answer does not lock the agent out.",
+)
 class RotateView(AgentEndpoint):
     """Replace the calling node's credential."""
 
     message = wire.RotateCredential
     max_body = MAX_ROTATE_BODY
-
-    @extend_schema(
-        operation_id="agent_rotate_credential",
-        tags=["agent"],
-        request=wire.RotateCredential,
-        responses=_responses(wire.RegisterResponse),
-        auth=[],
-        description="Issue a new node credential (in `credential`). The current one stays valid until "
-        "the new one is first used, so a lost answer does not lock the agent out.",
-    )
-    def post(self, request):
-        return super().post(request)
-
-    def handle_message(self, caller, msg, *, now):
-        return protocol.rotate(caller, msg, now=now)
+    handle = staticmethod(protocol.rotate)

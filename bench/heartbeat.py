@@ -129,8 +129,11 @@ def register_payload(node_id: str, running: list[dict] | None = None) -> dict:
     }
 
 
-def heartbeat_payload(node_id: str, shards: list[str], tick: int) -> dict:
-    """A realistic heartbeat: 8 GPUs with sensors and wear, 8 IB ports with counters, 4 shards."""
+def heartbeat_payload(node_id: str = "node-a", *, at: float | None = None, counters: int = 0, **extra) -> dict:
+    """A realistic heartbeat: 8 GPUs with sensors and wear, 8 IB ports with counters; `extra` adds or replaces fields.
+
+    The tests' heartbeat too: no shards, no acknowledgements, no IMEX unless given.
+    """
     wear = {
         "pcie_replays": 0,
         "retired_pages_sbe": -1,
@@ -142,46 +145,52 @@ def heartbeat_payload(node_id: str, shards: list[str], tick: int) -> dict:
         "nvlink_recovery_errors": 0,
         "xid_errors": 0,
     }
-    return {
+    gpus = [
+        {
+            "index": i,
+            "temp_c": 54.0 + i,
+            "memory_temp_c": 60.0,
+            "power_w": 402.5,
+            "power_limit_w": 700.0,
+            "util_percent": 93.0,
+            "mem_util_percent": 41.0,
+            "memory_used_mb": 71234.0,
+            "memory_total_mb": 81559.0,
+            "sm_clock_mhz": 1980.0,
+            "wear": wear,
+        }
+        for i in range(8)
+    ]
+    ports = [
+        {
+            "hca": f"mlx5_{i}",
+            "port": 1,
+            "state": "4: ACTIVE",
+            "phys_state": "5: LinkUp",
+            "rate_gbps": 400,
+            "link_layer": "InfiniBand",
+            "counters": {
+                "port_xmit_data": counters,
+                "port_rcv_data": 2 * counters,
+                "symbol_error": 0,
+                "link_downed": 0,
+            },
+            "sm_guid": "0xa088c20300b3c4d0",
+            "sm_lid": 1,
+        }
+        for i in range(8)
+    ]
+    p = {
         "node_id": node_id,
-        "at": 1_800_000_000.0 + 5 * tick,
+        "at": at,
         "load": {"cpu_percent": 35.5, "cpu_count": 224, "load1": 12.0, "mem_used_bytes": 2**40},
-        "gpus": [
-            {
-                "index": i,
-                "temp_c": 60.0,
-                "power_w": 450.0,
-                "power_limit_w": 700.0,
-                "util_percent": 95.0,
-                "memory_used_mb": 70000.0,
-                "memory_total_mb": 81559.0,
-                "sm_clock_mhz": 1980.0,
-                "wear": wear,
-            }
-            for i in range(8)
-        ],
-        "ib_ports": [
-            {
-                "hca": f"mlx5_{i}",
-                "port": 1,
-                "state": "4: ACTIVE",
-                "rate_gbps": 400,
-                "link_layer": "InfiniBand",
-                "sm_guid": "0xa088c20300b3c4d0",
-                "counters": {
-                    "port_xmit_data": 10**9 * tick,
-                    "port_rcv_data": 2 * 10**9 * tick,
-                    "symbol_error": 0,
-                    "link_downed": 0,
-                    "port_rcv_errors": 0,
-                },
-            }
-            for i in range(8)
-        ],
-        "shards": [{"shard_id": s, "state": "ready"} for s in shards],
-        "imex": {"state": "UP", "channels": 2048},
+        "gpus": gpus,
+        "ib_ports": ports,
+        "shards": [],
         "acks": [],
     }
+    p.update(extra)
+    return p
 
 
 _MAKE_SHARDS = """
@@ -218,9 +227,12 @@ def heartbeat_template(node_id: str, shards: list[str]) -> str:
     so it leaves the cores to the server.
     """
     # As the agent sends it: every field of the wire model but the empty ones (exclude_none).
-    payload = wire.Heartbeat.model_validate(heartbeat_payload(node_id, shards, 0)).model_dump(
-        mode="json", exclude_none=True
+    body = heartbeat_payload(
+        node_id,
+        shards=[{"shard_id": s, "state": "ready"} for s in shards],
+        imex={"state": "UP", "channels": 2048},
     )
+    payload = wire.Heartbeat.model_validate(body).model_dump(mode="json", exclude_none=True)
     payload["at"] = "@at@"
     for i, g in enumerate(payload["gpus"]):
         g["temp_c"], g["power_w"], g["util_percent"] = f"@temp{i}@", f"@power{i}@", f"@util{i}@"

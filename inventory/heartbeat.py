@@ -165,7 +165,6 @@ def telemetry(hb: wire.Heartbeat, previous: Mapping[str, Any] | None, *, now: dt
         "gpus": dumped["gpus"] or [],
         "ib_ports": ports,
         "shards": [{"shard_id": s.shard_id, "state": str(s.state)} for s in hb.shards],
-        "applied": dict((previous or {}).get("applied") or {}),
     }
 
 

@@ -41,6 +41,11 @@ def _silent_for(seconds: float, *, now: dt.datetime) -> dt.datetime:
     return now - dt.timedelta(seconds=seconds)
 
 
+def _silence(now: dt.datetime, cutoff: dt.datetime) -> str:
+    # What the node's history says: the delay the node overstayed.
+    return f"no heartbeat for {int((now - cutoff).total_seconds())} s"
+
+
 def _lock_if_silent(node_id: str, state: str, cutoff: dt.datetime) -> bool:
     return (
         Node.objects.select_for_update()
@@ -56,13 +61,12 @@ def mark_unreachable(node_id: str, *, now: dt.datetime, cutoff: dt.datetime) -> 
     with transaction.atomic():
         if not _lock_if_silent(node_id, NodeState.READY, cutoff):
             return False
-        seconds = int((now - cutoff).total_seconds())
         if not change_state(
             node_id,
             NodeState.UNREACHABLE,
             now=now,
             expected=NodeState.READY,
-            reason=f"no heartbeat for {seconds} s",
+            reason=_silence(now, cutoff),
             actor_name="system",
         ):
             return False
@@ -77,13 +81,12 @@ def mark_lost(node_id: str, *, now: dt.datetime, cutoff: dt.datetime) -> list[st
     with transaction.atomic():
         if not _lock_if_silent(node_id, NodeState.UNREACHABLE, cutoff):
             return None
-        seconds = int((now - cutoff).total_seconds())
         change_state(
             node_id,
             NodeState.LOST,
             now=now,
             expected=NodeState.UNREACHABLE,
-            reason=f"no heartbeat for {seconds} s",
+            reason=_silence(now, cutoff),
             actor_name="system",
         )
         failed = agent_sync.fail_node_shards(node_id, reason="node lost", now=now)
@@ -102,7 +105,7 @@ def flag_operator_node(node_id: str, state: str, *, now: dt.datetime, cutoff: dt
         record_event(
             node_id,
             "unreachable",
-            f"no heartbeat for {int((now - cutoff).total_seconds())} s; stays {state}",
+            f"{_silence(now, cutoff)}; stays {state}",
             now=now,
             actor_name="system",
         )
@@ -149,14 +152,17 @@ def sweep(*, now: dt.datetime) -> SweepResult:
     ).values_list("id", "state"):
         if flag_operator_node(node_id, state, now=now, cutoff=unreachable_cutoff):
             result.flagged.append(node_id)
+    from placement.agent_sync import TERMINAL
     from placement.models import Shard
 
-    silent_operator_nodes = Node.objects.filter(state__in=OPERATOR_STATES, last_seen__lt=lost_cutoff).values_list(
-        "id", "state"
-    )
-    for node_id, state in silent_operator_nodes:
-        if Shard.objects.filter(node_id=node_id).exclude(state__in=["stopped", "failed"]).exists():
-            result.failed_shards.extend(fail_silent_operator_node(node_id, state, now=now, cutoff=lost_cutoff))
+    # Only those with a shard not yet over: one query, not one per silent node.
+    silent_with_shards = Node.objects.filter(
+        state__in=OPERATOR_STATES,
+        last_seen__lt=lost_cutoff,
+        id__in=Shard.objects.exclude(state__in=TERMINAL).values("node_id"),
+    ).values_list("id", "state")
+    for node_id, state in silent_with_shards:
+        result.failed_shards.extend(fail_silent_operator_node(node_id, state, now=now, cutoff=lost_cutoff))
     if result.unreachable or result.lost or result.flagged:
         log.info(
             "liveness: %d unreachable, %d lost, %d flagged, %d shards failed",

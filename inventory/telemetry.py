@@ -27,7 +27,9 @@ def put(node_id: str, data: dict[str, Any]) -> None:
 
     Shape: {"at": server time (unix s), "agent_at": agent clock or None,
     "load": wire.Load dict or None, "gpus": [wire.GPUSensor dicts],
-    "ib_ports": [wire.IBPort dicts, each with "tx_bps" and "rx_bps" in bytes a second]}.
+    "ib_ports": [wire.IBPort dicts, each with "tx_bps" and "rx_bps" in bits a second],
+    "shards": [{"shard_id", "state"}], "applied": fingerprints of the durable reports
+    last written (inventory/heartbeat.py digest, keyed "fabrics" and "installs")}.
     """
     cache.set(key(node_id), data, timeout=settings.LLMGW_TELEMETRY_TTL)
 

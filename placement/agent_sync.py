@@ -32,6 +32,7 @@ LIVE = frozenset(set(wire.ShardState) - TERMINAL)
 # one was acknowledged as soon as it was applied.
 FENCEABLE = LIVE - {wire.ShardState.DRAINING}
 MAX_REASON = 512
+UNKNOWN = "shard unknown to the control plane"
 GONE_REPLICA = frozenset({ReplicaState.STOPPED, ReplicaState.FAILED})
 
 
@@ -69,8 +70,12 @@ class SyncResult:
     pending: list[tuple] | None = None
 
 
-def _fence(node_id: str, targets: list[tuple[str, str, str]], result: SyncResult, *, now: dt.datetime) -> int:
-    """Queue a StopShard for each (shard id, replica id, reason), unless one is already pending; returns how many."""
+def _fence(node_id: str, reported: list[tuple[str, str, str, str]], result: SyncResult, *, now: dt.datetime) -> int:
+    """Queue a StopShard for each (shard id, replica id, reason, reported state) that is FENCEABLE.
+
+    None is queued for a shard that already has one pending. Returns how many were queued.
+    """
+    targets = [t[:3] for t in reported if t[3] in FENCEABLE]
     if not targets:
         return 0
     queued = 0
@@ -206,15 +211,13 @@ def record_shard_states(
         row = rows.get(sid)
         state = wire.ShardState(s.state)
         if row is None:
-            if state in FENCEABLE:
-                fence.append((str(sid), s.replica_id, "shard unknown to the control plane"))
+            fence.append((str(sid), s.replica_id, UNKNOWN, state))
             continue
         old = row["state"]
         if old in TERMINAL and state in LIVE:
-            if state in FENCEABLE:
-                fence.append(
-                    (str(sid), str(row["replica_id"]), f"shard is {old} in the control plane: {row['reason']}")
-                )
+            fence.append(
+                (str(sid), str(row["replica_id"]), f"shard is {old} in the control plane: {row['reason']}", state)
+            )
             continue
         if allowed(old, state):
             changes.append((row, str(state), s.reason, s.exit_code, "shard_state"))
@@ -247,8 +250,7 @@ def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt
         sid = _uuid(r.shard_id)
         if sid is None:
             # Not even a shard id of ours: stop it under the name the agent gave.
-            if wire.ShardState(r.state) in FENCEABLE:
-                fence.append((r.shard_id, r.replica_id, "shard unknown to the control plane"))
+            fence.append((r.shard_id, r.replica_id, UNKNOWN, wire.ShardState(r.state)))
         else:
             reports[sid] = r
     rows = {r["id"]: r for r in Shard.objects.filter(node_id=node_id).values(*_ROW_FIELDS)}
@@ -257,14 +259,11 @@ def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt
         row = rows.get(sid)
         state = wire.ShardState(r.state)
         if row is None:
-            if state in FENCEABLE:
-                fence.append((str(sid), r.replica_id, "shard unknown to the control plane"))
+            fence.append((str(sid), r.replica_id, UNKNOWN, state))
         elif row["replica__state"] in GONE_REPLICA:
-            if state in FENCEABLE:
-                fence.append((str(sid), str(row["replica_id"]), f"replica is {row['replica__state']}"))
+            fence.append((str(sid), str(row["replica_id"]), f"replica is {row['replica__state']}", state))
         elif row["state"] in TERMINAL:
-            if state in FENCEABLE:
-                fence.append((str(sid), str(row["replica_id"]), f"shard is {row['state']}: {row['reason']}"))
+            fence.append((str(sid), str(row["replica_id"]), f"shard is {row['state']}: {row['reason']}", state))
         else:
             result.adopted.append(str(sid))
             if row["state"] != state:

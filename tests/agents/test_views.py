@@ -121,6 +121,18 @@ def test_admin_join_token_expiry_and_use_limit(client, now):
     assert JoinToken.objects.get(id=expired.id).uses == 0
 
 
+def test_the_last_use_of_a_join_token_goes_to_one_node(now):
+    token, secret = credentials.create_join_token(name="x", expires_at=now + dt.timedelta(hours=1), max_uses=1, now=now)
+    # Two registrations both saw the token usable; the use is re-checked as it is counted.
+    first = credentials.check_join_token(secret, now=now)
+    second = credentials.check_join_token(secret, now=now)
+    assert first is not None and second is not None
+    assert credentials.consume_join_token(first, now=now)
+    assert not credentials.consume_join_token(second, now=now)
+    token.refresh_from_db()
+    assert token.uses == 1
+
+
 def test_join_token_use_is_not_counted_when_the_registration_is_refused(client, now):
     t0 = timezone.now()
     token, secret = credentials.create_join_token(name="x", expires_at=t0 + dt.timedelta(hours=1), max_uses=1, now=t0)

@@ -90,3 +90,23 @@ def test_the_task_runs_the_sweep(now):
 def test_beat_schedules_the_sweep(settings):
     entry = settings.CELERY_BEAT_SCHEDULE["agents.liveness_sweep"]
     assert entry == {"task": "agents.liveness_sweep", "schedule": 10.0}
+
+
+def test_silent_cordoned_nodes_cost_the_sweep_no_query_each(now, django_assert_num_queries):
+    def silent_cordoned(node_id: str) -> None:
+        make_node(node_id, now=now)
+        change_state(node_id, NodeState.CORDONED, now=now)
+        make_shard(node_id, now=now, state="stopped")
+        make_shard(node_id, now=now, state="failed")
+
+    silent_cordoned("node-a")
+    liveness.sweep(now=at(now, 31))  # flags it
+    with django_assert_num_queries(4):
+        assert liveness.sweep(now=at(now, 301)).failed_shards == []
+    for i in range(5):
+        silent_cordoned(f"node-{i}")
+    liveness.sweep(now=at(now, 31))
+    # Shards that are over leave the node alone, and more such nodes cost nothing more.
+    with django_assert_num_queries(4):
+        assert liveness.sweep(now=at(now, 301)).failed_shards == []
+    assert PlacementEvent.objects.count() == 0
