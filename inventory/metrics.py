@@ -185,6 +185,11 @@ def _sensors(f: dict[str, Family], node_id: str, data: dict[str, Any]) -> None:
             power.append((labels, power_w))
 
 
+# The telemetry's port rates are bits a second, as link rates are quoted; the
+# metric is bytes a second, as Prometheus' base units ask.
+BITS_PER_BYTE = 8
+
+
 def _ports(f: dict[str, Family], node_id: str, data: dict[str, Any]) -> None:
     rates, errors = f["ib_rate"].rows, f["ib_errors"].rows
     for p in data.get("ib_ports") or []:
@@ -192,7 +197,7 @@ def _ports(f: dict[str, Family], node_id: str, data: dict[str, Any]) -> None:
         for direction, k in (("tx", "tx_bps"), ("rx", "rx_bps")):
             rate = _num(p.get(k))
             if rate is not None:
-                rates.append(((node_id, hca, port, direction), rate))
+                rates.append(((node_id, hca, port, direction), rate / BITS_PER_BYTE))
         counters = p.get("counters") or {}
         for name in doctor.ERROR_COUNTERS:
             value = _num(counters.get(name))

@@ -60,8 +60,8 @@ def cluster():
             ib_port(
                 "mlx5_0",
                 counters={"symbol_error": 3, "link_downed": 1, "port_xmit_data": 123456},
-                tx_bps=50e9,
-                rx_bps=1e9,
+                tx_bps=400e9,
+                rx_bps=8e9,
             )
         ],
     )
@@ -284,3 +284,21 @@ def test_the_api_says_when_its_checks_ran_and_runs_them_fresh_on_demand(client, 
     reachable = next(c for c in fresh["checks"] if c["name"] == "nodes_reachable")
     assert (reachable["result"], reachable["nodes"]) == ("warn", ["tray-1"])
     assert client.get("/api/v1/doctor").json() == fresh
+
+
+def test_port_rates_from_heartbeat_counters_are_bytes_a_second(client, now):
+    # Counters to telemetry (bits a second) to the metric (bytes a second):
+    # one unit mix-up along the way and the dashboard is off by eight.
+    from agents import protocol, wire
+    from agents.credentials import NodeAuth
+    from tests.agents.conftest import heartbeat_payload
+
+    make_node("node-a", now=now)
+    caller = protocol.Caller(node=NodeAuth(node_id="node-a", used_previous=False, rotation_requested=False))
+    for at, counters in ((100.0, 1_000), (105.0, 1_000 + 1_250_000)):
+        hb = wire.Heartbeat.model_validate(heartbeat_payload(at=at, counters=counters))
+        protocol.heartbeat(caller, hb, now=now + dt.timedelta(seconds=at - 100.0))
+    # 1.25 M words of 4 bytes in 5 s: 1 MB/s out; the payload's rx counts twice as many.
+    rates = scrape(client)["llmgw_ib_port_rate_bytes"]
+    assert rates[lbl(node="node-a", hca="mlx5_0", port="1", direction="tx")] == 1_000_000.0
+    assert rates[lbl(node="node-a", hca="mlx5_0", port="1", direction="rx")] == 2_000_000.0
