@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 _MODEL_TOKEN = re.compile(r"\b(RTX\s+(?:PRO\s+)?[A-Z]?\d{4}[A-Z]*|[A-Z]{1,3}\d{2,4}[A-Z]*)\b")
 _MEM_IN_NAME = re.compile(r"(\d{2,3})\s*GB", re.IGNORECASE)
@@ -91,13 +91,6 @@ def bandwidth_degraded(bandwidth: str) -> bool:
     """Whether a joined card reports less than its full NVLink bandwidth."""
     b = (bandwidth or "").strip().lower()
     return b not in ("", "full", "n/a", "not supported")
-
-
-class _HasFabric(Protocol):
-    fabric_state: str
-    fabric_status: str
-    cluster_uuid: str
-    clique_id: str
 
 
 def node_domain(gpus: Iterable[Any]) -> str:

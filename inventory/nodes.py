@@ -17,7 +17,6 @@ from inventory import labels as label_rules
 from inventory.models import (
     GPU,
     NODE_TRANSITIONS,
-    OPERATOR_STATES,
     EngineInstall,
     FabricAttachment,
     LocalWeights,
@@ -93,29 +92,6 @@ def change_state(
             data={"from": str(old), "to": str(new), "reason": reason},
         )
     return True
-
-
-def touch(node_id: str, *, now: dt.datetime) -> NodeState | None:
-    """Record a heartbeat: last seen now, and an unreachable or lost node back to ready.
-
-    Cordoned and draining are the operator's and stay. Returns the state the
-    node is in afterwards, None for an unknown node.
-    """
-    updated = Node.objects.filter(id=node_id).update(last_seen=now, unreachable_since=None)
-    if not updated:
-        return None
-    for old in (NodeState.UNREACHABLE, NodeState.LOST):
-        if Node.objects.filter(id=node_id, state=old).update(state=NodeState.READY):
-            record_event(
-                node_id,
-                "state",
-                f"{old} -> ready: heartbeat resumed",
-                now=now,
-                actor_name="agent",
-                data={"from": str(old), "to": "ready", "reason": "heartbeat resumed"},
-            )
-            return NodeState.READY
-    return NodeState(Node.objects.values_list("state", flat=True).get(id=node_id))
 
 
 def set_operator_labels(
@@ -298,8 +274,3 @@ def replace_engine_installs(node_id: str, installs: list[wire.EngineInstall]) ->
             engine=i.engine,
             defaults={"version": i.version, "variant": i.variant, "state": i.state, "detail": i.detail},
         )
-
-
-def is_operator_state(state: str) -> bool:
-    """Whether a state is the operator's to leave (cordoned, draining)."""
-    return state in OPERATOR_STATES

@@ -137,6 +137,28 @@ def test_touch_of_unknown_node_is_none(now):
     assert hb_rules.touch("nobody", now=now) is None
 
 
+@pytest.mark.parametrize("silent_state", [NodeState.UNREACHABLE, NodeState.LOST])
+def test_touch_brings_unreachable_and_lost_back_to_ready(now, silent_state):
+    make_node("n1", now=now)
+    Node.objects.filter(id="n1").update(state=silent_state, unreachable_since=now)
+    later = now + dt.timedelta(minutes=10)
+    assert hb_rules.touch("n1", now=later).state == NodeState.READY
+    node = Node.objects.get(id="n1")
+    assert (node.state, node.last_seen, node.unreachable_since) == (NodeState.READY, later, None)
+    assert NodeEvent.objects.filter(node=node, kind="state").first().data == {
+        "from": str(silent_state),
+        "to": "ready",
+        "reason": "heartbeat resumed",
+    }
+
+
+@pytest.mark.parametrize("operator_state", [NodeState.CORDONED, NodeState.DRAINING])
+def test_touch_never_undoes_an_operator_state(now, operator_state):
+    make_node("n1", now=now)
+    change_state("n1", operator_state, now=now)
+    assert hb_rules.touch("n1", now=now).state == operator_state
+
+
 def test_a_port_gaining_a_master_is_not_a_failover(now):
     make_node("node-a", now=now)
     ports = heartbeat_payload()["ib_ports"]

@@ -6,7 +6,7 @@ import pytest
 
 from agents import wire
 from inventory.models import GPU, FabricAttachment, Node, NodeEvent, NodeState
-from inventory.nodes import TransitionError, change_state, set_operator_labels, touch, upsert_node
+from inventory.nodes import TransitionError, change_state, set_operator_labels, upsert_node
 from tests.factories import make_node, register_payload
 
 pytestmark = pytest.mark.django_db
@@ -59,32 +59,6 @@ def test_reregistration_brings_a_silent_node_back(now, silent_state):
     Node.objects.filter(id="n1").update(state=silent_state)
     node, _ = reregister("n1", now)
     assert node.state == NodeState.READY
-
-
-@pytest.mark.parametrize("silent_state", [NodeState.UNREACHABLE, NodeState.LOST])
-def test_touch_brings_unreachable_and_lost_back_to_ready(now, silent_state):
-    make_node("n1", now=now)
-    Node.objects.filter(id="n1").update(state=silent_state, unreachable_since=now)
-    later = now + dt.timedelta(minutes=10)
-    assert touch("n1", now=later) == NodeState.READY
-    node = Node.objects.get(id="n1")
-    assert (node.state, node.last_seen, node.unreachable_since) == (NodeState.READY, later, None)
-    assert NodeEvent.objects.filter(node=node, kind="state").first().data == {
-        "from": str(silent_state),
-        "to": "ready",
-        "reason": "heartbeat resumed",
-    }
-
-
-@pytest.mark.parametrize("operator_state", [NodeState.CORDONED, NodeState.DRAINING])
-def test_touch_never_undoes_an_operator_state(now, operator_state):
-    make_node("n1", now=now)
-    change_state("n1", operator_state, now=now)
-    assert touch("n1", now=now) == operator_state
-
-
-def test_touch_of_unknown_node_is_none(now):
-    assert touch("nobody", now=now) is None
 
 
 def test_only_ready_is_schedulable(now):
