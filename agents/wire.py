@@ -31,10 +31,11 @@ MAX_SCAN_TEXT = 8 * 1024 * 1024
 Name = Annotated[str, StringConstraints(max_length=253)]
 Short = Annotated[str, StringConstraints(max_length=128)]
 Text = Annotated[str, StringConstraints(max_length=4096)]
-LabelKey = Annotated[
-    str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")
-]
-LabelValue = Annotated[str, StringConstraints(max_length=63)]
+# A label key: what placement selectors match, for the agent's labels and the operator's alike.
+LABEL_KEY_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$"
+LABEL_MAX = 63
+LabelKey = Annotated[str, StringConstraints(min_length=1, max_length=LABEL_MAX, pattern=LABEL_KEY_PATTERN)]
+LabelValue = Annotated[str, StringConstraints(max_length=LABEL_MAX)]
 Labels = Annotated[dict[LabelKey, LabelValue], Field(max_length=MAX_LABELS)]
 NodeId = Annotated[
     str, StringConstraints(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")

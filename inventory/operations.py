@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
+from agents import wire
 from inventory import telemetry
 from inventory.models import NODE_TRANSITIONS, Allocation, Node, NodeState
 from inventory.nodes import TransitionError, change_state, set_operator_labels
@@ -28,10 +29,10 @@ FINISHED_SHARD_STATES = frozenset({"stopped", "failed"})
 
 # The same rule as the wire schema's label keys, so an operator label can be
 # anything an agent label can be, and nothing a selector could not match.
-LABEL_KEY = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?$")
+LABEL_KEY = re.compile(wire.LABEL_KEY_PATTERN)
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([A-Za-z0-9._/-]*[A-Za-z0-9])?)?$")
-LABEL_MAX = 63
-MAX_LABELS = 64
+LABEL_MAX = wire.LABEL_MAX
+MAX_LABELS = wire.MAX_LABELS
 # What an operator is told when a label breaks the rule above.
 KEY_RULE = (
     f"a label key is 1-{LABEL_MAX} letters, digits, '.', '_', '/' or '-', starting and ending with a letter or digit"
