@@ -322,7 +322,8 @@ class Supervisor:
             fd = os.open(logp, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
             try:
                 with os.fdopen(fd, "ab", buffering=0) as out:
-                    out.write(f"# llmgw-agent: starting {launch.argv!r}\n".encode())
+                    # The log's end reaches the control plane when a shard fails: no secret in it.
+                    out.write(f"# llmgw-agent: starting {engines.loggable_argv(launch.argv)!r}\n".encode())
                     proc = subprocess.Popen(
                         launch.argv,
                         stdin=subprocess.DEVNULL,

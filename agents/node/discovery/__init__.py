@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from agents import wire
 
@@ -20,10 +21,29 @@ from .nvml import read_nvml
 from .readings import GPUReading, to_gpu, to_sensor
 from .tools import ToolResult, host_path, read_text, run_tool
 
-__all__ = ["Discovery", "Sample", "ToolResult", "discover", "gpu_fabrics", "ibnetdiscover", "run_tool", "sample"]
+__all__ = [
+    "SLOW_READ_INTERVAL",
+    "Discovery",
+    "Sample",
+    "SlowReads",
+    "ToolResult",
+    "discover",
+    "gpu_fabrics",
+    "ibnetdiscover",
+    "run_tool",
+    "sample",
+]
 
 TOOL_TIMEOUT = 20.0
 IMEX_CHANNELS = "/dev/nvidia-caps-imex-channels"
+# How often a heartbeat re-runs the slow reads (dmesg's XIDs, sminfo per
+# port, saquery per fabric, nvidia-imex-ctl); in between it reports the last
+# results. saquery asks the subnet manager itself: every node of a large
+# cluster asking at every heartbeat would load it with thousands of queries a
+# second for answers that change on a failover.
+SLOW_READ_INTERVAL = 60.0
+# The subnet-manager fields of a port, the ones `sminfo` and `saquery` fill.
+_SM_FIELDS = ("sm_guid", "sm_lid", "sm_priority", "sm_state", "sm_error", "sms", "sms_error")
 
 
 @dataclass
@@ -43,8 +63,26 @@ class Discovery:
 
 
 @dataclass
+class SlowReads:
+    """The results of the slow reads, kept from one heartbeat to the next.
+
+    `key` is what they were read for (whether the node has cards, and each
+    active InfiniBand port with its link-down count): when it changes, the
+    reads are made again at once, so a port that went down, came up or
+    flapped never reports a subnet manager it was not asked about.
+    """
+
+    at: float
+    key: tuple[Any, ...]
+    xids: list[health.KernelXid]
+    subnet: dict[tuple[str, int], dict[str, Any]]
+    imex: wire.IMEX | None
+    imex_problems: list[str]
+
+
+@dataclass
 class Sample:
-    """What one heartbeat reports; `previous` of the next sample, for rates."""
+    """What one heartbeat reports; `previous` of the next sample, for rates and the slow reads."""
 
     load: wire.Load
     gpus: list[wire.GPUSensor]
@@ -54,6 +92,7 @@ class Sample:
     at: float = 0.0
     cpu_jiffies: tuple[int, int] | None = None
     pcie_replays: dict[int, int] = field(default_factory=dict)
+    slow: SlowReads | None = None
 
 
 def _readings(root: Path | None) -> tuple[list[GPUReading], str, list[str]]:
@@ -163,45 +202,81 @@ def gpu_fabrics(*, root: Path | None) -> list[wire.GPUFabricReport]:
 
 
 def _ib_ports(root: Path | None, problems: list[str]) -> list[wire.IBPort]:
+    """Every port from sysfs, a RoCE port with its IP network; no subnet managers (`_subnet_managers`)."""
     ports = infiniband.read_ports(root)
     networks: dict[str, list[str]] | None = None
-    asked: set[str] = set()
     for p in ports:
-        if not infiniband.port_active(p):
+        if not infiniband.port_active(p) or p.link_layer.lower() != "ethernet":
             continue
-        if p.link_layer.lower() == "ethernet":
-            if networks is None:
-                res = run_tool(["ip", "-j", "addr"], root=root, timeout=TOOL_TIMEOUT)
-                networks = infiniband.parse_ip_addr_json(res.stdout) if res.ok else {}
-                if not res.ok:
-                    problems.append(f"ip -j addr: {res.error}")
-            nets = networks.get(p.netdev, [])
-            p.network = nets[0] if nets else ""
-            continue
+        if networks is None:
+            res = run_tool(["ip", "-j", "addr"], root=root, timeout=TOOL_TIMEOUT)
+            networks = infiniband.parse_ip_addr_json(res.stdout) if res.ok else {}
+            if not res.ok:
+                problems.append(f"ip -j addr: {res.error}")
+        nets = networks.get(p.netdev, [])
+        p.network = nets[0] if nets else ""
+    return ports
+
+
+def _sm_ports(ports: list[wire.IBPort]) -> list[wire.IBPort]:
+    """The ports a subnet manager answers on: active, and InfiniBand rather than RoCE."""
+    return [p for p in ports if infiniband.port_active(p) and p.link_layer.lower() != "ethernet"]
+
+
+def _subnet_managers(root: Path | None, ports: list[wire.IBPort]) -> dict[tuple[str, int], dict[str, Any]]:
+    """Each active InfiniBand port's subnet-manager fields, by (HCA, port).
+
+    `sminfo` on every such port; `saquery -s` on one port per fabric.
+    """
+    out: dict[tuple[str, int], dict[str, Any]] = {}
+    asked: set[str] = set()
+    for p in _sm_ports(ports):
+        found: dict[str, Any] = out.setdefault((p.hca, p.port), {})
         res = run_tool(["sminfo", "-C", p.hca, "-P", str(p.port)], root=root, timeout=TOOL_TIMEOUT)
         sm = subnet.parse_sminfo(res.stdout) if res.ok else None
         if sm is None:
-            p.sm_error = res.error if not res.ok else "sminfo named no subnet manager"
+            found["sm_error"] = res.error if not res.ok else "sminfo named no subnet manager"
             continue
-        p.sm_guid, p.sm_lid, p.sm_priority, p.sm_state = sm.guid, sm.lid, sm.priority, sm.state
+        found.update(sm_guid=sm.guid, sm_lid=sm.lid, sm_priority=sm.priority, sm_state=sm.state)
         if sm.guid in asked:
             continue
         # One port per fabric lists every subnet manager on it.
         asked.add(sm.guid)
         sms = run_tool(["saquery", "-s", "-C", p.hca, "-P", str(p.port)], root=root, timeout=TOOL_TIMEOUT)
         if sms.ok:
-            p.sms = subnet.parse_saquery_sms(sms.stdout)[:64]
+            found["sms"] = subnet.parse_saquery_sms(sms.stdout)[:64]
         else:
-            p.sms_error = sms.error
-    return ports
+            found["sms_error"] = sms.error
+    return out
 
 
-def _xid_wear(root: Path | None, readings: list[GPUReading]) -> dict[int, list[health.KernelXid]]:
+def _kernel_xids(root: Path | None) -> list[health.KernelXid]:
     res = run_tool(["dmesg"], root=root, timeout=TOOL_TIMEOUT)
-    if not res.ok:
-        return {}
-    xids = health.parse_kernel_xids(res.stdout)
-    return {r.index: [x for x in xids if health.same_pci(x.pci_bus_id, r.pci_bus_id)] for r in readings}
+    return health.parse_kernel_xids(res.stdout) if res.ok else []
+
+
+def _slow_key(readings: list[GPUReading], ports: list[wire.IBPort]) -> tuple[Any, ...]:
+    """What the slow reads depend on: cards or none, and each active IB port with its link-down count."""
+    return (bool(readings), tuple((p.hca, p.port, p.counters.get("link_downed")) for p in _sm_ports(ports)))
+
+
+def _slow_reads(
+    root: Path | None, readings: list[GPUReading], ports: list[wire.IBPort], previous: Sample | None, at: float
+) -> SlowReads:
+    """The previous slow results while they are fresh and read for the same ports, else new ones."""
+    key = _slow_key(readings, ports)
+    last = previous.slow if previous is not None else None
+    if last is not None and last.key == key and last.at <= at < last.at + SLOW_READ_INTERVAL:
+        return last
+    imex_state, imex_problems = read_imex(root)
+    return SlowReads(
+        at=at,
+        key=key,
+        xids=_kernel_xids(root) if readings else [],
+        subnet=_subnet_managers(root, ports),
+        imex=imex_state,
+        imex_problems=imex_problems,
+    )
 
 
 def _load(root: Path | None, previous: Sample | None) -> tuple[wire.Load, tuple[int, int] | None]:
@@ -228,13 +303,27 @@ def _load(root: Path | None, previous: Sample | None) -> tuple[wire.Load, tuple[
 
 
 def sample(*, root: Path | None, previous: Sample | None = None, now: float | None = None) -> Sample:
-    """One heartbeat's worth: load, GPU sensors and wear, IB ports, IMEX."""
+    """One heartbeat's worth: load, GPU sensors and wear, IB ports, IMEX.
+
+    The sensors, sysfs port states and counters and the load are read every
+    time. XIDs, each port's subnet managers and IMEX are read on the first
+    sample and then at most once a SLOW_READ_INTERVAL, or at once when the
+    node's cards or active InfiniBand ports change (`SlowReads`); in between
+    they are `previous`'s, so every sample carries every field.
+    """
     root = Path(root) if root is not None else None
     at = time.time() if now is None else now
     problems: list[str] = []
     readings, _driver, gpu_problems = _readings(root)
     problems += gpu_problems
-    xids = _xid_wear(root, readings) if readings else {}
+    ports = _ib_ports(root, problems)
+    slow = _slow_reads(root, readings, ports, previous, at)
+    for p in ports:
+        found = slow.subnet.get((p.hca, p.port), {})
+        for name in _SM_FIELDS:
+            if name in found:
+                value = found[name]
+                setattr(p, name, list(value) if isinstance(value, list) else value)
     sensors: list[wire.GPUSensor] = []
     replays: dict[int, int] = {}
     for r in readings:
@@ -251,7 +340,7 @@ def sample(*, root: Path | None, previous: Sample | None = None, now: float | No
                     retired_pages=0,
                     replays_per_minute=rate,
                 )
-        card_xids = xids.get(r.index, [])
+        card_xids = [x for x in slow.xids if health.same_pci(x.pci_bus_id, r.pci_bus_id)]
         if s.wear is not None and card_xids:
             last = card_xids[-1]
             s.wear.xid_errors = len(card_xids)
@@ -261,19 +350,18 @@ def sample(*, root: Path | None, previous: Sample | None = None, now: float | No
             if fatal:
                 s.problems.append(f"XID {fatal[-1].xid}: {health.xid_meaning(fatal[-1].xid)}")
         sensors.append(s)
-    ports = _ib_ports(root, problems)
-    imex_state, imex_problems = read_imex(root)
-    problems += imex_problems
+    problems += slow.imex_problems
     load, jiffies = _load(root, previous)
     return Sample(
         load=load,
         gpus=sensors,
         ib_ports=ports,
-        imex=imex_state,
+        imex=slow.imex,
         problems=problems,
         at=at,
         cpu_jiffies=jiffies,
         pcie_replays=replays,
+        slow=slow,
     )
 
 

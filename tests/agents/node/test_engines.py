@@ -139,6 +139,26 @@ def test_a_model_path_with_spaces_stays_one_argument():
     assert argv[2] == "/models/my model; rm -rf /"
 
 
+def test_secret_flag_values_are_masked_for_the_log_only():
+    args = [
+        "--api-key", "sk-live-123", "--hf-token=hf_abc", "--HF_TOKEN", "hf_def", "--admin-api-key", "adm",
+        "--db-password=pw", "--client-secret", "cs", "--apikey", "k2",
+        "--max-num-batched-tokens", "8192", "--tokenizer", "/models/tok", "--ssl-keyfile", "/etc/k.pem",
+        "--return-tokens-as-token-ids", "--max-model-len", "32768",
+    ]  # fmt: skip
+    launch = engines.build(_start("vllm", args=args))
+    assert launch.argv[-len(args) :] == args
+    assert engines.loggable_argv(launch.argv)[-len(args) :] == [
+        "--api-key", "***", "--hf-token=***", "--HF_TOKEN", "***", "--admin-api-key", "***",
+        "--db-password=***", "--client-secret", "***", "--apikey", "***",
+        "--max-num-batched-tokens", "8192", "--tokenizer", "/models/tok", "--ssl-keyfile", "/etc/k.pem",
+        "--return-tokens-as-token-ids", "--max-model-len", "32768",
+    ]  # fmt: skip
+    assert engines.loggable_argv(launch.argv)[: -len(args)] == launch.argv[: -len(args)]
+    # A secret flag last, with no value, masks nothing and keeps its place.
+    assert engines.loggable_argv(["vllm", "--api-key"]) == ["vllm", "--api-key"]
+
+
 def test_unknown_engine():
     with pytest.raises(engines.EngineError, match="unknown engine 'tgi'"):
         engines.build(_start("tgi"))

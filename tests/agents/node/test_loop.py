@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import stat
 import threading
@@ -445,6 +446,41 @@ def test_gpu_fabrics_are_read_again_once_a_minute(make_agent, cp):
     assert [(r.index, r.fabric.cluster_uuid) for r in agent.heartbeat_body().gpu_fabrics] == [(0, "c-1")]
     t[0] = 1061.0
     assert agent.heartbeat_body().gpu_fabrics is None
+
+
+def test_heartbeats_within_a_minute_run_the_slow_tools_once(make_agent, tmp_path, monkeypatch):
+    from agents.node import discovery
+    from agents.node.loop import DiscoveryProbe
+
+    from .conftest import PROFILES
+
+    root = tmp_path / "hgx-h100"
+    shutil.copytree(PROFILES / "hgx-h100", root)
+    ran: list[str] = []
+    real = discovery.run_tool
+
+    def counting(argv, **kw):
+        ran.append(argv[0])
+        return real(argv, **kw)
+
+    monkeypatch.setattr(discovery, "run_tool", counting)
+    agent = make_agent(probe=DiscoveryProbe(root=root, model_dirs=[]))
+    first = agent.heartbeat_body()
+    # nvidia-smi twice: the sensors, and the NVLink fabrics a first heartbeat also reads.
+    assert sorted(ran) == [
+        "dmesg",
+        "nvidia-imex-ctl",
+        "nvidia-smi",
+        "nvidia-smi",
+        "saquery",
+        "saquery",
+        *["sminfo"] * 8,
+    ]
+    ran.clear()
+    second = agent.heartbeat_body()
+    assert ran == ["nvidia-smi"]
+    assert second.ib_ports == first.ib_ports and second.ib_ports[4].sm_guid == "0x0002c90200259201"
+    assert (second.gpus[6].wear.xid_errors, second.gpus[6].wear.last_xid) == (1, 31)
 
 
 @pytest.mark.parametrize(

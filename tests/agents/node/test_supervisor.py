@@ -6,12 +6,14 @@ import contextlib
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
 from agents import wire
+from agents.node import engines
 from agents.node.supervisor import Supervisor, TransitionError, proc_identity
 from tests.agents.node.helpers import echo_start, wait_for
 
@@ -200,6 +202,19 @@ def test_a_served_name_with_shell_characters_reaches_the_engine_as_one_argument(
     models = wait_for(lambda: _models(cmd.http_port))
     assert [m["id"] for m in models] == [f"demo; touch {marker}"]
     assert not marker.exists()
+
+
+def test_secret_args_are_masked_in_the_shard_log_but_reach_the_engine(sup, monkeypatch):
+    argv = [sys.executable, "-c", "import time; time.sleep(60)", "--api-key", "sk-live-123", "--hf-token=hf_abc"]
+    monkeypatch.setattr(engines, "build", lambda cmd, **kw: engines.Launch(argv=list(argv), health_path=None))
+    s = sup()
+    shard = s.start(echo_start("s1", load=0))
+    assert proc_identity(shard.pid)[1] == argv and shard.argv == argv
+    os.kill(shard.pid, signal.SIGKILL)
+    wait_for(lambda: _state(s, "s1") == S.FAILED)
+    (st,) = s.statuses()
+    masked = [sys.executable, "-c", "import time; time.sleep(60)", "--api-key", "***", "--hf-token=***"]
+    assert st.log_tail == [f"# llmgw-agent: starting {masked!r}"]
 
 
 def _models(port: int) -> list[dict] | None:
