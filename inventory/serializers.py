@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from drf_spectacular.utils import extend_schema_serializer
 from rest_framework import serializers
 
 from inventory import operations
@@ -9,6 +10,9 @@ from inventory.models import GPU, FabricAttachment, Node
 from inventory.resources import free_gpu_indices
 
 
+# Named apart from the wire schema's GPU and FabricAttachment (what an agent sends),
+# which share the API document.
+@extend_schema_serializer(component_name="NodeGPU")
 class GPUSerializer(serializers.ModelSerializer):
     """A GPU as the API shows it."""
 
@@ -42,6 +46,7 @@ class GPUSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
+@extend_schema_serializer(component_name="NodeFabric")
 class FabricAttachmentSerializer(serializers.ModelSerializer):
     """A node's declared fabric."""
 

@@ -201,6 +201,13 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "OAS_VERSION": "3.1.0",
+    # Several models have a `state`: each enum keeps its model's name.
+    "ENUM_NAME_OVERRIDES": {
+        "NodeStateEnum": "inventory.models.NodeState",
+        "EngineInstallStateEnum": "inventory.models.EngineInstallState",
+        "ReplicaStateEnum": "placement.models.ReplicaState",
+        "ShardStateEnum": "placement.models.ShardState",
+    },
 }
 
 # Celery: the broker is Redis (or anything kombu speaks) in production, the
