@@ -18,7 +18,7 @@ import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sortedcontainers import SortedList
 
@@ -323,18 +323,6 @@ class Snapshot:
 # Building from the database -------------------------------------------------
 
 
-def _ports_of(telemetry: Mapping[str, Any] | None) -> list[Any]:
-    from agents import wire
-
-    out = []
-    for p in (telemetry or {}).get("ib_ports") or []:
-        try:
-            out.append(wire.IBPort.model_validate({k: v for k, v in p.items() if k not in ("tx_bps", "rx_bps")}))
-        except Exception:
-            continue
-    return out
-
-
 def build(
     *, now: dt.datetime | None = None, port_base: int | None = None, unique_ports: bool | None = None
 ) -> Snapshot:
@@ -349,7 +337,7 @@ def build(
 
     from inventory import fabric as fabric_rules
     from inventory import gpus as gpu_rules
-    from inventory import telemetry
+    from inventory import scans, telemetry
     from inventory.models import (
         GPU,
         AllocatedGPU,
@@ -425,7 +413,7 @@ def build(
 
     # One canonical subnet-manager map over every port the cluster reports,
     # so a fabric keeps one key through a failover.
-    all_ports = {i: _ports_of(tele.get(i)) for i in ids}
+    all_ports = {i: scans.ports_of(tele.get(i)) for i in ids}
     canon = fabric_rules.canonical_sms(p for ps in all_ports.values() for p in ps)
 
     out: dict[str, NodeInfo] = {}
