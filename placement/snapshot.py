@@ -18,7 +18,7 @@ import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
@@ -337,7 +337,7 @@ def build(
 
     from inventory import fabric as fabric_rules
     from inventory import gpus as gpu_rules
-    from inventory import scans, telemetry
+    from inventory import resources, scans, telemetry
     from inventory.models import (
         GPU,
         AllocatedGPU,
@@ -388,9 +388,9 @@ def build(
     fabrics: dict[str, list[tuple]] = defaultdict(list)
     for row in FabricAttachment.objects.values_list("node_id", "name", "hcas", "rate_gbps"):
         fabrics[row[0]].append(row)
-    disk: dict[str, int] = defaultdict(int)
-    for node_id, free in Storage.objects.filter(shared=False).values_list("node_id", "free_bytes"):
-        disk[node_id] += free
+    storage: dict[str, list[Any]] = defaultdict(list)
+    for row in Storage.objects.values_list("node_id", "shared", "free_bytes", "total_bytes", named=True):
+        storage[row.node_id].append(row)
     weights: dict[str, set[str]] = defaultdict(set)
     for node_id, path in LocalWeights.objects.values_list("node_id", "path"):
         weights[node_id].add(path)
@@ -457,7 +457,9 @@ def build(
         c = claims.get(node_id) or {}
         load = t.get("load") or {}
         draw = sum(float(s.get("power_w") or 0) for s in t.get("gpus") or []) + float(load.get("cpu_power_w") or 0)
-        free = frozenset(g.index for g in ginfo if g.healthy and g.index not in held_gpus.get(node_id, ()))
+        free = frozenset(resources.free_gpu_indices(ginfo, held_gpus.get(node_id, ())))
+        disk_free, disk_total = resources.local_disk(storage.get(node_id, ()))
+        found = weights.get(node_id, set())
         out[node_id] = NodeInfo(
             id=node_id,
             state=state,
@@ -470,9 +472,10 @@ def build(
             memory_claimed_gb=c.get("mem") or 0,
             cpu_count=cpus or 0,
             cpu_claimed=c.get("cpu") or 0,
-            disk_free_bytes=disk.get(node_id, 0),
-            disk_known=storage_rep and node_id in disk,
-            weights=frozenset(weights.get(node_id, ())) if weights_rep and weights.get(node_id) else None,
+            disk_free_bytes=disk_free,
+            # Both zero is unknown, not a full disk.
+            disk_known=storage_rep and (disk_free, disk_total) != (0, 0),
+            weights=frozenset(found) if resources.knows_its_weights(weights_rep, found) else None,
             engines=frozenset(engine_versions or {}) | installed.get(node_id, set()),
             engines_probed=probed,
             engines_blocked=installs.get(node_id, {}),

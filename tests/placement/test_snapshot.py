@@ -194,3 +194,10 @@ def test_a_node_with_only_shared_storage_has_unknown_local_disk(now):
     snap = snapshots.build(now=now)
     assert (snap.nodes["a"].disk_free_bytes, snap.nodes["a"].disk_known) == (0, False)
     assert plan(ReplicaRequest(model_path="org/model", disk_gb=140), snap).node_ids == ["a"]
+
+
+def test_a_local_filesystem_reporting_zero_bytes_is_unknown_local_disk(now):
+    make_node("a", now=now, storage=[{"path": "/data", "free_bytes": 0, "total_bytes": 0}])
+    snap = snapshots.build(now=now)
+    assert (snap.nodes["a"].disk_free_bytes, snap.nodes["a"].disk_known) == (0, False)
+    assert plan(ReplicaRequest(model_path="org/model", disk_gb=140), snap).node_ids == ["a"]
