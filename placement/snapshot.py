@@ -306,8 +306,12 @@ class Snapshot:
                     ports=frozenset(ports),
                 )
             )
-            for bk in self.budget_keys_of(n):
-                self.budget_used[bk] = self.budget_used.get(bk, 0.0) + s.power_w
+            self.claim_power(n, s.power_w)
+
+    def claim_power(self, n: NodeInfo, watts: float) -> None:
+        """Count a draw on a node against every budget it falls under."""
+        for bk in self.budget_keys_of(n):
+            self.budget_used[bk] = self.budget_used.get(bk, 0.0) + watts
 
     def free_port(self, n: NodeInfo, *, skip: Iterable[int] = ()) -> int:
         """The lowest port from the base that no shard on the node uses."""
@@ -417,8 +421,6 @@ def build(
     canon = fabric_rules.canonical_sms(p for ps in all_ports.values() for p in ps)
 
     out: dict[str, NodeInfo] = {}
-    budget_used: dict[tuple[str, str], float] = defaultdict(float)
-    budget_label_keys = {k for k, _ in budgets}
     for (
         node_id,
         state,
@@ -485,16 +487,16 @@ def build(
             power_draw_w=draw,
             ports=frozenset(ports.get(node_id, ())),
         )
-        if budget_label_keys and c.get("power"):
-            for k in budget_label_keys:
-                v = labels.get(k)
-                if v is not None and (k, v) in budgets:
-                    budget_used[(k, v)] += c["power"]
-    return Snapshot(
+    snap = Snapshot(
         nodes=out,
         budgets=budgets,
-        budget_used=dict(budget_used),
         port_base=base,
         cluster_ports={p for ps in ports.values() for p in ps} if unique else None,
         taken_at=now,
     )
+    if budgets:
+        for node_id, n in out.items():
+            power = (claims.get(node_id) or {}).get("power")
+            if power:
+                snap.claim_power(n, power)
+    return snap
