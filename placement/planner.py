@@ -168,11 +168,16 @@ def node_reason(req: ReplicaRequest, n: NodeInfo, snap: Snapshot, *, need: int |
         avail_gb = n.disk_free_bytes // 10**9
         if avail_gb < req.disk_gb:
             return f"needs {req.disk_gb} GB local disk for weights, {avail_gb} free"
-    if req.engine not in BUILTIN_ENGINES and n.engines_probed and req.engine not in n.engines:
+    if _must_install(req, n):
         blocked = n.engines_blocked.get(req.engine)
         if blocked:
             return blocked
     return ""
+
+
+def _must_install(req: ReplicaRequest, n: NodeInfo) -> bool:
+    """Whether the node lacks the engine and has said which it has (an old agent cannot say)."""
+    return req.engine not in BUILTIN_ENGINES and n.engines_probed and req.engine not in n.engines
 
 
 def choose_gpus(n: NodeInfo, need: int, *, gpu_class: str = "", hcas: Iterable[str] = ()) -> tuple[int, ...]:
@@ -240,17 +245,23 @@ def _shard(
         memory_gb=req.memory_gb,
         cpu_cores=req.cpu_cores,
         power_w=shard_power(req, cards),
-        install_engine=(req.engine not in BUILTIN_ENGINES and n.engines_probed and req.engine not in n.engines),
+        install_engine=_must_install(req, n),
     )
 
 
-def _fits(req: ReplicaRequest, snap: Snapshot, n: NodeInfo, extra: Mapping[tuple[str, str], float]) -> str:
+def _fits(
+    req: ReplicaRequest, snap: Snapshot, n: NodeInfo, extra: Mapping[tuple[str, str], float]
+) -> tuple[str, float]:
+    """Why the node cannot take one shard ("" when it can), and the shard's draw (0 under no budget)."""
     r = node_reason(req, n, snap)
     if r or not snap.budget_keys_of(n):
-        return r
-    idx = choose_gpus(n, req.gpus_per_node, gpu_class=req.gpu_class)
-    watts = shard_power(req, [g for g in n.gpus if g.index in idx])
-    return power_reason(snap, n, watts, extra)
+        return r, 0.0
+    if req.power_w:
+        watts = req.power_w
+    else:
+        idx = choose_gpus(n, req.gpus_per_node, gpu_class=req.gpu_class)
+        watts = shard_power(req, [g for g in n.gpus if g.index in idx])
+    return power_reason(snap, n, watts, extra), watts
 
 
 def _pick(req: ReplicaRequest, snap: Snapshot, group: str, count: int, spread: bool) -> tuple[list[NodeInfo], int]:
@@ -258,12 +269,11 @@ def _pick(req: ReplicaRequest, snap: Snapshot, group: str, count: int, spread: b
     chosen: list[NodeInfo] = []
     extra: dict[tuple[str, str], float] = {}
     for n in snap.candidates(req.gpu_class, group, req.gpus_per_node, spread=spread):
-        if _fits(req, snap, n, extra):
+        why, watts = _fits(req, snap, n, extra)
+        if why:
             continue
         chosen.append(n)
-        if count > 1:
-            idx = choose_gpus(n, req.gpus_per_node, gpu_class=req.gpu_class)
-            watts = shard_power(req, [g for g in n.gpus if g.index in idx])
+        if watts:
             for bk in snap.budget_keys_of(n):
                 extra[bk] = extra.get(bk, 0.0) + watts
         if len(chosen) == count:
@@ -358,7 +368,7 @@ def _reasons(req: ReplicaRequest, snap: Snapshot, placed: Plan | None = None, po
     for n in snap.nodes.values():
         if n.id in skipped:
             continue
-        r = _fits(req, snap, n, {})
+        r, _ = _fits(req, snap, n, {})
         if r:
             reasons[n.id] = r
         else:
