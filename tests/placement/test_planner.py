@@ -283,6 +283,18 @@ def test_nodes_on_different_physical_fabrics_are_not_joined():
     assert result.reasons["a"] == "physical fabric sm:0x1 has 1 usable nodes; needs 2"
 
 
+def test_multi_node_shards_count_together_against_a_budget():
+    # Rack r1 has room for one 1.5 kW shard, not two: the second goes to another rack.
+    s = snap(
+        node("a", labels={"rack": "r1"}, fabrics=(ib(),)),
+        node("b", labels={"rack": "r1"}, fabrics=(ib(),)),
+        node("c", labels={"rack": "r2"}, fabrics=(ib(),)),
+        budgets={("rack", "r1"): 40_000.0},
+        budget_used={("rack", "r1"): 38_000.0},
+    )
+    assert plan(req(nodes=2, power_w=1500), s).node_ids == ["a", "c"]
+
+
 def test_multi_node_binpack_prefers_the_fuller_group():
     s = snap(
         node("a", fabrics=(ib(key="sm:0x1"),)),
