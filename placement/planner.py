@@ -264,13 +264,20 @@ def _fits(
     return power_reason(snap, n, watts, extra), watts
 
 
-def _pick(req: ReplicaRequest, snap: Snapshot, group: str, count: int, spread: bool) -> tuple[list[NodeInfo], int]:
-    """The first `count` nodes of a group that fit, in policy order, and their free cards."""
+def _pick(req: ReplicaRequest, snap: Snapshot, group: str, count: int, spread: bool) -> tuple[list[NodeInfo], int, str]:
+    """The first `count` nodes of a group that fit, in policy order, and their free cards.
+
+    Third, the first budget a node broke only with the shards chosen before
+    it counted ("" if none): why a group of enough nodes may still refuse.
+    """
     chosen: list[NodeInfo] = []
     extra: dict[tuple[str, str], float] = {}
+    together = ""
     for n in snap.candidates(req.gpu_class, group, req.gpus_per_node, spread=spread):
         why, watts = _fits(req, snap, n, extra)
         if why:
+            if watts and extra and not together and not power_reason(snap, n, watts):
+                together = why
             continue
         chosen.append(n)
         if watts:
@@ -278,7 +285,7 @@ def _pick(req: ReplicaRequest, snap: Snapshot, group: str, count: int, spread: b
                 extra[bk] = extra.get(bk, 0.0) + watts
         if len(chosen) == count:
             break
-    return chosen, sum(n.free_count(req.gpu_class) for n in chosen)
+    return chosen, sum(n.free_count(req.gpu_class) for n in chosen), together
 
 
 def summarize(reasons: Mapping[str, str], *, limit: int = 4) -> str:
@@ -305,9 +312,9 @@ def plan(req: ReplicaRequest, snap: Snapshot, *, policy: str = BINPACK, explain:
     """
     spread = policy == SPREAD
     if req.nodes <= 1:
-        chosen, _ = _pick(req, snap, "", 1, spread)
+        chosen, _, _ = _pick(req, snap, "", 1, spread)
         if not chosen:
-            return _no_place(req, snap)
+            return _no_place(req, snap, policy)
         n = chosen[0]
         result = Plan(shards=(_shard(req, snap, n, 0, req.gpus_per_node, (), leader=False),))
         return _explained(result, req, snap, policy) if explain else result
@@ -315,7 +322,7 @@ def plan(req: ReplicaRequest, snap: Snapshot, *, policy: str = BINPACK, explain:
     best: tuple | None = None
     for prefix in ("nvl:", "fab:"):
         for group in snap.groups(prefix):
-            nodes, free = _pick(req, snap, group, req.nodes, spread)
+            nodes, free, _ = _pick(req, snap, group, req.nodes, spread)
             if len(nodes) < req.nodes:
                 continue
             score = (-free if spread else free, group)
@@ -324,7 +331,7 @@ def plan(req: ReplicaRequest, snap: Snapshot, *, policy: str = BINPACK, explain:
         if best is not None:
             break
     if best is None:
-        return _no_place(req, snap)
+        return _no_place(req, snap, policy)
     _, group, nodes = best
     shards = []
     if group.startswith("nvl:"):
@@ -343,13 +350,17 @@ def plan(req: ReplicaRequest, snap: Snapshot, *, policy: str = BINPACK, explain:
     return _explained(result, req, snap, policy) if explain else result
 
 
-def _multi_reason(req: ReplicaRequest, n: NodeInfo, usable: Mapping[str, int]) -> str:
-    """Why a node that could take a shard is not part of a multi-node replica."""
+def _multi_reason(req: ReplicaRequest, n: NodeInfo, groups: Mapping[str, str]) -> str:
+    """Why a node that could take a shard is not part of a multi-node replica.
+
+    `groups` says, per index group, how many usable nodes it has and what
+    keeps enough of them from taking the replica together.
+    """
     parts = []
     if n.nvlink_domain and not n.imex_up:
         parts.append(f"NVLink domain {n.nvlink_domain}: IMEX down")
     elif n.domain_ready():
-        parts.append(f"NVLink domain {n.nvlink_domain} has {usable.get('nvl:' + n.nvlink_domain, 0)} usable nodes")
+        parts.append(f"NVLink domain {n.nvlink_domain} {groups['nvl:' + n.nvlink_domain]}")
     if not n.fabrics:
         parts.append("no fabric: never hosts a multi-node replica")
     for f in n.fabrics:
@@ -357,7 +368,7 @@ def _multi_reason(req: ReplicaRequest, n: NodeInfo, usable: Mapping[str, int]) -
         if problem:
             parts.append(problem)
         else:
-            parts.append(f"physical fabric {f.key} has {usable.get('fab:' + f.key, 0)} usable nodes")
+            parts.append(f"physical fabric {f.key} {groups['fab:' + f.key]}")
     return "; ".join(parts) + f"; needs {req.nodes}"
 
 
@@ -380,18 +391,26 @@ def _reasons(req: ReplicaRequest, snap: Snapshot, placed: Plan | None = None, po
     for n in fit:
         for g in n.groups()[1:]:
             usable[g] += 1
+    said: dict[str, str] = {}
+    for g, count in usable.items():
+        said[g] = f"has {count} usable nodes"
+        if placed is None and count >= req.nodes > 1:
+            # Enough nodes, each fitting alone: their draw together breaks a budget.
+            together = _pick(req, snap, g, req.nodes, policy == SPREAD)[2]
+            if together:
+                said[g] += f", but not together ({together} with the replica's other shards)"
     for n in fit:
         if placed is not None and (req.nodes <= 1 or group in n.groups()):
             reasons[n.id] = f"fits; {policy} chose {', '.join(placed.node_ids)}"
         elif req.nodes > 1:
-            reasons[n.id] = _multi_reason(req, n, usable)
+            reasons[n.id] = _multi_reason(req, n, said)
         else:
             reasons[n.id] = "fits"
     return dict(sorted(reasons.items()))
 
 
-def _no_place(req: ReplicaRequest, snap: Snapshot) -> NoPlace:
-    reasons = _reasons(req, snap)
+def _no_place(req: ReplicaRequest, snap: Snapshot, policy: str) -> NoPlace:
+    reasons = _reasons(req, snap, policy=policy)
     return NoPlace(reason=summarize(reasons), reasons=reasons)
 
 

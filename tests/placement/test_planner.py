@@ -295,6 +295,20 @@ def test_multi_node_shards_count_together_against_a_budget():
     assert plan(req(nodes=2, power_w=1500), s).node_ids == ["a", "c"]
 
 
+def test_a_group_whose_shards_together_break_a_budget_says_so():
+    s = snap(
+        node("a", labels={"rack": "r1"}, fabrics=(ib(key="sm:0x1"),)),
+        node("b", labels={"rack": "r1"}, fabrics=(ib(key="sm:0x1"),)),
+        budgets={("rack", "r1"): 40_000.0},
+        budget_used={("rack", "r1"): 38_000.0},
+    )
+    result = plan(req(nodes=2, power_w=1500), s)
+    assert result.reasons["b"] == (
+        "physical fabric sm:0x1 has 2 usable nodes, but not together (power budget rack=r1 would reach "
+        "41 of 40 kW with the replica's other shards); needs 2"
+    )
+
+
 def test_multi_node_binpack_prefers_the_fuller_group():
     s = snap(
         node("a", fabrics=(ib(key="sm:0x1"),)),
