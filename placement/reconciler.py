@@ -174,7 +174,7 @@ def reconcile(*, now: dt.datetime) -> Report:
     by_dep = _load(list(deployments))
 
     # 1. States follow shards.
-    batches: dict[tuple[str, str, str], list[uuid.UUID]] = defaultdict(list)
+    batches: dict[tuple[str, str, str], list[_Replica]] = defaultdict(list)
     for dep_id, reps in by_dep.items():
         profile = deployments[dep_id].profile
         for rep in reps:
@@ -194,16 +194,15 @@ def reconcile(*, now: dt.datetime) -> Report:
                 if retire(rep, RS.FAILED, reason=reason, now=now):
                     report.failed += 1
             else:
-                batches[(rep.row.state, new, reason)].append(rep.row.id)
-    for (old, new, reason), ids in batches.items():
+                batches[(rep.row.state, new, reason)].append(rep)
+    for (old, new, reason), batch in batches.items():
         fields = {"ready_at": now} if new == RS.READY else {}
-        moved = set(replicas.move(ids, old, new, now=now, reason=reason, fields=fields))
+        moved = set(replicas.move([r.row.id for r in batch], old, new, now=now, reason=reason, fields=fields))
         if new == RS.READY:
             report.ready += len(moved)
-        for reps in by_dep.values():
-            for rep in reps:
-                if rep.row.id in moved:
-                    rep.row.state = new
+        for rep in batch:
+            if rep.row.id in moved:
+                rep.row.state = new
     # Draining replicas are on their way out: they count for nothing below.
     for dep_id in by_dep:
         by_dep[dep_id] = [r for r in by_dep[dep_id] if r.row.state in replicas.LIVE_STATES - {RS.DRAINING}]
