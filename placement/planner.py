@@ -12,9 +12,12 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from placement.snapshot import CORE_W, GPUInfo, NodeInfo, Snapshot
+
+if TYPE_CHECKING:
+    from placement.models import EngineProfile
 
 BINPACK = "binpack"
 SPREAD = "spread"
@@ -40,8 +43,8 @@ class ReplicaRequest:
     selector: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_profile(cls, profile: Any, *, selector: Mapping[str, str] | None = None) -> ReplicaRequest:
-        """The request of a profile (an EngineProfile or anything with its fields).
+    def from_profile(cls, profile: EngineProfile, *, selector: Mapping[str, str] | None = None) -> ReplicaRequest:
+        """The request of a profile.
 
         GPUs per node, when not declared, is the profile's TP x PP spread over
         its nodes.
@@ -56,7 +59,7 @@ class ReplicaRequest:
             power_w=profile.power_w,
             engine=profile.engine,
             model_path=profile.model_path,
-            disk_gb=getattr(profile, "disk_gb", 0) or 0,
+            disk_gb=profile.disk_gb,
             selector=dict(selector or {}),
         )
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
+from placement.models import EngineProfile
 from placement.planner import NoPlace, Plan, ReplicaRequest, choose_gpus, plan, summarize
 from placement.snapshot import FabricInfo, GPUInfo, HoldInfo, NodeInfo, Snapshot
 
@@ -334,22 +333,11 @@ def test_summary_counts_reasons():
 
 
 def test_request_from_profile_derives_gpus_per_node():
-    @dataclasses.dataclass
-    class P:
-        tp: int = 8
-        pp: int = 2
-        nodes: int = 2
-        gpus_per_node: int = 0
-        gpu_class: str = ""
-        memory_gb: int = 0
-        cpu_cores: int = 0
-        power_w: float = 0.0
-        engine: str = "vllm"
-        model_path: str = ""
-        disk_gb: int = 0
+    def profile(**kw) -> EngineProfile:  # unsaved: no database
+        return EngineProfile(name="p", engine="vllm", tp=8, pp=2, nodes=2, **kw)
 
-    assert ReplicaRequest.from_profile(P()).gpus_per_node == 8
-    assert ReplicaRequest.from_profile(P(gpus_per_node=4)).gpus_per_node == 4
+    assert ReplicaRequest.from_profile(profile()).gpus_per_node == 8
+    assert ReplicaRequest.from_profile(profile(gpus_per_node=4)).gpus_per_node == 4
 
 
 def test_fabrics_of_unknown_physical_fabric_are_not_joined():
