@@ -299,15 +299,19 @@ def reconcile(*, now: dt.datetime) -> Report:
     )
     if pending:
         snap = snapshots.build(now=now)
+        # A deployment's refusal holds for its next replicas until the snapshot changes.
+        refused: dict[int, planner.NoPlace] = {}
         for row in pending:
             dep = deployments[row.deployment_id]
-            outcome = _place(row, dep, snap, now=now)
+            outcome = _place(row, dep, snap, refused, now=now)
             if outcome == "conflict":
                 report.conflicts += 1
                 # Another writer took some of these cards: look again, try once more.
                 snap = snapshots.build(now=now)
-                outcome = _place(row, dep, snap, now=now)
+                refused.clear()
+                outcome = _place(row, dep, snap, refused, now=now)
             if outcome == "placed":
+                refused.clear()
                 report.placed += 1
             elif outcome == "conflict":
                 report.conflicts += 1
@@ -334,12 +338,25 @@ def release_orphans() -> int:
     return per_model.get(Allocation._meta.label, 0)
 
 
-def _place(row: Replica, dep: Deployment, snap: snapshots.Snapshot, *, now: dt.datetime) -> str:
-    """Plan one pending replica and write it whole; "placed", "pending" or "conflict"."""
-    profile = dep.profile
-    req = planner.ReplicaRequest.from_profile(profile, selector=dep.node_selector)
-    result = planner.plan(req, snap, policy=dep.policy)
+def _place(
+    row: Replica,
+    dep: Deployment,
+    snap: snapshots.Snapshot,
+    refused: dict[int, planner.NoPlace],
+    *,
+    now: dt.datetime,
+) -> str:
+    """Plan one pending replica and write it whole; "placed", "pending" or "conflict".
+
+    `refused` keeps each deployment's refusal over this snapshot: planning is
+    pure, so a second replica of it would be refused alike, node by node.
+    """
+    result = refused.get(dep.id)
+    if result is None:
+        req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
+        result = planner.plan(req, snap, policy=dep.policy)
     if isinstance(result, planner.NoPlace):
+        refused[dep.id] = result
         reasons = dict(list(result.reasons.items())[:500])
         if row.reason != result.reason or row.pending_reasons != reasons:
             Replica.objects.filter(id=row.id, state=RS.PENDING).update(

@@ -55,7 +55,7 @@ def test_two_placements_from_stale_snapshots_cannot_double_book(now):
             snap = snapshots.build(now=now)
             # Both have seen node a with eight free cards before either writes.
             barrier.wait(timeout=30)
-            outcomes[i] = _place(row, dep, snap, now=now)
+            outcomes[i] = _place(row, dep, snap, {}, now=now)
 
         return run
 

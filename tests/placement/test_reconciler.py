@@ -325,3 +325,17 @@ def test_start_shard_carries_the_profiles_startup_timeout(now):
     deploy(prof, name="slow")
     reconcile(now=now)
     assert [c.payload["startup_timeout_s"] for c in commands("start_shard")] == [600.0]
+
+
+def test_a_refusal_is_planned_once_per_deployment_while_nothing_is_placed(now, profile, monkeypatch):
+    from placement import planner
+
+    make_node("a", now=now, gpus=2)
+    dep = deploy(profile, replicas=3)
+    calls = []
+    real_plan = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda *a, **kw: calls.append(1) or real_plan(*a, **kw))
+    report = reconcile(now=now)
+    assert (report.created, report.pending, len(calls)) == (3, 3, 1)
+    reasons = set(Replica.objects.filter(deployment=dep).values_list("reason", flat=True))
+    assert reasons == {"2 free GPUs, needs 4 (a)"}
