@@ -12,7 +12,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from placement import deployments as deployment_actions
-from placement import planner
+from placement import planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 
@@ -39,7 +39,7 @@ class ReplicaInline(admin.TabularInline):
     readonly_fields = fields
 
     def get_queryset(self, request):
-        return super().get_queryset(request).exclude(state__in=["stopped", "failed"])
+        return super().get_queryset(request).filter(state__in=replicas.LIVE_STATES)
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False
