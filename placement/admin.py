@@ -177,7 +177,7 @@ class ReplicaAdmin(admin.ModelAdmin):
             raise PermissionDenied
         dep = replica.deployment
         req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
-        result = planner.plan(req, snapshots.build(now=timezone.now()), policy=dep.policy, explain=True)
+        result = planner.plan(req, snapshots.build(), policy=dep.policy, explain=True)
         context = {
             **self.admin_site.each_context(request),
             "title": f"Where would {dep.name} go now",
@@ -240,7 +240,7 @@ class PowerBudgetAdmin(admin.ModelAdmin):
 
     def changelist_view(self, request, extra_context=None):
         # One snapshot for the page: what is claimed under each budget.
-        self._used = snapshots.build(now=timezone.now()).budget_used
+        self._used = snapshots.build().budget_used
         return super().changelist_view(request, extra_context)
 
     @admin.display(description="claimed (W)")

@@ -14,7 +14,6 @@ sees each earlier plan's claims.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -218,7 +217,6 @@ class Snapshot:
     # Ports in use anywhere, when shard ports must be unique across the
     # cluster (a simulated fleet on one host); None: per node.
     cluster_ports: set[int] | None = None
-    taken_at: dt.datetime | None = None
     # (gpu class or "*", group) -> free-GPU count -> node ids, sorted; schedulable nodes only.
     _index: dict[tuple[str, str], dict[int, SortedList]] = field(default_factory=dict, repr=False)
     _budget_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
@@ -327,9 +325,7 @@ class Snapshot:
 # Building from the database -------------------------------------------------
 
 
-def build(
-    *, now: dt.datetime | None = None, port_base: int | None = None, unique_ports: bool | None = None
-) -> Snapshot:
+def build(*, unique_ports: bool | None = None) -> Snapshot:
     """Read the cluster into a snapshot with a constant number of queries.
 
     One query per table (nodes, GPUs, fabrics, storage, weights, engine
@@ -337,7 +333,7 @@ def build(
     one cache round trip for telemetry, whatever the number of nodes.
     """
     from django.conf import settings
-    from django.db.models import Count, Q, Sum
+    from django.db.models import Q, Sum
 
     from inventory import fabric as fabric_rules
     from inventory import gpus as gpu_rules
@@ -354,7 +350,6 @@ def build(
     )
     from placement.models import Hold, PowerBudget, ReplicaState, Shard
 
-    base = port_base if port_base is not None else settings.LLMGW_SHARD_PORT_BASE
     unique = settings.LLMGW_SHARD_PORTS_UNIQUE if unique_ports is None else unique_ports
     nodes = list(
         Node.objects.values_list(
@@ -386,7 +381,7 @@ def build(
     claims = {
         r["node_id"]: r
         for r in Allocation.objects.values("node_id").annotate(
-            mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w"), n=Count("id")
+            mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w")
         )
     }
     fabrics: dict[str, list[tuple]] = defaultdict(list)
@@ -490,9 +485,8 @@ def build(
     snap = Snapshot(
         nodes=out,
         budgets=budgets,
-        port_base=base,
+        port_base=settings.LLMGW_SHARD_PORT_BASE,
         cluster_ports={p for ps in ports.values() for p in ps} if unique else None,
-        taken_at=now,
     )
     if budgets:
         for node_id, n in out.items():

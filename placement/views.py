@@ -219,7 +219,7 @@ class DryRunView(APIView):
         profile = v.get("profile") or dep.profile
         selector = v.get("node_selector", dep.node_selector if dep else {})
         policy = v.get("policy") or (dep.policy if dep else planner.BINPACK)
-        snap = snapshots.build(now=timezone.now())
+        snap = snapshots.build()
         req = planner.ReplicaRequest.from_profile(profile, selector=selector)
         out = []
         for _ in range(v["replicas"]):
