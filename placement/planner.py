@@ -8,6 +8,7 @@ answer node by node.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -418,12 +419,4 @@ def _no_place(req: ReplicaRequest, snap: Snapshot, policy: str) -> NoPlace:
 
 
 def _explained(result: Plan, req: ReplicaRequest, snap: Snapshot, policy: str) -> Plan:
-    reasons = _reasons(req, snap, result, policy)
-    return Plan(
-        shards=result.shards,
-        nvlink_domain=result.nvlink_domain,
-        fabric=result.fabric,
-        fabric_name=result.fabric_name,
-        env=result.env,
-        reasons=reasons,
-    )
+    return dataclasses.replace(result, reasons=_reasons(req, snap, result, policy))
