@@ -131,15 +131,19 @@ def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
     assert p["hcas"] == ["mlx5_0", "mlx5_1"]
 
 
+JOINED = {
+    "state": "Completed",
+    "status": "Success",
+    "cluster_uuid": "c0ffee00-0000-0000-0000-000000000001",
+    "clique_id": "7",
+}
+
+
 def test_nvlink_domain_replica_gets_mnnvl(now):
-    fab = {
-        "state": "Completed",
-        "status": "Success",
-        "cluster_uuid": "c0ffee00-0000-0000-0000-000000000001",
-        "clique_id": "7",
-    }
     for n in ("a", "b"):
-        make_node(n, now=now, gpus=[gpu_payload(i, fabric=fab) for i in range(4)], imex={"state": "UP", "channels": 1})
+        make_node(
+            n, now=now, gpus=[gpu_payload(i, fabric=JOINED) for i in range(4)], imex={"state": "UP", "channels": 1}
+        )
     prof = EngineProfile.objects.create(name="nvl", engine="echo", gpus_per_node=4, nodes=2)
     Deployment.objects.create(name="nvl", served_model="nvl", profile=prof, replicas=1)
     reconcile(now=now)
@@ -150,6 +154,20 @@ def test_nvlink_domain_replica_gets_mnnvl(now):
     payloads = [c.payload for c in Command.objects.order_by("node_id")]
     assert [p["profile"]["env"] for p in payloads] == [{"NCCL_MNNVL_ENABLE": "1"}] * 2
     assert [p["nvlink_domain"] for p in payloads] == ["c0ffee00-0000-0000-0000-000000000001/7"] * 2
+
+
+def test_a_domain_whose_imex_is_down_takes_no_multi_node_replica(now):
+    for n in ("a", "b"):
+        make_node(
+            n, now=now, gpus=[gpu_payload(i, fabric=JOINED) for i in range(4)], imex={"state": "DOWN", "channels": 0}
+        )
+    snap = snapshots.build()
+    assert (snap.nodes["a"].nvlink_domain, snap.nodes["a"].imex_up) == ("c0ffee00-0000-0000-0000-000000000001/7", False)
+    result = plan(ReplicaRequest(gpus_per_node=4, nodes=2), snap)
+    assert result.reasons["a"] == (
+        "NVLink domain c0ffee00-0000-0000-0000-000000000001/7: IMEX down; "
+        "no fabric: never hosts a multi-node replica; needs 2"
+    )
 
 
 def test_ports_unique_across_the_cluster_for_a_fleet_on_one_host(now, settings):
