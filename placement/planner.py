@@ -398,11 +398,13 @@ def _reasons(req: ReplicaRequest, snap: Snapshot, placed: Plan | None = None, po
     said: dict[str, str] = {}
     for g, count in usable.items():
         said[g] = f"has {count} usable nodes"
-        if placed is None and count >= req.nodes > 1:
-            # Enough nodes, each fitting alone: their draw together breaks a budget.
+        if count >= req.nodes > 1 and g != group:
+            # Enough nodes, each fitting alone: their draw together may break a budget.
             together = _pick(req, snap, g, req.nodes, policy == SPREAD)[2]
             if together:
                 said[g] += f", but not together ({together} with the replica's other shards)"
+            elif placed is not None:
+                said[g] += f"; {policy} chose {', '.join(placed.node_ids)}"
     for n in fit:
         if placed is not None and (req.nodes <= 1 or group in n.groups()):
             reasons[n.id] = f"fits; {policy} chose {', '.join(placed.node_ids)}"

@@ -319,6 +319,18 @@ def test_multi_node_binpack_prefers_the_fuller_group():
     assert plan(req(nodes=2), s, policy="spread").node_ids == ["a", "b"]
 
 
+def test_explain_says_a_group_that_could_have_taken_it_lost_to_the_policy():
+    s = snap(
+        node("a", fabrics=(ib(key="sm:0x1"),)),
+        node("b", fabrics=(ib(key="sm:0x1"),)),
+        node("c", free=4, fabrics=(ib(key="sm:0x2"),)),
+        node("d", free=4, fabrics=(ib(key="sm:0x2"),)),
+    )
+    p = plan(req(nodes=2), s, explain=True)
+    assert p.node_ids == ["c", "d"]
+    assert p.reasons["a"] == "physical fabric sm:0x1 has 2 usable nodes; binpack chose c, d; needs 2"
+
+
 def test_explain_gives_every_other_node_a_reason():
     s = snap(node("a"), node("b", free=4), node("c", state="cordoned"))
     p = plan(req(), s, explain=True)
