@@ -12,7 +12,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from placement import deployments as deployment_actions
-from placement import planner
+from placement import planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 
@@ -39,7 +39,7 @@ class ReplicaInline(admin.TabularInline):
     readonly_fields = fields
 
     def get_queryset(self, request):
-        return super().get_queryset(request).exclude(state__in=["stopped", "failed"])
+        return super().get_queryset(request).filter(state__in=replicas.LIVE_STATES)
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False
@@ -177,7 +177,7 @@ class ReplicaAdmin(admin.ModelAdmin):
             raise PermissionDenied
         dep = replica.deployment
         req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
-        result = planner.plan(req, snapshots.build(now=timezone.now()), policy=dep.policy, explain=True)
+        result = planner.plan(req, snapshots.build(), policy=dep.policy, explain=True)
         context = {
             **self.admin_site.each_context(request),
             "title": f"Where would {dep.name} go now",
@@ -240,7 +240,7 @@ class PowerBudgetAdmin(admin.ModelAdmin):
 
     def changelist_view(self, request, extra_context=None):
         # One snapshot for the page: what is claimed under each budget.
-        self._used = snapshots.build(now=timezone.now()).budget_used
+        self._used = snapshots.build().budget_used
         return super().changelist_view(request, extra_context)
 
     @admin.display(description="claimed (W)")

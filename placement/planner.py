@@ -8,13 +8,17 @@ answer node by node.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from placement.snapshot import CORE_W, GPUInfo, NodeInfo, Snapshot
+
+if TYPE_CHECKING:
+    from placement.models import EngineProfile
 
 BINPACK = "binpack"
 SPREAD = "spread"
@@ -40,8 +44,8 @@ class ReplicaRequest:
     selector: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_profile(cls, profile: Any, *, selector: Mapping[str, str] | None = None) -> ReplicaRequest:
-        """The request of a profile (an EngineProfile or anything with its fields).
+    def from_profile(cls, profile: EngineProfile, *, selector: Mapping[str, str] | None = None) -> ReplicaRequest:
+        """The request of a profile.
 
         GPUs per node, when not declared, is the profile's TP x PP spread over
         its nodes.
@@ -56,7 +60,7 @@ class ReplicaRequest:
             power_w=profile.power_w,
             engine=profile.engine,
             model_path=profile.model_path,
-            disk_gb=getattr(profile, "disk_gb", 0) or 0,
+            disk_gb=profile.disk_gb,
             selector=dict(selector or {}),
         )
 
@@ -168,11 +172,16 @@ def node_reason(req: ReplicaRequest, n: NodeInfo, snap: Snapshot, *, need: int |
         avail_gb = n.disk_free_bytes // 10**9
         if avail_gb < req.disk_gb:
             return f"needs {req.disk_gb} GB local disk for weights, {avail_gb} free"
-    if req.engine not in BUILTIN_ENGINES and n.engines_probed and req.engine not in n.engines:
+    if _must_install(req, n):
         blocked = n.engines_blocked.get(req.engine)
         if blocked:
             return blocked
     return ""
+
+
+def _must_install(req: ReplicaRequest, n: NodeInfo) -> bool:
+    """Whether the node lacks the engine and has said which it has (an old agent cannot say)."""
+    return req.engine not in BUILTIN_ENGINES and n.engines_probed and req.engine not in n.engines
 
 
 def choose_gpus(n: NodeInfo, need: int, *, gpu_class: str = "", hcas: Iterable[str] = ()) -> tuple[int, ...]:
@@ -240,35 +249,47 @@ def _shard(
         memory_gb=req.memory_gb,
         cpu_cores=req.cpu_cores,
         power_w=shard_power(req, cards),
-        install_engine=(req.engine not in BUILTIN_ENGINES and n.engines_probed and req.engine not in n.engines),
+        install_engine=_must_install(req, n),
     )
 
 
-def _fits(req: ReplicaRequest, snap: Snapshot, n: NodeInfo, extra: Mapping[tuple[str, str], float]) -> str:
+def _fits(
+    req: ReplicaRequest, snap: Snapshot, n: NodeInfo, extra: Mapping[tuple[str, str], float]
+) -> tuple[str, float]:
+    """Why the node cannot take one shard ("" when it can), and the shard's draw (0 under no budget)."""
     r = node_reason(req, n, snap)
     if r or not snap.budget_keys_of(n):
-        return r
-    idx = choose_gpus(n, req.gpus_per_node, gpu_class=req.gpu_class)
-    watts = shard_power(req, [g for g in n.gpus if g.index in idx])
-    return power_reason(snap, n, watts, extra)
+        return r, 0.0
+    if req.power_w:
+        watts = req.power_w
+    else:
+        idx = choose_gpus(n, req.gpus_per_node, gpu_class=req.gpu_class)
+        watts = shard_power(req, [g for g in n.gpus if g.index in idx])
+    return power_reason(snap, n, watts, extra), watts
 
 
-def _pick(req: ReplicaRequest, snap: Snapshot, group: str, count: int, spread: bool) -> tuple[list[NodeInfo], int]:
-    """The first `count` nodes of a group that fit, in policy order, and their free cards."""
+def _pick(req: ReplicaRequest, snap: Snapshot, group: str, count: int, spread: bool) -> tuple[list[NodeInfo], int, str]:
+    """The first `count` nodes of a group that fit, in policy order, and their free cards.
+
+    Third, the first budget a node broke only with the shards chosen before
+    it counted ("" if none): why a group of enough nodes may still refuse.
+    """
     chosen: list[NodeInfo] = []
     extra: dict[tuple[str, str], float] = {}
+    together = ""
     for n in snap.candidates(req.gpu_class, group, req.gpus_per_node, spread=spread):
-        if _fits(req, snap, n, extra):
+        why, watts = _fits(req, snap, n, extra)
+        if why:
+            if watts and extra and not together and not power_reason(snap, n, watts):
+                together = why
             continue
         chosen.append(n)
-        if count > 1:
-            idx = choose_gpus(n, req.gpus_per_node, gpu_class=req.gpu_class)
-            watts = shard_power(req, [g for g in n.gpus if g.index in idx])
+        if watts:
             for bk in snap.budget_keys_of(n):
                 extra[bk] = extra.get(bk, 0.0) + watts
         if len(chosen) == count:
             break
-    return chosen, sum(n.free_count(req.gpu_class) for n in chosen)
+    return chosen, sum(n.free_count(req.gpu_class) for n in chosen), together
 
 
 def summarize(reasons: Mapping[str, str], *, limit: int = 4) -> str:
@@ -295,9 +316,9 @@ def plan(req: ReplicaRequest, snap: Snapshot, *, policy: str = BINPACK, explain:
     """
     spread = policy == SPREAD
     if req.nodes <= 1:
-        chosen, _ = _pick(req, snap, "", 1, spread)
+        chosen, _, _ = _pick(req, snap, "", 1, spread)
         if not chosen:
-            return _no_place(req, snap)
+            return _no_place(req, snap, policy)
         n = chosen[0]
         result = Plan(shards=(_shard(req, snap, n, 0, req.gpus_per_node, (), leader=False),))
         return _explained(result, req, snap, policy) if explain else result
@@ -305,7 +326,7 @@ def plan(req: ReplicaRequest, snap: Snapshot, *, policy: str = BINPACK, explain:
     best: tuple | None = None
     for prefix in ("nvl:", "fab:"):
         for group in snap.groups(prefix):
-            nodes, free = _pick(req, snap, group, req.nodes, spread)
+            nodes, free, _ = _pick(req, snap, group, req.nodes, spread)
             if len(nodes) < req.nodes:
                 continue
             score = (-free if spread else free, group)
@@ -314,7 +335,7 @@ def plan(req: ReplicaRequest, snap: Snapshot, *, policy: str = BINPACK, explain:
         if best is not None:
             break
     if best is None:
-        return _no_place(req, snap)
+        return _no_place(req, snap, policy)
     _, group, nodes = best
     shards = []
     if group.startswith("nvl:"):
@@ -333,13 +354,17 @@ def plan(req: ReplicaRequest, snap: Snapshot, *, policy: str = BINPACK, explain:
     return _explained(result, req, snap, policy) if explain else result
 
 
-def _multi_reason(req: ReplicaRequest, n: NodeInfo, usable: Mapping[str, int]) -> str:
-    """Why a node that could take a shard is not part of a multi-node replica."""
+def _multi_reason(req: ReplicaRequest, n: NodeInfo, groups: Mapping[str, str]) -> str:
+    """Why a node that could take a shard is not part of a multi-node replica.
+
+    `groups` says, per index group, how many usable nodes it has and what
+    keeps enough of them from taking the replica together.
+    """
     parts = []
     if n.nvlink_domain and not n.imex_up:
         parts.append(f"NVLink domain {n.nvlink_domain}: IMEX down")
     elif n.domain_ready():
-        parts.append(f"NVLink domain {n.nvlink_domain} has {usable.get('nvl:' + n.nvlink_domain, 0)} usable nodes")
+        parts.append(f"NVLink domain {n.nvlink_domain} {groups['nvl:' + n.nvlink_domain]}")
     if not n.fabrics:
         parts.append("no fabric: never hosts a multi-node replica")
     for f in n.fabrics:
@@ -347,7 +372,7 @@ def _multi_reason(req: ReplicaRequest, n: NodeInfo, usable: Mapping[str, int]) -
         if problem:
             parts.append(problem)
         else:
-            parts.append(f"physical fabric {f.key} has {usable.get('fab:' + f.key, 0)} usable nodes")
+            parts.append(f"physical fabric {f.key} {groups['fab:' + f.key]}")
     return "; ".join(parts) + f"; needs {req.nodes}"
 
 
@@ -358,7 +383,7 @@ def _reasons(req: ReplicaRequest, snap: Snapshot, placed: Plan | None = None, po
     for n in snap.nodes.values():
         if n.id in skipped:
             continue
-        r = _fits(req, snap, n, {})
+        r, _ = _fits(req, snap, n, {})
         if r:
             reasons[n.id] = r
         else:
@@ -370,28 +395,30 @@ def _reasons(req: ReplicaRequest, snap: Snapshot, placed: Plan | None = None, po
     for n in fit:
         for g in n.groups()[1:]:
             usable[g] += 1
+    said: dict[str, str] = {}
+    for g, count in usable.items():
+        said[g] = f"has {count} usable nodes"
+        if count >= req.nodes > 1 and g != group:
+            # Enough nodes, each fitting alone: their draw together may break a budget.
+            together = _pick(req, snap, g, req.nodes, policy == SPREAD)[2]
+            if together:
+                said[g] += f", but not together ({together} with the replica's other shards)"
+            elif placed is not None:
+                said[g] += f"; {policy} chose {', '.join(placed.node_ids)}"
     for n in fit:
         if placed is not None and (req.nodes <= 1 or group in n.groups()):
             reasons[n.id] = f"fits; {policy} chose {', '.join(placed.node_ids)}"
         elif req.nodes > 1:
-            reasons[n.id] = _multi_reason(req, n, usable)
+            reasons[n.id] = _multi_reason(req, n, said)
         else:
             reasons[n.id] = "fits"
     return dict(sorted(reasons.items()))
 
 
-def _no_place(req: ReplicaRequest, snap: Snapshot) -> NoPlace:
-    reasons = _reasons(req, snap)
+def _no_place(req: ReplicaRequest, snap: Snapshot, policy: str) -> NoPlace:
+    reasons = _reasons(req, snap, policy=policy)
     return NoPlace(reason=summarize(reasons), reasons=reasons)
 
 
 def _explained(result: Plan, req: ReplicaRequest, snap: Snapshot, policy: str) -> Plan:
-    reasons = _reasons(req, snap, result, policy)
-    return Plan(
-        shards=result.shards,
-        nvlink_domain=result.nvlink_domain,
-        fabric=result.fabric,
-        fabric_name=result.fabric_name,
-        env=result.env,
-        reasons=reasons,
-    )
+    return dataclasses.replace(result, reasons=_reasons(req, snap, result, policy))

@@ -174,7 +174,7 @@ def reconcile(*, now: dt.datetime) -> Report:
     by_dep = _load(list(deployments))
 
     # 1. States follow shards.
-    batches: dict[tuple[str, str, str], list[uuid.UUID]] = defaultdict(list)
+    batches: dict[tuple[str, str, str], list[_Replica]] = defaultdict(list)
     for dep_id, reps in by_dep.items():
         profile = deployments[dep_id].profile
         for rep in reps:
@@ -194,16 +194,15 @@ def reconcile(*, now: dt.datetime) -> Report:
                 if retire(rep, RS.FAILED, reason=reason, now=now):
                     report.failed += 1
             else:
-                batches[(rep.row.state, new, reason)].append(rep.row.id)
-    for (old, new, reason), ids in batches.items():
+                batches[(rep.row.state, new, reason)].append(rep)
+    for (old, new, reason), batch in batches.items():
         fields = {"ready_at": now} if new == RS.READY else {}
-        moved = set(replicas.move(ids, old, new, now=now, reason=reason, fields=fields))
+        moved = set(replicas.move([r.row.id for r in batch], old, new, now=now, reason=reason, fields=fields))
         if new == RS.READY:
             report.ready += len(moved)
-        for reps in by_dep.values():
-            for rep in reps:
-                if rep.row.id in moved:
-                    rep.row.state = new
+        for rep in batch:
+            if rep.row.id in moved:
+                rep.row.state = new
     # Draining replicas are on their way out: they count for nothing below.
     for dep_id in by_dep:
         by_dep[dep_id] = [r for r in by_dep[dep_id] if r.row.state in replicas.LIVE_STATES - {RS.DRAINING}]
@@ -299,16 +298,20 @@ def reconcile(*, now: dt.datetime) -> Report:
         key=lambda r: (r.created_at, str(r.id)),
     )
     if pending:
-        snap = snapshots.build(now=now)
+        snap = snapshots.build()
+        # A deployment's refusal holds for its next replicas until the snapshot changes.
+        refused: dict[int, planner.NoPlace] = {}
         for row in pending:
             dep = deployments[row.deployment_id]
-            outcome = _place(row, dep, snap, now=now)
+            outcome = _place(row, dep, snap, refused, now=now)
             if outcome == "conflict":
                 report.conflicts += 1
                 # Another writer took some of these cards: look again, try once more.
-                snap = snapshots.build(now=now)
-                outcome = _place(row, dep, snap, now=now)
+                snap = snapshots.build()
+                refused.clear()
+                outcome = _place(row, dep, snap, refused, now=now)
             if outcome == "placed":
+                refused.clear()
                 report.placed += 1
             elif outcome == "conflict":
                 report.conflicts += 1
@@ -335,12 +338,25 @@ def release_orphans() -> int:
     return per_model.get(Allocation._meta.label, 0)
 
 
-def _place(row: Replica, dep: Deployment, snap: snapshots.Snapshot, *, now: dt.datetime) -> str:
-    """Plan one pending replica and write it whole; "placed", "pending" or "conflict"."""
-    profile = dep.profile
-    req = planner.ReplicaRequest.from_profile(profile, selector=dep.node_selector)
-    result = planner.plan(req, snap, policy=dep.policy)
+def _place(
+    row: Replica,
+    dep: Deployment,
+    snap: snapshots.Snapshot,
+    refused: dict[int, planner.NoPlace],
+    *,
+    now: dt.datetime,
+) -> str:
+    """Plan one pending replica and write it whole; "placed", "pending" or "conflict".
+
+    `refused` keeps each deployment's refusal over this snapshot: planning is
+    pure, so a second replica of it would be refused alike, node by node.
+    """
+    result = refused.get(dep.id)
+    if result is None:
+        req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
+        result = planner.plan(req, snap, policy=dep.policy)
     if isinstance(result, planner.NoPlace):
+        refused[dep.id] = result
         reasons = dict(list(result.reasons.items())[:500])
         if row.reason != result.reason or row.pending_reasons != reasons:
             Replica.objects.filter(id=row.id, state=RS.PENDING).update(

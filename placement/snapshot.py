@@ -14,7 +14,6 @@ sees each earlier plan's claims.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -218,7 +217,6 @@ class Snapshot:
     # Ports in use anywhere, when shard ports must be unique across the
     # cluster (a simulated fleet on one host); None: per node.
     cluster_ports: set[int] | None = None
-    taken_at: dt.datetime | None = None
     # (gpu class or "*", group) -> free-GPU count -> node ids, sorted; schedulable nodes only.
     _index: dict[tuple[str, str], dict[int, SortedList]] = field(default_factory=dict, repr=False)
     _budget_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
@@ -306,8 +304,12 @@ class Snapshot:
                     ports=frozenset(ports),
                 )
             )
-            for bk in self.budget_keys_of(n):
-                self.budget_used[bk] = self.budget_used.get(bk, 0.0) + s.power_w
+            self.claim_power(n, s.power_w)
+
+    def claim_power(self, n: NodeInfo, watts: float) -> None:
+        """Count a draw on a node against every budget it falls under."""
+        for bk in self.budget_keys_of(n):
+            self.budget_used[bk] = self.budget_used.get(bk, 0.0) + watts
 
     def free_port(self, n: NodeInfo, *, skip: Iterable[int] = ()) -> int:
         """The lowest port from the base that no shard on the node uses."""
@@ -323,21 +325,7 @@ class Snapshot:
 # Building from the database -------------------------------------------------
 
 
-def _ports_of(telemetry: Mapping[str, Any] | None) -> list[Any]:
-    from agents import wire
-
-    out = []
-    for p in (telemetry or {}).get("ib_ports") or []:
-        try:
-            out.append(wire.IBPort.model_validate({k: v for k, v in p.items() if k not in ("tx_bps", "rx_bps")}))
-        except Exception:
-            continue
-    return out
-
-
-def build(
-    *, now: dt.datetime | None = None, port_base: int | None = None, unique_ports: bool | None = None
-) -> Snapshot:
+def build(*, unique_ports: bool | None = None) -> Snapshot:
     """Read the cluster into a snapshot with a constant number of queries.
 
     One query per table (nodes, GPUs, fabrics, storage, weights, engine
@@ -345,11 +333,11 @@ def build(
     one cache round trip for telemetry, whatever the number of nodes.
     """
     from django.conf import settings
-    from django.db.models import Count, Q, Sum
+    from django.db.models import Q, Sum
 
     from inventory import fabric as fabric_rules
     from inventory import gpus as gpu_rules
-    from inventory import telemetry
+    from inventory import resources, scans, telemetry
     from inventory.models import (
         GPU,
         AllocatedGPU,
@@ -362,7 +350,6 @@ def build(
     )
     from placement.models import Hold, PowerBudget, ReplicaState, Shard
 
-    base = port_base if port_base is not None else settings.LLMGW_SHARD_PORT_BASE
     unique = settings.LLMGW_SHARD_PORTS_UNIQUE if unique_ports is None else unique_ports
     nodes = list(
         Node.objects.values_list(
@@ -394,15 +381,15 @@ def build(
     claims = {
         r["node_id"]: r
         for r in Allocation.objects.values("node_id").annotate(
-            mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w"), n=Count("id")
+            mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w")
         )
     }
     fabrics: dict[str, list[tuple]] = defaultdict(list)
     for row in FabricAttachment.objects.values_list("node_id", "name", "hcas", "rate_gbps"):
         fabrics[row[0]].append(row)
-    disk: dict[str, int] = defaultdict(int)
-    for node_id, free in Storage.objects.filter(shared=False).values_list("node_id", "free_bytes"):
-        disk[node_id] += free
+    storage: dict[str, list[Any]] = defaultdict(list)
+    for row in Storage.objects.values_list("node_id", "shared", "free_bytes", "total_bytes", named=True):
+        storage[row.node_id].append(row)
     weights: dict[str, set[str]] = defaultdict(set)
     for node_id, path in LocalWeights.objects.values_list("node_id", "path"):
         weights[node_id].add(path)
@@ -425,12 +412,10 @@ def build(
 
     # One canonical subnet-manager map over every port the cluster reports,
     # so a fabric keeps one key through a failover.
-    all_ports = {i: _ports_of(tele.get(i)) for i in ids}
+    all_ports = {i: scans.ports_of(tele.get(i)) for i in ids}
     canon = fabric_rules.canonical_sms(p for ps in all_ports.values() for p in ps)
 
     out: dict[str, NodeInfo] = {}
-    budget_used: dict[tuple[str, str], float] = defaultdict(float)
-    budget_label_keys = {k for k, _ in budgets}
     for (
         node_id,
         state,
@@ -469,7 +454,9 @@ def build(
         c = claims.get(node_id) or {}
         load = t.get("load") or {}
         draw = sum(float(s.get("power_w") or 0) for s in t.get("gpus") or []) + float(load.get("cpu_power_w") or 0)
-        free = frozenset(g.index for g in ginfo if g.healthy and g.index not in held_gpus.get(node_id, ()))
+        free = frozenset(resources.free_gpu_indices(ginfo, held_gpus.get(node_id, ())))
+        disk_free, disk_total = resources.local_disk(storage.get(node_id, ()))
+        found = weights.get(node_id, set())
         out[node_id] = NodeInfo(
             id=node_id,
             state=state,
@@ -482,9 +469,10 @@ def build(
             memory_claimed_gb=c.get("mem") or 0,
             cpu_count=cpus or 0,
             cpu_claimed=c.get("cpu") or 0,
-            disk_free_bytes=disk.get(node_id, 0),
-            disk_known=storage_rep and node_id in disk,
-            weights=frozenset(weights.get(node_id, ())) if weights_rep and weights.get(node_id) else None,
+            disk_free_bytes=disk_free,
+            # Both zero is unknown, not a full disk.
+            disk_known=storage_rep and (disk_free, disk_total) != (0, 0),
+            weights=frozenset(found) if resources.knows_its_weights(weights_rep, found) else None,
             engines=frozenset(engine_versions or {}) | installed.get(node_id, set()),
             engines_probed=probed,
             engines_blocked=installs.get(node_id, {}),
@@ -494,16 +482,15 @@ def build(
             power_draw_w=draw,
             ports=frozenset(ports.get(node_id, ())),
         )
-        if budget_label_keys and c.get("power"):
-            for k in budget_label_keys:
-                v = labels.get(k)
-                if v is not None and (k, v) in budgets:
-                    budget_used[(k, v)] += c["power"]
-    return Snapshot(
+    snap = Snapshot(
         nodes=out,
         budgets=budgets,
-        budget_used=dict(budget_used),
-        port_base=base,
+        port_base=settings.LLMGW_SHARD_PORT_BASE,
         cluster_ports={p for ps in ports.values() for p in ps} if unique else None,
-        taken_at=now,
     )
+    if budgets:
+        for node_id, n in out.items():
+            power = (claims.get(node_id) or {}).get("power")
+            if power:
+                snap.claim_power(n, power)
+    return snap

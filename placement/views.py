@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from placement import deployments as deployment_actions
-from placement import planner
+from placement import planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.serializers import (
@@ -86,7 +86,7 @@ class DeploymentViewSet(InOutViewSet):
     def get_queryset(self):
         return Deployment.objects.select_related("profile").annotate(
             ready_replicas=Count("replica_set", filter=Q(replica_set__state="ready")),
-            live_replicas=Count("replica_set", filter=~Q(replica_set__state__in=["stopped", "failed"])),
+            live_replicas=Count("replica_set", filter=Q(replica_set__state__in=replicas.LIVE_STATES)),
         )
 
     def perform_write(self, data):
@@ -219,7 +219,7 @@ class DryRunView(APIView):
         profile = v.get("profile") or dep.profile
         selector = v.get("node_selector", dep.node_selector if dep else {})
         policy = v.get("policy") or (dep.policy if dep else planner.BINPACK)
-        snap = snapshots.build(now=timezone.now())
+        snap = snapshots.build()
         req = planner.ReplicaRequest.from_profile(profile, selector=selector)
         out = []
         for _ in range(v["replicas"]):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
+from placement.models import EngineProfile
 from placement.planner import NoPlace, Plan, ReplicaRequest, choose_gpus, plan, summarize
 from placement.snapshot import FabricInfo, GPUInfo, HoldInfo, NodeInfo, Snapshot
 
@@ -283,6 +282,32 @@ def test_nodes_on_different_physical_fabrics_are_not_joined():
     assert result.reasons["a"] == "physical fabric sm:0x1 has 1 usable nodes; needs 2"
 
 
+def test_multi_node_shards_count_together_against_a_budget():
+    # Rack r1 has room for one 1.5 kW shard, not two: the second goes to another rack.
+    s = snap(
+        node("a", labels={"rack": "r1"}, fabrics=(ib(),)),
+        node("b", labels={"rack": "r1"}, fabrics=(ib(),)),
+        node("c", labels={"rack": "r2"}, fabrics=(ib(),)),
+        budgets={("rack", "r1"): 40_000.0},
+        budget_used={("rack", "r1"): 38_000.0},
+    )
+    assert plan(req(nodes=2, power_w=1500), s).node_ids == ["a", "c"]
+
+
+def test_a_group_whose_shards_together_break_a_budget_says_so():
+    s = snap(
+        node("a", labels={"rack": "r1"}, fabrics=(ib(key="sm:0x1"),)),
+        node("b", labels={"rack": "r1"}, fabrics=(ib(key="sm:0x1"),)),
+        budgets={("rack", "r1"): 40_000.0},
+        budget_used={("rack", "r1"): 38_000.0},
+    )
+    result = plan(req(nodes=2, power_w=1500), s)
+    assert result.reasons["b"] == (
+        "physical fabric sm:0x1 has 2 usable nodes, but not together (power budget rack=r1 would reach "
+        "41 of 40 kW with the replica's other shards); needs 2"
+    )
+
+
 def test_multi_node_binpack_prefers_the_fuller_group():
     s = snap(
         node("a", fabrics=(ib(key="sm:0x1"),)),
@@ -292,6 +317,18 @@ def test_multi_node_binpack_prefers_the_fuller_group():
     )
     assert plan(req(nodes=2), s).node_ids == ["c", "d"]
     assert plan(req(nodes=2), s, policy="spread").node_ids == ["a", "b"]
+
+
+def test_explain_says_a_group_that_could_have_taken_it_lost_to_the_policy():
+    s = snap(
+        node("a", fabrics=(ib(key="sm:0x1"),)),
+        node("b", fabrics=(ib(key="sm:0x1"),)),
+        node("c", free=4, fabrics=(ib(key="sm:0x2"),)),
+        node("d", free=4, fabrics=(ib(key="sm:0x2"),)),
+    )
+    p = plan(req(nodes=2), s, explain=True)
+    assert p.node_ids == ["c", "d"]
+    assert p.reasons["a"] == "physical fabric sm:0x1 has 2 usable nodes; binpack chose c, d; needs 2"
 
 
 def test_explain_gives_every_other_node_a_reason():
@@ -308,22 +345,11 @@ def test_summary_counts_reasons():
 
 
 def test_request_from_profile_derives_gpus_per_node():
-    @dataclasses.dataclass
-    class P:
-        tp: int = 8
-        pp: int = 2
-        nodes: int = 2
-        gpus_per_node: int = 0
-        gpu_class: str = ""
-        memory_gb: int = 0
-        cpu_cores: int = 0
-        power_w: float = 0.0
-        engine: str = "vllm"
-        model_path: str = ""
-        disk_gb: int = 0
+    def profile(**kw) -> EngineProfile:  # unsaved: no database
+        return EngineProfile(name="p", engine="vllm", tp=8, pp=2, nodes=2, **kw)
 
-    assert ReplicaRequest.from_profile(P()).gpus_per_node == 8
-    assert ReplicaRequest.from_profile(P(gpus_per_node=4)).gpus_per_node == 4
+    assert ReplicaRequest.from_profile(profile()).gpus_per_node == 8
+    assert ReplicaRequest.from_profile(profile(gpus_per_node=4)).gpus_per_node == 4
 
 
 def test_fabrics_of_unknown_physical_fabric_are_not_joined():

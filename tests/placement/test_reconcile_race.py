@@ -52,10 +52,10 @@ def test_two_placements_from_stale_snapshots_cannot_double_book(now):
         def run():
             dep = Deployment.objects.select_related("profile").get(id=deps[i].id)
             row = Replica.objects.get(id=rows[i].id)
-            snap = snapshots.build(now=now)
+            snap = snapshots.build()
             # Both have seen node a with eight free cards before either writes.
             barrier.wait(timeout=30)
-            outcomes[i] = _place(row, dep, snap, now=now)
+            outcomes[i] = _place(row, dep, snap, {}, now=now)
 
         return run
 

@@ -130,7 +130,8 @@ def test_failed_shard_releases_the_replica_whole_and_places_again(now, profile):
     assert new.shards.get().node_id == "a"
 
 
-def test_lost_node_fails_the_replica_and_it_comes_back_elsewhere(now):
+def ready_on_one_of_two_nodes(now) -> tuple[Deployment, Replica]:
+    """A deployment of one whole-node replica, ready on one of two nodes."""
     prof = EngineProfile.objects.create(name="full", engine="echo", gpus_per_node=8)
     make_node("a", now=now)
     make_node("b", now=now)
@@ -138,7 +139,11 @@ def test_lost_node_fails_the_replica_and_it_comes_back_elsewhere(now):
     reconcile(now=now)
     all_ready(now)
     reconcile(now=now)
-    first = Replica.objects.get(deployment=dep)
+    return dep, Replica.objects.get(deployment=dep)
+
+
+def test_lost_node_fails_the_replica_and_it_comes_back_elsewhere(now):
+    dep, first = ready_on_one_of_two_nodes(now)
     lost = first.shards.get().node_id
     node_state(lost, "unreachable", now=now)
     node_state(lost, "lost", now=now)
@@ -152,14 +157,7 @@ def test_lost_node_fails_the_replica_and_it_comes_back_elsewhere(now):
 
 
 def test_drain_starts_the_new_replica_before_stopping_the_old(now):
-    prof = EngineProfile.objects.create(name="full", engine="echo", gpus_per_node=8)
-    make_node("a", now=now)
-    make_node("b", now=now)
-    dep = deploy(prof)
-    reconcile(now=now)
-    all_ready(now)
-    reconcile(now=now)
-    old = Replica.objects.get(deployment=dep)
+    dep, old = ready_on_one_of_two_nodes(now)
     node_id = old.shards.get().node_id
     node_state(node_id, "draining", now=now, reason="maintenance")
     reconcile(now=now)
@@ -285,7 +283,7 @@ def test_task_is_single_flight(now, profile):
     assert reconcile_task(now=now.isoformat())["placed"] == 1
 
 
-def test_steady_state_queries_do_not_grow_with_deployments(now, profile, django_assert_num_queries):
+def test_steady_state_queries_do_not_grow_with_deployments(now, profile):
     from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
@@ -327,3 +325,17 @@ def test_start_shard_carries_the_profiles_startup_timeout(now):
     deploy(prof, name="slow")
     reconcile(now=now)
     assert [c.payload["startup_timeout_s"] for c in commands("start_shard")] == [600.0]
+
+
+def test_a_refusal_is_planned_once_per_deployment_while_nothing_is_placed(now, profile, monkeypatch):
+    from placement import planner
+
+    make_node("a", now=now, gpus=2)
+    dep = deploy(profile, replicas=3)
+    calls = []
+    real_plan = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda *a, **kw: calls.append(1) or real_plan(*a, **kw))
+    report = reconcile(now=now)
+    assert (report.created, report.pending, len(calls)) == (3, 3, 1)
+    reasons = set(Replica.objects.filter(deployment=dep).values_list("reason", flat=True))
+    assert reasons == {"2 free GPUs, needs 4 (a)"}

@@ -62,7 +62,7 @@ def test_builds_nodes_with_claims_fabrics_and_holds(now):
     Hold.objects.create(scope="label", label_key="rack", label_value="r9")
     PowerBudget.objects.create(label_key="rack", label_value="r1", budget_w=40_000)
 
-    snap = snapshots.build(now=now)
+    snap = snapshots.build()
     a, b = snap.nodes["a"], snap.nodes["b"]
     assert a.free == frozenset(range(2, 8))
     assert (a.memory_total_gb, a.memory_claimed_gb, a.cpu_count, a.cpu_claimed) == (1953, 100, 224, 4)
@@ -84,14 +84,14 @@ def test_holds_keep_new_work_off(now):
     Hold.objects.create(scope="label", label_key="rack", label_value="r12")
     Hold.objects.create(scope="node", node=node_b)
     Hold.objects.create(scope="fabric", fabric="ib0")
-    result = plan(ReplicaRequest(gpus_per_node=1), snapshots.build(now=now))
+    result = plan(ReplicaRequest(gpus_per_node=1), snapshots.build())
     assert result.reasons == {"a": "held: rack=r12", "b": "held: node", "c": "held: fabric ib0"}
 
 
 def test_inconsistent_fabric_from_telemetry(now):
     fabric_node("a", now)
     telemetry.put("a", {"ib_ports": [ib_port("mlx5_0", SM_A), ib_port("mlx5_1", SM_B)]})
-    f = snapshots.build(now=now).nodes["a"].fabrics[0]
+    f = snapshots.build().nodes["a"].fabrics[0]
     assert (f.consistent, f.keys) == (False, (f"sm:{SM_A}", f"sm:{SM_B}"))
 
 
@@ -99,11 +99,11 @@ def test_query_count_does_not_grow_with_nodes(now, django_assert_num_queries):
     for i in range(3):
         fabric_node(f"n{i}", now, weights=[{"path": "/m"}], storage=[{"path": "/d", "free_bytes": 1, "total_bytes": 2}])
     with django_assert_num_queries(11):
-        snapshots.build(now=now)
+        snapshots.build()
     for i in range(3, 9):
         fabric_node(f"n{i}", now)
     with django_assert_num_queries(11):
-        snapshots.build(now=now)
+        snapshots.build()
 
 
 def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
@@ -131,15 +131,19 @@ def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
     assert p["hcas"] == ["mlx5_0", "mlx5_1"]
 
 
+JOINED = {
+    "state": "Completed",
+    "status": "Success",
+    "cluster_uuid": "c0ffee00-0000-0000-0000-000000000001",
+    "clique_id": "7",
+}
+
+
 def test_nvlink_domain_replica_gets_mnnvl(now):
-    fab = {
-        "state": "Completed",
-        "status": "Success",
-        "cluster_uuid": "c0ffee00-0000-0000-0000-000000000001",
-        "clique_id": "7",
-    }
     for n in ("a", "b"):
-        make_node(n, now=now, gpus=[gpu_payload(i, fabric=fab) for i in range(4)], imex={"state": "UP", "channels": 1})
+        make_node(
+            n, now=now, gpus=[gpu_payload(i, fabric=JOINED) for i in range(4)], imex={"state": "UP", "channels": 1}
+        )
     prof = EngineProfile.objects.create(name="nvl", engine="echo", gpus_per_node=4, nodes=2)
     Deployment.objects.create(name="nvl", served_model="nvl", profile=prof, replicas=1)
     reconcile(now=now)
@@ -152,6 +156,20 @@ def test_nvlink_domain_replica_gets_mnnvl(now):
     assert [p["nvlink_domain"] for p in payloads] == ["c0ffee00-0000-0000-0000-000000000001/7"] * 2
 
 
+def test_a_domain_whose_imex_is_down_takes_no_multi_node_replica(now):
+    for n in ("a", "b"):
+        make_node(
+            n, now=now, gpus=[gpu_payload(i, fabric=JOINED) for i in range(4)], imex={"state": "DOWN", "channels": 0}
+        )
+    snap = snapshots.build()
+    assert (snap.nodes["a"].nvlink_domain, snap.nodes["a"].imex_up) == ("c0ffee00-0000-0000-0000-000000000001/7", False)
+    result = plan(ReplicaRequest(gpus_per_node=4, nodes=2), snap)
+    assert result.reasons["a"] == (
+        "NVLink domain c0ffee00-0000-0000-0000-000000000001/7: IMEX down; "
+        "no fabric: never hosts a multi-node replica; needs 2"
+    )
+
+
 def test_ports_unique_across_the_cluster_for_a_fleet_on_one_host(now, settings):
     settings.LLMGW_SHARD_PORTS_UNIQUE = True
     make_node("a", now=now)
@@ -160,9 +178,9 @@ def test_ports_unique_across_the_cluster_for_a_fleet_on_one_host(now, settings):
     Deployment.objects.create(name="d", served_model="d", profile=prof, replicas=2)
     reconcile(now=now)
     assert sorted(Shard.objects.values_list("node_id", "http_port")) == [("a", 18000), ("b", 18001)]
-    snap = snapshots.build(now=now)
+    snap = snapshots.build()
     assert snap.cluster_ports == {18000, 18001}
-    assert snapshots.build(now=now, unique_ports=False).cluster_ports is None
+    assert snapshots.build(unique_ports=False).cluster_ports is None
 
 
 def test_failed_or_unsupported_engine_installs_block_the_engine(now):
@@ -178,19 +196,26 @@ def test_failed_or_unsupported_engine_installs_block_the_engine(now):
             {"engine": "tgi", "version": "3.2", "state": "ready"},
         ],
     )
-    a = snapshots.build(now=now).nodes["a"]
+    a = snapshots.build().nodes["a"]
     assert dict(a.engines_blocked) == {
         "vllm": "engine vllm failed: no wheel for aarch64",
         "sglang": "engine sglang unsupported",
     }
     assert a.engines == frozenset({"llamacpp", "tgi"})
-    assert plan(ReplicaRequest(engine="vllm"), snapshots.build(now=now)).reasons == {
+    assert plan(ReplicaRequest(engine="vllm"), snapshots.build()).reasons == {
         "a": "engine vllm failed: no wheel for aarch64"
     }
 
 
 def test_a_node_with_only_shared_storage_has_unknown_local_disk(now):
     make_node("a", now=now, storage=[{"path": "/filer", "free_bytes": 10**15, "total_bytes": 10**15, "shared": True}])
-    snap = snapshots.build(now=now)
+    snap = snapshots.build()
+    assert (snap.nodes["a"].disk_free_bytes, snap.nodes["a"].disk_known) == (0, False)
+    assert plan(ReplicaRequest(model_path="org/model", disk_gb=140), snap).node_ids == ["a"]
+
+
+def test_a_local_filesystem_reporting_zero_bytes_is_unknown_local_disk(now):
+    make_node("a", now=now, storage=[{"path": "/data", "free_bytes": 0, "total_bytes": 0}])
+    snap = snapshots.build()
     assert (snap.nodes["a"].disk_free_bytes, snap.nodes["a"].disk_known) == (0, False)
     assert plan(ReplicaRequest(model_path="org/model", disk_gb=140), snap).node_ids == ["a"]
