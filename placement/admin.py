@@ -11,14 +11,27 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
+from placement import audit, planner, replicas
 from placement import deployments as deployment_actions
-from placement import planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 
 
+class AuditedAdmin(admin.ModelAdmin):
+    """Saves and deletes through placement.audit: each recorded with who and when."""
+
+    def save_model(self, request, obj, form, change):
+        audit.save(obj, now=timezone.now(), actor=request.user)
+
+    def delete_model(self, request, obj):
+        audit.delete([obj], now=timezone.now(), actor=request.user)
+
+    def delete_queryset(self, request, queryset):
+        audit.delete(queryset, now=timezone.now(), actor=request.user)
+
+
 @admin.register(EngineProfile)
-class EngineProfileAdmin(admin.ModelAdmin):
+class EngineProfileAdmin(AuditedAdmin):
     list_display = ["name", "engine", "gpu_class", "tp", "pp", "gpus_per_node", "nodes", "memory_gb", "power_w"]
     list_filter = ["engine", "gpu_class"]
     search_fields = ["name", "model_path", "served_model_name"]
@@ -219,21 +232,16 @@ class PlacementEventAdmin(admin.ModelAdmin):
 
 
 @admin.register(Hold)
-class HoldAdmin(admin.ModelAdmin):
+class HoldAdmin(AuditedAdmin):
     list_display = ["__str__", "scope", "reason", "created_by", "created_at"]
     list_filter = ["scope"]
     search_fields = ["node__id", "label_key", "label_value", "fabric", "reason"]
     autocomplete_fields = ["node"]
     readonly_fields = ["created_by", "created_at"]
 
-    def save_model(self, request, obj, form, change):
-        if not change:
-            obj.created_by = request.user
-        super().save_model(request, obj, form, change)
-
 
 @admin.register(PowerBudget)
-class PowerBudgetAdmin(admin.ModelAdmin):
+class PowerBudgetAdmin(AuditedAdmin):
     list_display = ["label_key", "label_value", "budget_w", "claimed"]
     search_fields = ["label_key", "label_value"]
     readonly_fields = ["created_at"]

@@ -10,8 +10,8 @@ from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from placement import audit, planner, replicas
 from placement import deployments as deployment_actions
-from placement import planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.serializers import (
@@ -67,7 +67,20 @@ class InOutViewSet(viewsets.ModelViewSet):
         return self._write(request, self.get_object(), partial=kwargs.pop("partial", False))
 
 
-class ProfileViewSet(InOutViewSet):
+class AuditedViewSet(InOutViewSet):
+    """Writes through placement.audit: each create, change and delete recorded with who and when."""
+
+    def perform_write(self, data):
+        obj = data.instance or data.Meta.model()
+        for field, value in data.validated_data.items():
+            setattr(obj, field, value)
+        return audit.save(obj, now=timezone.now(), actor=self.request.user)
+
+    def perform_destroy(self, instance):
+        audit.delete([instance], now=timezone.now(), actor=self.request.user)
+
+
+class ProfileViewSet(AuditedViewSet):
     """Engine profiles: how a model is run."""
 
     queryset = EngineProfile.objects.all()
@@ -171,7 +184,7 @@ class EventViewSet(viewsets.ReadOnlyModelViewSet):
     filterset_fields = ["deployment", "replica", "shard", "kind"]
 
 
-class HoldViewSet(InOutViewSet):
+class HoldViewSet(AuditedViewSet):
     """Holds: nothing new is placed on a node, a label value or a fabric."""
 
     queryset = Hold.objects.select_related("created_by")
@@ -180,11 +193,8 @@ class HoldViewSet(InOutViewSet):
     filterset_fields = ["scope", "node", "label_key", "label_value", "fabric"]
     http_method_names = ["get", "post", "delete", "head", "options"]
 
-    def perform_write(self, data):
-        return data.save(created_by=self.request.user)
 
-
-class PowerBudgetViewSet(InOutViewSet):
+class PowerBudgetViewSet(AuditedViewSet):
     """Power budgets per label value."""
 
     queryset = PowerBudget.objects.all()
