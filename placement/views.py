@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db.models import Count, Q
 from django.utils import timezone
+from drf_spectacular.utils import extend_schema
 from rest_framework import status, viewsets
 from rest_framework.decorators import action
 from rest_framework.permissions import BasePermission
@@ -18,6 +19,7 @@ from placement.serializers import (
     DeploymentIn,
     DeploymentOut,
     DryRunIn,
+    DryRunOut,
     EventOut,
     HoldIn,
     HoldOut,
@@ -221,6 +223,7 @@ class DryRunView(APIView):
 
     permission_classes = [CanPlan]
 
+    @extend_schema(request=DryRunIn, responses=DryRunOut)
     def post(self, request):
         data = DryRunIn(data=request.data)
         data.is_valid(raise_exception=True)
@@ -231,37 +234,11 @@ class DryRunView(APIView):
         policy = v.get("policy") or (dep.policy if dep else planner.BINPACK)
         snap = snapshots.build()
         req = planner.ReplicaRequest.from_profile(profile, selector=selector)
-        out = []
+        plans = []
         for _ in range(v["replicas"]):
             result = planner.plan(req, snap, policy=policy, explain=True)
-            out.append(plan_json(result))
+            plans.append(result)
             if not result.ok:
                 break
             snap.reserve(result)
-        return Response({"placed": sum(1 for p in out if p["ok"]), "plans": out}, status=status.HTTP_200_OK)
-
-
-def plan_json(result: planner.Plan | planner.NoPlace) -> dict:
-    """A plan or a refusal as JSON."""
-    if isinstance(result, planner.NoPlace):
-        return {"ok": False, "reason": result.reason, "reasons": dict(result.reasons)}
-    return {
-        "ok": True,
-        "nvlink_domain": result.nvlink_domain,
-        "fabric": result.fabric,
-        "fabric_name": result.fabric_name,
-        "env": dict(result.env),
-        "shards": [
-            {
-                "node": s.node_id,
-                "rank": s.rank,
-                "gpu_indices": list(s.gpu_indices),
-                "hcas": list(s.hcas),
-                "http_port": s.http_port,
-                "power_w": s.power_w,
-                "install_engine": s.install_engine,
-            }
-            for s in result.shards
-        ],
-        "reasons": dict(result.reasons),
-    }
+        return Response(DryRunOut({"placed": sum(1 for p in plans if p.ok), "plans": plans}).data)
