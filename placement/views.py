@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.db.models import Count, Q
+from django.db.models import Count, ProtectedError, Q
 from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import status, viewsets
@@ -89,6 +89,14 @@ class ProfileViewSet(AuditedViewSet):
     serializer_class = ProfileOut
     input_class = ProfileIn
     filterset_fields = ["engine", "gpu_class", "name"]
+
+    def destroy(self, request, *args, **kwargs):
+        try:
+            return super().destroy(request, *args, **kwargs)
+        except ProtectedError as e:  # deployments still use it
+            names = ", ".join(sorted(str(dep) for dep in e.protected_objects))
+            why = f"still used by {names}: delete them or move them to another profile first"
+            return Response({"deployments": [why]}, status=status.HTTP_409_CONFLICT)
 
 
 class DeploymentViewSet(InOutViewSet):

@@ -180,3 +180,13 @@ def test_events_without_a_deployment_are_listed(operator, viewer):
     ]
     page = admin(operator).get("/admin/placement/placementevent/").content.decode()
     assert "created: power budget rack=r12 (1 W)" in page
+
+
+def test_a_profile_in_use_is_refused_through_the_api(operator):
+    prof = EngineProfile.objects.create(name="vllm-8", engine="vllm")
+    Deployment.objects.create(name="chat", served_model="chat", profile=prof)
+    r = api(operator).delete(f"/api/v1/profiles/{prof.pk}/")
+    assert r.status_code == 409
+    assert r.json() == {"deployments": ["still used by chat: delete them or move them to another profile first"]}
+    assert EngineProfile.objects.exists()
+    assert not PlacementEvent.objects.exists()
