@@ -3,22 +3,40 @@ holds and power budgets, and the planner's reason node by node for a pending rep
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from django.contrib import admin, messages
-from django.db.models import Count, Q
+from django.db.models import Count, Q, Sum
+from django.db.models.fields.json import KeyTextTransform
+from django.db.models.lookups import Exact
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
+from inventory.models import Node
+from placement import audit, planner, replicas
 from placement import deployments as deployment_actions
-from placement import planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 
 
+class AuditedAdmin(admin.ModelAdmin):
+    """Saves and deletes through placement.audit: each recorded with who and when."""
+
+    def save_model(self, request, obj, form, change):
+        audit.save(obj, now=timezone.now(), actor=request.user)
+
+    def delete_model(self, request, obj):
+        audit.delete([obj], now=timezone.now(), actor=request.user)
+
+    def delete_queryset(self, request, queryset):
+        audit.delete(queryset, now=timezone.now(), actor=request.user)
+
+
 @admin.register(EngineProfile)
-class EngineProfileAdmin(admin.ModelAdmin):
+class EngineProfileAdmin(AuditedAdmin):
     list_display = ["name", "engine", "gpu_class", "tp", "pp", "gpus_per_node", "nodes", "memory_gb", "power_w"]
     list_filter = ["engine", "gpu_class"]
     search_fields = ["name", "model_path", "served_model_name"]
@@ -219,31 +237,40 @@ class PlacementEventAdmin(admin.ModelAdmin):
 
 
 @admin.register(Hold)
-class HoldAdmin(admin.ModelAdmin):
+class HoldAdmin(AuditedAdmin):
     list_display = ["__str__", "scope", "reason", "created_by", "created_at"]
     list_filter = ["scope"]
     search_fields = ["node__id", "label_key", "label_value", "fabric", "reason"]
     autocomplete_fields = ["node"]
     readonly_fields = ["created_by", "created_at"]
 
-    def save_model(self, request, obj, form, change):
-        if not change:
-            obj.created_by = request.user
-        super().save_model(request, obj, form, change)
-
 
 @admin.register(PowerBudget)
-class PowerBudgetAdmin(admin.ModelAdmin):
+class PowerBudgetAdmin(AuditedAdmin):
     list_display = ["label_key", "label_value", "budget_w", "claimed"]
     search_fields = ["label_key", "label_value"]
     readonly_fields = ["created_at"]
 
-    def changelist_view(self, request, extra_context=None):
-        # One snapshot for the page: what is claimed under each budget.
-        self._used = snapshots.build().budget_used
-        return super().changelist_view(request, extra_context)
+    def get_changelist_instance(self, request):
+        # What is claimed under each budget on this page, kept on the page's own rows.
+        cl = super().get_changelist_instance(request)
+        claimed = claimed_power(cl.result_list)
+        for budget in cl.result_list:
+            budget.claimed_w = claimed[budget.pk]
+        return cl
 
     @admin.display(description="claimed (W)")
     def claimed(self, obj: PowerBudget) -> str:
-        used = getattr(self, "_used", {}).get((obj.label_key, obj.label_value), 0.0)
+        used = obj.claimed_w
         return f"{used:,.0f} ({used / obj.budget_w:.0%})" if obj.budget_w else f"{used:,.0f}"
+
+
+def claimed_power(budgets: Iterable[PowerBudget]) -> dict[int, float]:
+    """Each budget's claimed power (W): the allocations on the nodes carrying its label value,
+    as the planner counts them, in one query."""
+    sums = {
+        f"b{b.pk}": Sum("allocations__power_w", filter=Exact(KeyTextTransform(b.label_key, "labels"), b.label_value))
+        for b in budgets
+    }
+    totals = Node.objects.aggregate(**sums) if sums else {}
+    return {int(alias[1:]): total or 0.0 for alias, total in totals.items()}

@@ -246,3 +246,36 @@ class DryRunIn(serializers.Serializer):
         if not attrs.get("profile") and not attrs.get("deployment"):
             raise serializers.ValidationError({"profile": "name a profile or a deployment"})
         return attrs
+
+
+class PlannedShardOut(serializers.Serializer):
+    """One shard of a dry-run plan: where it would run and what it would claim."""
+
+    node = serializers.CharField(source="node_id")
+    rank = serializers.IntegerField()
+    gpu_indices = serializers.ListField(child=serializers.IntegerField())
+    hcas = serializers.ListField(child=serializers.CharField())
+    http_port = serializers.IntegerField()
+    power_w = serializers.FloatField()
+    install_engine = serializers.BooleanField()
+
+
+class PlanOut(serializers.Serializer):
+    """A replica's place or, with ok false, why it fits nowhere: `reason` only on a refusal,
+    the place's fields only on a plan; `reasons` says why each other node was not chosen."""
+
+    ok = serializers.BooleanField()
+    reason = serializers.CharField(required=False)
+    nvlink_domain = serializers.CharField(required=False)
+    fabric = serializers.CharField(required=False)
+    fabric_name = serializers.CharField(required=False)
+    env = serializers.DictField(child=serializers.CharField(), required=False)
+    shards = PlannedShardOut(many=True, required=False)
+    reasons = serializers.DictField(child=serializers.CharField())
+
+
+class DryRunOut(serializers.Serializer):
+    """How many of the replicas asked for would be placed, and each one's plan (the first refusal last)."""
+
+    placed = serializers.IntegerField()
+    plans = PlanOut(many=True)

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-from django.db.models import Count, Q
+from django.db.models import Count, ProtectedError, Q
 from django.utils import timezone
+from drf_spectacular.utils import extend_schema
 from rest_framework import status, viewsets
 from rest_framework.decorators import action
 from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from placement import audit, planner, replicas
 from placement import deployments as deployment_actions
-from placement import planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.serializers import (
     DeploymentIn,
     DeploymentOut,
     DryRunIn,
+    DryRunOut,
     EventOut,
     HoldIn,
     HoldOut,
@@ -67,13 +69,34 @@ class InOutViewSet(viewsets.ModelViewSet):
         return self._write(request, self.get_object(), partial=kwargs.pop("partial", False))
 
 
-class ProfileViewSet(InOutViewSet):
+class AuditedViewSet(InOutViewSet):
+    """Writes through placement.audit: each create, change and delete recorded with who and when."""
+
+    def perform_write(self, data):
+        obj = data.instance or data.Meta.model()
+        for field, value in data.validated_data.items():
+            setattr(obj, field, value)
+        return audit.save(obj, now=timezone.now(), actor=self.request.user)
+
+    def perform_destroy(self, instance):
+        audit.delete([instance], now=timezone.now(), actor=self.request.user)
+
+
+class ProfileViewSet(AuditedViewSet):
     """Engine profiles: how a model is run."""
 
     queryset = EngineProfile.objects.all()
     serializer_class = ProfileOut
     input_class = ProfileIn
     filterset_fields = ["engine", "gpu_class", "name"]
+
+    def destroy(self, request, *args, **kwargs):
+        try:
+            return super().destroy(request, *args, **kwargs)
+        except ProtectedError as e:  # deployments still use it
+            names = ", ".join(sorted(str(dep) for dep in e.protected_objects))
+            why = f"still used by {names}: delete them or move them to another profile first"
+            return Response({"deployments": [why]}, status=status.HTTP_409_CONFLICT)
 
 
 class DeploymentViewSet(InOutViewSet):
@@ -171,7 +194,7 @@ class EventViewSet(viewsets.ReadOnlyModelViewSet):
     filterset_fields = ["deployment", "replica", "shard", "kind"]
 
 
-class HoldViewSet(InOutViewSet):
+class HoldViewSet(AuditedViewSet):
     """Holds: nothing new is placed on a node, a label value or a fabric."""
 
     queryset = Hold.objects.select_related("created_by")
@@ -180,11 +203,8 @@ class HoldViewSet(InOutViewSet):
     filterset_fields = ["scope", "node", "label_key", "label_value", "fabric"]
     http_method_names = ["get", "post", "delete", "head", "options"]
 
-    def perform_write(self, data):
-        return data.save(created_by=self.request.user)
 
-
-class PowerBudgetViewSet(InOutViewSet):
+class PowerBudgetViewSet(AuditedViewSet):
     """Power budgets per label value."""
 
     queryset = PowerBudget.objects.all()
@@ -211,6 +231,7 @@ class DryRunView(APIView):
 
     permission_classes = [CanPlan]
 
+    @extend_schema(request=DryRunIn, responses=DryRunOut)
     def post(self, request):
         data = DryRunIn(data=request.data)
         data.is_valid(raise_exception=True)
@@ -221,37 +242,11 @@ class DryRunView(APIView):
         policy = v.get("policy") or (dep.policy if dep else planner.BINPACK)
         snap = snapshots.build()
         req = planner.ReplicaRequest.from_profile(profile, selector=selector)
-        out = []
+        plans = []
         for _ in range(v["replicas"]):
             result = planner.plan(req, snap, policy=policy, explain=True)
-            out.append(plan_json(result))
+            plans.append(result)
             if not result.ok:
                 break
             snap.reserve(result)
-        return Response({"placed": sum(1 for p in out if p["ok"]), "plans": out}, status=status.HTTP_200_OK)
-
-
-def plan_json(result: planner.Plan | planner.NoPlace) -> dict:
-    """A plan or a refusal as JSON."""
-    if isinstance(result, planner.NoPlace):
-        return {"ok": False, "reason": result.reason, "reasons": dict(result.reasons)}
-    return {
-        "ok": True,
-        "nvlink_domain": result.nvlink_domain,
-        "fabric": result.fabric,
-        "fabric_name": result.fabric_name,
-        "env": dict(result.env),
-        "shards": [
-            {
-                "node": s.node_id,
-                "rank": s.rank,
-                "gpu_indices": list(s.gpu_indices),
-                "hcas": list(s.hcas),
-                "http_port": s.http_port,
-                "power_w": s.power_w,
-                "install_engine": s.install_engine,
-            }
-            for s in result.shards
-        ],
-        "reasons": dict(result.reasons),
-    }
+        return Response(DryRunOut({"placed": sum(1 for p in plans if p.ok), "plans": plans}).data)

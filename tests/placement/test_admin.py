@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import uuid
+
 import pytest
 from django.test import Client
 
+from inventory.models import Allocation
 from inventory.nodes import change_state
+from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, PlacementEvent, PowerBudget, Replica
 from placement.reconciler import reconcile
 from tests.factories import make_node
@@ -65,3 +70,26 @@ def test_pause_action_needs_change_permission(operator, viewer, setup):
     assert Deployment.objects.get().paused is True
     ev = PlacementEvent.objects.get(kind="paused")
     assert ev.actor_name == "operator"
+
+
+def test_power_budgets_show_what_is_claimed_under_each(operator, now):
+    make_node("a", now=now, labels={"rack": "r1", "topology.llmgw.io/pdu": "p1"})
+    make_node("b", now=now, labels={"rack": "r1"})
+    make_node("c", now=now, labels={"rack": "r2", "topology.llmgw.io/pdu": "p1"})
+    make_node("d", now=now)
+    for node_id, watts in [("a", 2800.0), ("a", 700.5), ("b", 1400.0), ("c", 350.0), ("d", 5000.0)]:
+        Allocation.objects.create(node_id=node_id, replica_id=uuid.uuid4(), shard_id=uuid.uuid4(), power_w=watts)
+    PowerBudget.objects.create(label_key="rack", label_value="r1", budget_w=40_000)
+    PowerBudget.objects.create(label_key="rack", label_value="r2", budget_w=0)
+    PowerBudget.objects.create(label_key="rack", label_value="r3", budget_w=1_000)
+    PowerBudget.objects.create(label_key="topology.llmgw.io/pdu", label_value="p1", budget_w=3_000)
+    page = login(operator).get("/admin/placement/powerbudget/").content.decode()
+    cells = re.findall(r'<td class="field-claimed">([^<]*)</td>', page)
+    # Ordered by key then value: rack=r1, r2, r3, then the PDU.
+    assert cells == ["4,900 (12%)", "350", "0 (0%)", "3,850 (128%)"]
+    # The planner's own count.
+    assert snapshots.build().budget_used == {
+        ("rack", "r1"): 4900.5,
+        ("rack", "r2"): 350.0,
+        ("topology.llmgw.io/pdu", "p1"): 3850.5,
+    }

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from rest_framework.test import APIClient
 
+from placement import planner
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.reconciler import reconcile
+from placement.serializers import DryRunOut
 from tests.factories import make_node
 
 pytestmark = pytest.mark.django_db
@@ -216,3 +220,64 @@ def test_an_agent_credential_is_not_an_operator(client, settings):
         assert client.get(f"/api/v1/{name}/", **auth).status_code in (401, 403)
     r = client.post("/api/v1/placement/dry-run", {}, content_type="application/json", **auth)
     assert r.status_code in (401, 403)
+
+
+def test_dry_run_body_exactly(viewer, now, profile):
+    make_node("a", now=now, gpus=4)
+    make_node("b", now=now, gpus=2)
+    r = client(viewer).post("/api/v1/placement/dry-run", {"profile": profile.id, "replicas": 2}, format="json")
+    shard = {
+        "node": "a",
+        "rank": 0,
+        "gpu_indices": [0, 1, 2, 3],
+        "hcas": [],
+        "http_port": 18000,
+        "power_w": 2800.0,
+        "install_engine": False,
+    }
+    plan = {"ok": True, "nvlink_domain": "", "fabric": "", "fabric_name": "", "env": {}}
+    refusal = {
+        "ok": False,
+        "reason": "0 free GPUs, needs 4 (a); 2 free GPUs, needs 4 (b)",
+        "reasons": {"a": "0 free GPUs, needs 4", "b": "2 free GPUs, needs 4"},
+    }
+    body = {"placed": 1, "plans": [{**plan, "shards": [shard], "reasons": {"b": "2 free GPUs, needs 4"}}, refusal]}
+    assert r.content.decode() == json.dumps(body, separators=(",", ":"))
+
+
+def test_dry_run_renders_every_part_of_a_plan():
+    shard = planner.ShardPlan(
+        node_id="a", rank=1, gpu_indices=(2, 3), hcas=("mlx5_0",), http_port=18002, power_w=1400.0, install_engine=True
+    )
+    result = planner.Plan(
+        shards=(shard,),
+        nvlink_domain="nvl:x",
+        fabric="sm:0x1",
+        fabric_name="ib-a",
+        env={"NCCL_IB_HCA": "mlx5_0"},
+        reasons={"b": "cordoned"},
+    )
+    assert DryRunOut({"placed": 1, "plans": [result]}).data == {
+        "placed": 1,
+        "plans": [
+            {
+                "ok": True,
+                "nvlink_domain": "nvl:x",
+                "fabric": "sm:0x1",
+                "fabric_name": "ib-a",
+                "env": {"NCCL_IB_HCA": "mlx5_0"},
+                "shards": [
+                    {
+                        "node": "a",
+                        "rank": 1,
+                        "gpu_indices": [2, 3],
+                        "hcas": ["mlx5_0"],
+                        "http_port": 18002,
+                        "power_w": 1400.0,
+                        "install_engine": True,
+                    }
+                ],
+                "reasons": {"b": "cordoned"},
+            }
+        ],
+    }
