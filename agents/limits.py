@@ -43,6 +43,7 @@ def _fabric(path: str, f: wire.GPUFabric | None, out: list[dict]) -> None:
     _long(f"{path}.cluster_uuid", f.cluster_uuid, _max(GPU, "cluster_uuid"), out)
     _long(f"{path}.clique_id", f.clique_id, _max(GPU, "clique_id"), out)
     _long(f"{path}.bandwidth", f.bandwidth, _max(GPU, "fabric_bandwidth"), out)
+    _long(f"{path}.health", f.health, _max(GPU, "fabric_health"), out)
     # The node's domain is "<cluster>/<clique>".
     if len(f.cluster_uuid) + 1 + len(f.clique_id) > _max(Node, "nvlink_domain"):
         out.append({"field": f"{path}.cluster_uuid", "problem": "cluster UUID and clique id together are too long"})

@@ -119,6 +119,9 @@ class GPUFabric(Message):
     cluster_uuid: Short = ""
     clique_id: Short = ""
     bandwidth: Short = ""
+    # The driver's health summary of the card's fabric (Healthy, Unhealthy,
+    # Limited Capacity); "" when the driver does not say.
+    health: Short = ""
 
 
 class GPU(Message):

@@ -108,6 +108,7 @@ class GPURow:
     cluster_uuid: str
     clique_id: str
     fabric_bandwidth: str
+    fabric_health: str
     ecc_errors: int
     problems: list[str]
 
@@ -319,6 +320,28 @@ def check_nvlink_bandwidth(inv: Inventory) -> CheckResult:
     )
 
 
+def check_nvlink_health(inv: Inventory) -> CheckResult:
+    """Cards whose driver says their NVLink fabric is unhealthy or of limited capacity."""
+    found: dict[str, list[str]] = {}
+    for n in inv.nodes:
+        for g in inv.gpus(n.id):
+            if gpu_rules.fabric_unhealthy(g.fabric_health):
+                found.setdefault(n.id, []).append(
+                    f"GPU {g.index} NVLink fabric health {g.fabric_health}: the node is kept out of multi-node "
+                    "NVLink placement"
+                )
+    return _verdict(
+        "nvlink_health",
+        found,
+        fails=set(found),
+        ok="no card reports an unhealthy NVLink fabric",
+        bad="{n} node(s) with a card whose NVLink fabric is unhealthy",
+        action="read `nvidia-smi -q` Fabric > Health on the card (Incorrect Configuration, Route Unhealthy, "
+        "Partition Assigned say why) and the fabric manager's log; drain the node before restarting the "
+        "fabric manager, which drops every card",
+    )
+
+
 def check_nvlink_domains(inv: Inventory) -> CheckResult:
     """A node whose cards are joined to two different NVLink domains."""
     found: dict[str, list[str]] = {}
@@ -511,11 +534,17 @@ def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
     """Active InfiniBand ports that their fabric's latest ibnetdiscover map does not show."""
     maps: dict[str, scans.FabricMap] = {}
     found: dict[str, list[str]] = {}
+    # Fabrics with active ports and no map yet, and the nodes on them: "ok"
+    # there would claim coverage nobody has checked.
+    unscanned: dict[str, set[str]] = {}
     for n in inv.nodes:
         for p in inv.ports(n.id):
             key = fabric_rules.fabric_key(p, inv.canon)
-            scan = inv.scans.get(key) if key.startswith("sm:") else None
+            if not key.startswith("sm:"):
+                continue
+            scan = inv.scans.get(key)
             if scan is None or not scan.output:
+                unscanned.setdefault(key, set()).add(n.id)
                 continue
             if key not in maps:
                 maps[key] = scans.fabric_map(key, scan.output)
@@ -525,7 +554,7 @@ def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
                     f"{scans.port_label(p.hca, p.port)} ({p.port_guid or p.node_guid}) absent from the scan of "
                     f"{key} taken {when:%Y-%m-%d %H:%M:%S}"
                 )
-    return _verdict(
+    result = _verdict(
         "ib_scan_coverage",
         found,
         fails=set(),
@@ -533,6 +562,29 @@ def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
         bad="{n} node(s) with ports missing from their fabric's map",
         action="a port the map lacks is cabled elsewhere or came up after the scan: compare `ibstat` on the "
         "node with the switch's port, and wait for the next scan before recabling",
+    )
+    if not unscanned:
+        return result
+    never = [
+        f"{key}: never scanned ({len(ids)} node(s): {', '.join(sorted(ids))})" for key, ids in sorted(unscanned.items())
+    ]
+    what = (
+        f"{len(unscanned)} InfiniBand fabric(s) never scanned"
+        if result.result == Result.PASS
+        else f"{result.summary}; {len(unscanned)} fabric(s) never scanned"
+    )
+    todo = (
+        "no ibnetdiscover map has come back for these fabrics: check that Celery beat runs "
+        f"(a scan is asked every {settings.LLMGW_FABRIC_SCAN_INTERVAL} s) and that infiniband-diags is installed "
+        "on their nodes; an admin can read the error of a failed scan at /admin/fabrics/"
+    )
+    return CheckResult(
+        "ib_scan_coverage",
+        Result.WARN,
+        what,
+        f"{result.action}; {todo}" if result.action else todo,
+        sorted(set(result.nodes) | {i for ids in unscanned.values() for i in ids}),
+        result.details + never,
     )
 
 
@@ -615,6 +667,7 @@ CHECKS: tuple[Callable[[Inventory], CheckResult], ...] = (
     check_clock_skew,
     check_nvlink_joined,
     check_nvlink_bandwidth,
+    check_nvlink_health,
     check_nvlink_domains,
     check_imex,
     check_ib_physical_fabric,

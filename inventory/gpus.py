@@ -93,19 +93,35 @@ def bandwidth_degraded(bandwidth: str) -> bool:
     return b not in ("", "full", "n/a", "not supported")
 
 
+# Health summaries that say the fabric is fine, or say nothing (older drivers).
+_HEALTHY_SUMMARIES = frozenset({"", "healthy", "n/a", "not supported"})
+
+
+def fabric_unhealthy(health: str) -> bool:
+    """Whether a card's fabric health summary says it is not fit to carry NVLink traffic.
+
+    "Unhealthy" and "Limited Capacity" (NVML's third summary) both count: the
+    card is joined on paper, and a collective across the domain would stall
+    or crawl on it. An empty or "Not Supported" summary is an older driver
+    that does not say, never a fault.
+    """
+    return (health or "").strip().lower() not in _HEALTHY_SUMMARIES
+
+
 def node_domain(gpus: Iterable[Any]) -> str:
     """The NVLink domain of a node: the one every card is joined to, "" otherwise.
 
     A node half joined (a card still coming up, or one that fell out) is in
     none: a replica that counts on its NVLink would find a card without it.
-    A node with no GPUs is in none either.
+    A card whose fabric health is unhealthy or limited keeps its node out
+    too. A node with no GPUs is in none either.
     """
     domain = ""
     seen = False
     for g in gpus:
         seen = True
         d = gpu_domain(g.fabric_state, g.fabric_status, g.cluster_uuid, g.clique_id)
-        if not d or (domain and d != domain):
+        if not d or (domain and d != domain) or fabric_unhealthy(getattr(g, "fabric_health", "")):
             return ""
         domain = d
     return domain if seen else ""

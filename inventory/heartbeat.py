@@ -213,7 +213,7 @@ def apply_gpu_fabrics(
     """
     rows = list(
         GPU.objects.filter(node_id=node_id).only(
-            "id", "index", "fabric_state", "fabric_status", "cluster_uuid", "clique_id", "fabric_bandwidth"
+            "id", "index", "fabric_state", "fabric_status", "cluster_uuid", "clique_id", "fabric_bandwidth", "fabric_health"
         )
     )
     by_index = {g.index: g for g in rows}
@@ -228,6 +228,7 @@ def apply_gpu_fabrics(
             "cluster_uuid": f.cluster_uuid if f else "",
             "clique_id": f.clique_id if f else "",
             "fabric_bandwidth": f.bandwidth if f else "",
+            "fabric_health": f.health if f else "",
         }
         if any(getattr(row, k) != v for k, v in values.items()):
             for k, v in values.items():

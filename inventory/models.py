@@ -145,6 +145,9 @@ class GPU(models.Model):
     cluster_uuid = models.CharField("cluster UUID", max_length=128, blank=True)
     clique_id = models.CharField(max_length=64, blank=True)
     fabric_bandwidth = models.CharField(max_length=64, blank=True)
+    # The driver's health summary of the card's fabric ("" not reported): a
+    # joined card that says Unhealthy keeps its node out of the domain.
+    fabric_health = models.CharField(max_length=64, blank=True)
     ecc_errors = models.IntegerField("ECC errors", default=0)
     temperature_c = models.IntegerField(default=0)
     problems = models.JSONField(default=list, blank=True)

@@ -140,6 +140,7 @@ def _gpu_fields(g: wire.GPU) -> dict:
         "cluster_uuid": fabric.cluster_uuid if fabric else "",
         "clique_id": fabric.clique_id if fabric else "",
         "fabric_bandwidth": fabric.bandwidth if fabric else "",
+        "fabric_health": fabric.health if fabric else "",
         "ecc_errors": g.ecc_errors or 0,
         "temperature_c": g.temperature_c or 0,
         "problems": list(g.problems),
@@ -217,6 +218,7 @@ class _Fabric:
         self.fabric_status = fabric.status if fabric else ""
         self.cluster_uuid = fabric.cluster_uuid if fabric else ""
         self.clique_id = fabric.clique_id if fabric else ""
+        self.fabric_health = fabric.health if fabric else ""
 
 
 def _replace_hardware(node: Node, reg: wire.Register) -> None:

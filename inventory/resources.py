@@ -36,13 +36,15 @@ def local_disk(storage: Iterable[Any]) -> tuple[int, int]:
     return free, total
 
 
-def knows_its_weights(weights_reported: bool, weights: Iterable[Any]) -> bool:
+def knows_its_weights(weights_reported: bool) -> bool:
     """Whether the node was asked to look for weights at all.
 
     A node reporting none because nobody configured a directory must not be
-    excluded from placement; one that looked and has none should be.
+    excluded from placement; one that looked and has none should be. So it
+    is whether the agent looked (sent a list, empty or not), never whether it
+    found anything: an empty list from a node that looked is "has none".
     """
-    return weights_reported and any(True for _ in weights)
+    return weights_reported
 
 
 def has_weights(weights: Iterable[Any], source: str) -> bool:

@@ -42,6 +42,9 @@ _LINK = re.compile(
 _DESC = re.compile(r'#\s*"(?P<desc>[^"]*)"')
 
 _KIND = {"Switch": "switch", "Ca": "ca", "Rt": "router"}
+# A SHARP aggregation node: the in-network reduction engine of a Quantum
+# switch, which ibnetdiscover lists as a CA of its own (one per switch).
+_AGGREGATION_NODE = "aggregation node"
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,11 @@ class ScanNode:
     description: str
     port_guids: tuple[str, ...] = ()
 
+    @property
+    def aggregation_node(self) -> bool:
+        """Whether this CA is a switch's SHARP aggregation node, not a host's adapter."""
+        return self.kind == "ca" and _AGGREGATION_NODE in self.description.lower()
+
 
 @dataclass(frozen=True)
 class FabricMap:
@@ -63,6 +71,9 @@ class FabricMap:
     node_guids: frozenset[str] = frozenset()
     port_guids: frozenset[str] = frozenset()
     links: int = 0
+    # CAs the map lists with no port GUID line (a lone adapter seeing only
+    # itself has no link to print one on): only their node GUID can match.
+    portless_guids: frozenset[str] = frozenset()
 
     @property
     def switches(self) -> int:
@@ -71,8 +82,13 @@ class FabricMap:
 
     @property
     def cas(self) -> int:
-        """How many channel adapters (HCAs) the map shows."""
-        return sum(1 for n in self.nodes if n.kind == "ca")
+        """How many hosts' channel adapters (HCAs) the map shows, SHARP aggregation nodes left out."""
+        return sum(1 for n in self.nodes if n.kind == "ca" and not n.aggregation_node)
+
+    @property
+    def aggregation_nodes(self) -> int:
+        """How many SHARP aggregation nodes (one per Quantum switch with SHARP) the map shows."""
+        return sum(1 for n in self.nodes if n.aggregation_node)
 
     @property
     def routers(self) -> int:
@@ -82,12 +98,15 @@ class FabricMap:
     def has_port(self, *, port_guid: str = "", node_guid: str = "") -> bool | None:
         """Whether the map shows an adapter's port: by its port GUID, else by its node GUID.
 
-        None when the port gives neither GUID, so nothing can be said.
+        A CA the map lists without any port GUID (a single adapter that sees
+        only itself) is matched by its node GUID even when the port gives a
+        port GUID: the map has nothing else to match it by. None when the port
+        gives neither GUID, so nothing can be said.
         """
         pg = fabric_rules.canonical_guid(port_guid)
-        if pg:
-            return pg in self.port_guids
         ng = fabric_rules.canonical_guid(node_guid)
+        if pg:
+            return pg in self.port_guids or (bool(ng) and ng in self.portless_guids)
         if ng:
             return ng in self.node_guids
         return None
@@ -174,7 +193,13 @@ def parse_ibnetdiscover(text: str) -> FabricMap:
         ScanNode(kind=n.kind, guid=n.guid, ports=n.ports, description=n.description, port_guids=tuple(n.port_guids))
         for n in nodes
     )
-    return FabricMap(nodes=built, node_guids=frozenset(node_guids), port_guids=frozenset(port_guids), links=links)
+    return FabricMap(
+        nodes=built,
+        node_guids=frozenset(node_guids),
+        port_guids=frozenset(port_guids),
+        links=links,
+        portless_guids=frozenset(n.guid for n in built if n.kind == "ca" and not n.port_guids),
+    )
 
 
 # --- scheduling -------------------------------------------------------------

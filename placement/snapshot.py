@@ -472,7 +472,7 @@ def build(*, unique_ports: bool | None = None) -> Snapshot:
             disk_free_bytes=disk_free,
             # Both zero is unknown, not a full disk.
             disk_known=storage_rep and (disk_free, disk_total) != (0, 0),
-            weights=frozenset(found) if resources.knows_its_weights(weights_rep, found) else None,
+            weights=frozenset(found) if resources.knows_its_weights(weights_rep) else None,
             engines=frozenset(engine_versions or {}) | installed.get(node_id, set()),
             engines_probed=probed,
             engines_blocked=installs.get(node_id, {}),

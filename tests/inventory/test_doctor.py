@@ -11,6 +11,7 @@ from django.core.management.base import CommandError
 
 from inventory import doctor, fabric, scans
 from inventory.doctor import Result
+from inventory.models import Node
 from inventory.nodes import change_state
 from placement.models import Deployment, EngineProfile, Replica
 from tests.factories import gpu_payload, make_node
@@ -107,6 +108,22 @@ def test_nvlink_bandwidth(now):
         ["tray-2"],
         ["tray-2: GPU 1 NVLink bandwidth Degraded"],
     )
+
+
+def test_nvlink_health_unhealthy_card_keeps_the_node_out(now):
+    nvl_node("tray-1", now)
+    assert_result(run(doctor.check_nvlink_health, now), Result.PASS, [])
+    # The recorded GB200 card: joined (Completed, Success), full bandwidth, Summary Unhealthy.
+    node = nvl_node("tray-2", now, g2={"health": "Unhealthy"})
+    assert node.nvlink_domain == ""
+    assert_result(
+        run(doctor.check_nvlink_health, now),
+        Result.FAIL,
+        ["tray-2"],
+        ["tray-2: GPU 2 NVLink fabric health Unhealthy: the node is kept out of multi-node NVLink placement"],
+    )
+    nvl_node("tray-3", now, g0={"health": "Healthy"})
+    assert Node.objects.get(id="tray-3").nvlink_domain == f"{CLUSTER}/7"
 
 
 def test_nvlink_domains(now):
@@ -241,8 +258,11 @@ def test_ib_scan_coverage(now):
     # a's adapter is in the recorded map (sysfs spelling); b's is not.
     put("a", now=now, ports=[ib_port(port_guid="78e7:d103:0022:97fd", node_guid="78e7:d103:0022:97fc")])
     put("b", now=now, ports=[ib_port(port_guid="0xa088c20300ab0001")])
-    # No scan yet: nothing to compare with.
-    assert_result(run(doctor.check_ib_scan_coverage, now), Result.PASS, [])
+    # No scan yet: not "ok", a warning saying so and what to do.
+    r = run(doctor.check_ib_scan_coverage, now)
+    assert_result(r, Result.WARN, ["a", "b"], [f"sm:{SM_A}: never scanned (2 node(s): a, b)"])
+    assert r.summary == "1 InfiniBand fabric(s) never scanned"
+    assert "Celery beat" in r.action
     [order] = scans.schedule_fabric_scans(now=now)
     fabric.set_scan(
         key=order.key, at=now, node_id="a", port="mlx5_0/1", output=recorded("x5-qdr-2020.topo"), error="", took_s=2
@@ -259,6 +279,16 @@ def test_ib_scan_coverage(now):
     r = run(doctor.check_ib_scan_coverage, later)
     assert_result(r, Result.WARN, ["b"])
     assert r.details[0].endswith("taken 2026-11-30 12:00:00")
+
+
+def test_ib_scan_coverage_of_a_lone_ca_that_sees_only_itself(now):
+    make_node("a", now=now, gpus=0)
+    # The map lists the CA with its node GUID and no port GUID line.
+    put("a", now=now, ports=[ib_port(port_guid="0002:c900:0001:7dfe", node_guid="0002:c900:0001:7dfd")])
+    [order] = scans.schedule_fabric_scans(now=now)
+    text = "\n".join(line for line in recorded("sharp-an-hdr-excerpt.topo").splitlines()[7:] if "S-0002" not in line)
+    fabric.set_scan(key=order.key, at=now, node_id="a", port="mlx5_0/1", output=text, error="", took_s=1)
+    assert_result(run(doctor.check_ib_scan_coverage, now), Result.PASS, [])
 
 
 # --- GPUs, engines, replicas ------------------------------------------------
@@ -317,7 +347,16 @@ def test_replicas_pending(now):
 
 def healthy_cluster(now):
     nvl_node("tray-1", now, fabrics=IB0)
-    put("tray-1", now=now, ports=[ib_port("mlx5_0"), ib_port("mlx5_1")])
+    # Two adapter ports of the recorded QDR map, and that map as the fabric's last scan.
+    put(
+        "tray-1",
+        now=now,
+        ports=[ib_port("mlx5_0", port_guid="78e7:d103:0022:97fd"), ib_port("mlx5_1", port_guid="0x003048c749cd0001")],
+    )
+    [order] = scans.schedule_fabric_scans(now=now)
+    fabric.set_scan(
+        key=order.key, at=now, node_id="tray-1", port="mlx5_0/1", output=recorded("x5-qdr-2020.topo"), error="", took_s=2
+    )
 
 
 def test_run_on_a_healthy_cluster_passes_every_check(now):

@@ -85,6 +85,17 @@ def test_gpu_fabric_updates_recompute_the_nvlink_domain(now):
     assert NodeEvent.objects.filter(node_id="node-a", kind="nvlink").count() == 2
 
 
+def test_a_card_turning_unhealthy_takes_the_node_out_of_its_domain(now):
+    make_node("node-a", now=now)
+    fabrics = [{"index": i, "fabric": {**joined_fabric(), "health": "Healthy"}} for i in range(8)]
+    beat(now, gpu_fabrics=fabrics)
+    assert Node.objects.get(id="node-a").nvlink_domain == "c0ffee00-0000-0000-0000-000000000001/3"
+    fabrics[6] = {"index": 6, "fabric": {**joined_fabric(), "health": "Unhealthy"}}
+    beat(now + dt.timedelta(seconds=60), gpu_fabrics=fabrics)
+    assert Node.objects.get(id="node-a").nvlink_domain == ""
+    assert GPU.objects.get(node_id="node-a", index=6).fabric_health == "Unhealthy"
+
+
 def test_engine_installs_written_only_when_changed(now):
     make_node("node-a", now=now)
     installs = [{"engine": "vllm", "version": "0.11.0", "state": "installing"}]

@@ -101,9 +101,9 @@ def test_a_node_that_never_looked_constrains_nothing(now):
     make_node("looked-empty", now=now, weights=[])
     make_node("looked", now=now, weights=[{"path": "/models/x"}])
     nodes = {n.id: n for n in Node.objects.all()}
-    assert resources.knows_its_weights(nodes["never-looked"].weights_reported, []) is False
-    assert nodes["looked-empty"].weights_reported is True
-    assert resources.knows_its_weights(True, LocalWeights.objects.filter(node_id="looked")) is True
+    assert resources.knows_its_weights(nodes["never-looked"].weights_reported) is False
+    assert resources.knows_its_weights(nodes["looked-empty"].weights_reported) is True
+    assert resources.knows_its_weights(nodes["looked"].weights_reported) is True
 
 
 def test_wire_storage_none_is_not_empty():
@@ -111,7 +111,6 @@ def test_wire_storage_none_is_not_empty():
     assert wire.Register(node_id="n", storage=[]).storage == []
 
 
-def test_only_a_node_that_looked_and_found_weights_knows_them():
-    assert resources.knows_its_weights(True, []) is False
-    assert resources.knows_its_weights(False, [wire.LocalWeights(path="/models/x")]) is False
-    assert resources.knows_its_weights(True, [wire.LocalWeights(path="/models/x")]) is True
+def test_a_node_that_looked_and_found_nothing_knows_it_has_none():
+    assert resources.knows_its_weights(True) is True
+    assert resources.knows_its_weights(False) is False

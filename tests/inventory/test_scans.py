@@ -81,6 +81,32 @@ def test_has_port_compares_sysfs_spellings():
     assert m.has_port() is None
 
 
+def test_sharp_aggregation_nodes_are_counted_apart_from_hosts_adapters():
+    m = scans.parse_ibnetdiscover(recorded("sharp-an-hdr-excerpt.topo"))
+    assert (m.cas, m.aggregation_nodes, m.switches) == (1, 1, 0)
+    an = next(n for n in m.nodes if n.aggregation_node)
+    assert (an.guid, an.description) == ("0x0002c90000020cf9", "Mellanox Technologies Aggregation Node")
+    # The real QDR map has none, and keeps its 89 adapters.
+    assert scans.parse_ibnetdiscover(recorded("x5-qdr-2020.topo")).aggregation_nodes == 0
+
+
+def lone_ca_map() -> str:
+    """The recorded HDR host adapter's block without its link line: a CA that sees only itself."""
+    return "\n".join(line for line in recorded("sharp-an-hdr-excerpt.topo").splitlines()[7:] if "S-0002" not in line)
+
+
+def test_a_lone_ca_without_port_guid_lines_matches_by_node_guid():
+    m = scans.parse_ibnetdiscover(lone_ca_map())
+    assert (m.cas, m.links, m.port_guids) == (1, 0, frozenset())
+    # sysfs gives both GUIDs; the map has only the node's.
+    assert m.has_port(port_guid="0002:c900:0001:7dfe", node_guid="0002:c900:0001:7dfd") is True
+    assert m.has_port(port_guid="0002:c900:0001:7dfe", node_guid="0002:c900:0001:0000") is False
+    # A CA the map shows with its port GUID is still matched by that port only.
+    full = scans.parse_ibnetdiscover(recorded("sharp-an-hdr-excerpt.topo"))
+    assert full.has_port(port_guid="0002:c900:0001:0000", node_guid="0002:c900:0001:7dfd") is False
+    assert full.has_port(port_guid="0002:c900:0001:7dfe", node_guid="0002:c900:0001:7dfd") is True
+
+
 def test_garbage_and_empty_text_give_an_empty_map():
     assert scans.parse_ibnetdiscover("") == scans.FabricMap()
     m = scans.parse_ibnetdiscover("ibwarn: [1234] mad_rpc_open_port: can't open UMAD port\nsrc/ibnetdisc.c:123\n")

@@ -219,3 +219,15 @@ def test_a_local_filesystem_reporting_zero_bytes_is_unknown_local_disk(now):
     snap = snapshots.build()
     assert (snap.nodes["a"].disk_free_bytes, snap.nodes["a"].disk_known) == (0, False)
     assert plan(ReplicaRequest(model_path="org/model", disk_gb=140), snap).node_ids == ["a"]
+
+
+def test_a_node_that_looked_for_weights_and_found_none_is_excluded_from_a_local_path(now):
+    make_node("looked-empty", now=now, gpus=1, weights=[])
+    make_node("never-looked", now=now, gpus=1)
+    snap = snapshots.build()
+    assert (snap.nodes["looked-empty"].weights, snap.nodes["never-looked"].weights) == (frozenset(), None)
+    assert plan(ReplicaRequest(model_path="/models/llama-70b"), snap).node_ids == ["never-looked"]
+    # With the node that never looked out of the way, the one that looked is refused, saying why.
+    change_state("never-looked", "cordoned", now=now)
+    refused = plan(ReplicaRequest(model_path="/models/llama-70b"), snapshots.build())
+    assert refused.reasons["looked-empty"] == "weights /models/llama-70b not present"

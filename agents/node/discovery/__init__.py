@@ -55,7 +55,9 @@ class Discovery:
     cpu_count: int | None
     gpus: list[wire.GPU]
     storage: list[wire.Storage]
-    weights: list[wire.LocalWeights]
+    # None when no model directory is configured: the node did not look,
+    # which must not read as "has no weights" at the control plane.
+    weights: list[wire.LocalWeights] | None
     imex: wire.IMEX | None
     engine_versions: dict[str, str]
     engines_probed: bool
@@ -176,7 +178,7 @@ def discover(*, root: Path | None, model_dirs: list[str]) -> Discovery:
         sizes = storage.parse_df(df.stdout) if df.ok else None
     stor, stor_problems = storage.storage_for(model_dirs, mounts, sizes, root)
     problems += stor_problems
-    weights = storage.find_weights(model_dirs, mounts, root)
+    weights = storage.find_weights(model_dirs, mounts, root) if model_dirs else None
     imex_state, imex_problems = read_imex(root)
     problems += imex_problems
     versions, engine_problems = probe_engines(root, timeout=TOOL_TIMEOUT)

@@ -19,6 +19,9 @@ from .readings import GPUReading
 _KV = re.compile(r"^(\s*)(\S.*?)\s+:\s?(.*)$")
 _GPU_HEADER = re.compile(r"^GPU ([0-9A-Fa-f]{4,8}:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-9A-Fa-f])\s*$")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# The 610 drivers append a note to values they mean to retire:
+# "610.47 [Deprecated; will be removed in CUDA 14.0. Use KMD Version instead]".
+_NOTE = re.compile(r"\s*\[[^\]]*\]\s*$")
 _ABSENT = {
     "",
     "n/a",
@@ -81,6 +84,21 @@ def _s(d: Any, *path: str) -> str:
     return "" if d.strip().lower() in _ABSENT else d.strip()
 
 
+def version(top: dict[str, Any], *keys: str) -> str:
+    """The first of `keys` that the header gives, without a trailing bracketed note.
+
+    The 610 drivers renamed "Driver Version" to "KMD Version" and "CUDA
+    Version" to "CUDA UMD Version", keeping the old keys (with a deprecation
+    note) for a while: the new keys are read first, the old ones serve older
+    drivers and will serve nothing once removed.
+    """
+    for key in keys:
+        value = _NOTE.sub("", _s(top, key))
+        if value:
+            return value
+    return ""
+
+
 def _num(d: Any, *path: str) -> float | None:
     m = _NUMBER.search(_s(d, *path))
     return float(m.group(0)) if m else None
@@ -108,13 +126,15 @@ def parse_fabric(block: Any) -> wire.GPUFabric | None:
     state = _s(block, "State")
     if not state:
         return None
-    bandwidth = _s(block, "Health", "Bandwidth")
     return wire.GPUFabric(
         state=state,
         status=_s(block, "Status"),
         cluster_uuid=_s(block, "ClusterUUID"),
         clique_id=_s(block, "CliqueId"),
-        bandwidth=bandwidth,
+        bandwidth=_s(block, "Health", "Bandwidth"),
+        # The driver's own verdict on the card's fabric: a card can be joined
+        # (Completed, Success) and still say Unhealthy, and NCCL over it fails.
+        health=_s(block, "Health", "Summary"),
     )
 
 
@@ -205,8 +225,8 @@ def parse_query(text: str) -> SmiReport:
         else:
             header.append(line)
     top = parse_tree(header)
-    report.driver_version = _s(top, "Driver Version")
-    report.cuda_version = _s(top, "CUDA Version")
+    report.driver_version = version(top, "KMD Version", "Driver Version")
+    report.cuda_version = version(top, "CUDA UMD Version", "CUDA Version")
     for i, (bus_id, lines) in enumerate(blocks):
         report.gpus.append(_gpu(i, bus_id, parse_tree(lines), report.driver_version, report.cuda_version))
     return report

@@ -28,6 +28,8 @@ THROTTLE_BITS = {
     0x100: "Display Clock Setting",
 }
 _BANDWIDTH = {0: "", 1: "Degraded", 2: "Full"}
+# NVML_GPU_FABRIC_HEALTH_SUMMARY_*: 0 is a driver that does not say.
+_HEALTH_SUMMARY = {0: "", 1: "Healthy", 2: "Unhealthy", 3: "Limited Capacity"}
 
 
 def _status_name(code: int) -> str:
@@ -35,7 +37,8 @@ def _status_name(code: int) -> str:
 
 
 def fabric_from_nvml(raw: dict[str, Any] | None) -> wire.GPUFabric | None:
-    """NVML's fabric info ({state, status, cluster_uuid: 16 bytes, clique_id, health_mask}) as the wire has it."""
+    """NVML's fabric info ({state, status, cluster_uuid: 16 bytes, clique_id, health_mask, health_summary})
+    as the wire has it; health_summary is absent where only fabric info v2 answered."""
     if not raw:
         return None
     state = FABRIC_STATES.get(int(raw.get("state", 0)), str(raw.get("state")))
@@ -51,6 +54,7 @@ def fabric_from_nvml(raw: dict[str, Any] | None) -> wire.GPUFabric | None:
         cluster_uuid=cluster,
         clique_id=str(raw.get("clique_id", "")),
         bandwidth=bandwidth,
+        health=_HEALTH_SUMMARY.get(int(raw["health_summary"]), "") if raw.get("health_summary") is not None else "",
     )
 
 
@@ -182,15 +186,32 @@ def query_device(nvml: Any, handle: Any) -> dict[str, Any]:
 
 
 def _fabric_info(nvml: Any, handle: Any) -> dict[str, Any]:
-    info = nvml.c_nvmlGpuFabricInfoV_t()
-    nvml.nvmlDeviceGetGpuFabricInfoV(handle, info)
-    return {
+    """Fabric info v3 (with the health summary) first, v2 where the driver or binding lacks it.
+
+    The health mask's bandwidth bits alone miss a card the driver calls
+    Unhealthy with full bandwidth; only v3 carries the summary.
+    """
+    info = None
+    v3 = getattr(nvml, "c_nvmlGpuFabricInfo_v3_t", None)
+    if v3 is not None:
+        try:
+            info = v3()
+            nvml.nvmlDeviceGetGpuFabricInfoV(handle, info)
+        except Exception:  # an older driver answers v3 with a version mismatch
+            info = None
+    if info is None:
+        info = nvml.c_nvmlGpuFabricInfoV_t()
+        nvml.nvmlDeviceGetGpuFabricInfoV(handle, info)
+    out = {
         "state": int(info.state),
         "status": int(info.status),
         "cluster_uuid": bytes(info.clusterUuid),
         "clique_id": int(info.cliqueId),
         "health_mask": int(getattr(info, "healthMask", 0)),
     }
+    if hasattr(info, "healthSummary"):
+        out["health_summary"] = int(info.healthSummary)
+    return out
 
 
 def _nvlink_links(nvml: Any, handle: Any) -> list[dict[str, Any]]:

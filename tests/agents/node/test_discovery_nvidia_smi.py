@@ -61,13 +61,45 @@ def test_gb200_half_joined(fixture_text):
 def test_fabric_unhealthy_summary_and_insufficient_resources(fixture_text):
     tree = nvidia_smi.parse_tree(fixture_text("nvidia-smi-q/gb200-fabric-unhealthy-excerpt.txt").splitlines())
     f = nvidia_smi.parse_fabric(tree["Fabric"])
-    assert (f.state, f.clique_id, f.cluster_uuid, f.bandwidth) == (
+    assert (f.state, f.clique_id, f.cluster_uuid, f.bandwidth, f.health) == (
         "Completed",
         "2",
         "dc6e40c4-d722-4357-9ba6-5291dd461278",
         "Full",
+        "Unhealthy",
     )
     tree = nvidia_smi.parse_tree(fixture_text("nvidia-smi-q/fabric-insufficient-resources-excerpt.txt").splitlines())
     f = nvidia_smi.parse_fabric(tree["Fabric"])
     assert (f.status, f.clique_id) == ("Insufficient Resources", "0")
     assert gpu_domain(f.state, f.status, f.cluster_uuid, f.clique_id) == ""
+
+
+def test_driver_610_reads_the_new_version_keys_without_their_notes(fixture_text):
+    header = fixture_text("nvidia-smi-q/driver-610-header.txt")
+    r = nvidia_smi.parse_query(header)
+    assert (r.driver_version, r.cuda_version) == ("610.47", "13.3")
+    # Once the deprecated keys are gone, the new ones still say it.
+    kept = [line for line in header.splitlines() if "Deprecated" not in line]
+    assert nvidia_smi.parse_query("\n".join(kept)).driver_version == "610.47"
+    # Only the deprecated keys (as a driver between the two might print): the note is stripped.
+    old = [line for line in header.splitlines() if "Deprecated" in line or "NVSMI" in line]
+    r = nvidia_smi.parse_query("\n".join(old))
+    assert (r.driver_version, r.cuda_version) == ("610.47", "13.3")
+
+
+def test_driver_610_card_carries_its_fabric_health(fixture_text):
+    # The 610 header (its wide key column) followed by a GB200 card whose Fabric section is the
+    # recorded unhealthy one: every card of the report takes the KMD version, and the summary.
+    text = (
+        fixture_text("nvidia-smi-q/driver-610-header.txt")
+        + "\nGPU 00000008:01:00.0\n"
+        + fixture_text("nvidia-smi-q/gb200-fabric-unhealthy-excerpt.txt")
+    )
+    r = nvidia_smi.parse_query(text)
+    g = r.gpus[0]
+    assert (g.driver_version, g.cuda_version, g.fabric.health, g.fabric.state) == (
+        "610.47",
+        "13.3",
+        "Unhealthy",
+        "Completed",
+    )

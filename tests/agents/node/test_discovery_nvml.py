@@ -119,3 +119,52 @@ def test_every_wear_counter_of_a_reading_reaches_the_heartbeat():
     assert wear.model_dump(include=set(counters)) == counters
     # XIDs are not a reading's: they stay "not reported" until the kernel's log is read.
     assert (wear.xid_errors, wear.last_xid, wear.last_xid_text) == (-1, 0, "")
+
+
+class FabricNVML:
+    """The fabric call of a driver: with fabric info v3 (health summary), or one that refuses v3."""
+
+    c_nvmlGpuFabricInfo_v3_t = pynvml.c_nvmlGpuFabricInfo_v3_t
+    c_nvmlGpuFabricInfoV_t = pynvml.c_nvmlGpuFabricInfoV_t
+
+    def __init__(self, *, v3: bool, summary: int = 0, mask: int = 0) -> None:
+        self.v3, self.summary, self.mask = v3, summary, mask
+
+    def nvmlDeviceGetGpuFabricInfoV(self, handle, info):
+        if isinstance(info, pynvml.c_nvmlGpuFabricInfo_v3_t):
+            if not self.v3:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+            info.healthSummary = self.summary
+        info.state = pynvml.NVML_GPU_FABRIC_STATE_COMPLETED
+        info.status = 0
+        info.cliqueId = 2
+        info.healthMask = self.mask
+        for i, b in enumerate(bytes.fromhex("dc6e40c4d72243579ba65291dd461278")):
+            info.clusterUuid[i] = b
+        return 0
+
+
+def test_fabric_health_summary_is_read_from_fabric_info_v3():
+    # Unhealthy with full bandwidth (the bandwidth bits alone would call this card fine).
+    raw = nvml._fabric_info(
+        FabricNVML(v3=True, summary=pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_UNHEALTHY, mask=2), handle=None
+    )
+    f = nvml.fabric_from_nvml(raw)
+    assert (f.state, f.cluster_uuid, f.clique_id, f.bandwidth, f.health) == (
+        "Completed",
+        "dc6e40c4-d722-4357-9ba6-5291dd461278",
+        "2",
+        "Full",
+        "Unhealthy",
+    )
+    limited = nvml._fabric_info(
+        FabricNVML(v3=True, summary=pynvml.NVML_GPU_FABRIC_HEALTH_SUMMARY_LIMITED_CAPACITY), handle=None
+    )
+    assert nvml.fabric_from_nvml(limited).health == "Limited Capacity"
+
+
+def test_a_driver_without_fabric_info_v3_falls_back_to_v2_and_says_nothing_of_health():
+    raw = nvml._fabric_info(FabricNVML(v3=False, mask=1), handle=None)
+    assert "health_summary" not in raw
+    f = nvml.fabric_from_nvml(raw)
+    assert (f.bandwidth, f.health) == ("Degraded", "")

@@ -163,3 +163,8 @@ def test_agent_code_imports_no_django():
     code = "import sys; sys.modules['django'] = None; import agents.node.discovery; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_no_model_directory_configured_means_weights_not_looked_for():
+    d = discover(root=PROFILES / "cpu-only", model_dirs=[])
+    assert d.weights is None
