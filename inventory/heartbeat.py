@@ -213,7 +213,14 @@ def apply_gpu_fabrics(
     """
     rows = list(
         GPU.objects.filter(node_id=node_id).only(
-            "id", "index", "fabric_state", "fabric_status", "cluster_uuid", "clique_id", "fabric_bandwidth", "fabric_health"
+            "id",
+            "index",
+            "fabric_state",
+            "fabric_status",
+            "cluster_uuid",
+            "clique_id",
+            "fabric_bandwidth",
+            "fabric_health",
         )
     )
     by_index = {g.index: g for g in rows}

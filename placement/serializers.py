@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rest_framework import serializers
 
-from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
+from placement.models import Deployment, Engine, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.planner import BINPACK, SPREAD
 
 
@@ -64,6 +64,21 @@ class ProfileIn(serializers.ModelSerializer):
 
     def validate_env(self, value):
         return _string_map(value, "env")
+
+    def validate(self, attrs):
+        def current(key: str) -> str:
+            return attrs.get(key, getattr(self.instance, key, "")) or ""
+
+        # llama-server's --alias splits on commas: the model would be served under other names.
+        if current("engine") == Engine.LLAMACPP:
+            for key in ("served_model_name", "name"):
+                if current(key):
+                    if "," in current(key):
+                        raise serializers.ValidationError(
+                            {key: "llama.cpp splits its served name on commas: choose a name without one"}
+                        )
+                    break
+        return attrs
 
 
 class DeploymentOut(serializers.ModelSerializer):

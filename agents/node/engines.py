@@ -16,12 +16,15 @@ ENGINES = ("vllm", "sglang", "llama-server", "echo")
 # Accepted spellings of the engine name in a profile.
 ALIASES = {"llama.cpp": "llama-server", "llamacpp": "llama-server", "llama_cpp": "llama-server"}
 
-# vLLM spans nodes without Ray from 0.11 (`--nnodes/--node-rank/--master-addr`,
-# workers `--headless`); before that only through a Ray cluster the agent does
-# not manage.
-VLLM_MP_MULTINODE = (0, 11)
-# SGLang's pipeline parallelism (`--pp-size`) arrived in 0.4.8.
-SGLANG_PP = (0, 4, 8)
+# vLLM spans nodes without Ray from 0.11.1 (`--nnodes/--node-rank/--master-addr/
+# --master-port`, workers `--headless`): 0.11.0 has none of these flags and
+# dies on them as unrecognized arguments. Before that only through a Ray
+# cluster the agent does not manage.
+VLLM_MP_MULTINODE = (0, 11, 1)
+# SGLang's pipeline parallelism (`--pp-size`) arrived in 0.4.6.post2: a
+# release key (major, minor, patch, post) says so, where a plain
+# version_tuple cannot tell 0.4.6 from 0.4.6.post2.
+SGLANG_PP = (0, 4, 6, 2)
 
 # The placement decides these; a profile's env must not quietly override them,
 # or a shard would run on GPUs or adapters another shard holds.
@@ -84,9 +87,31 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
+_POST = re.compile(r"\.?post(\d+)", re.I)
+
+
+def release_key(version: str) -> tuple[int, int, int, int]:
+    """ "0.4.6.post2" -> (0, 4, 6, 2); "0.11.0rc1" -> (0, 11, 0, 0); "" -> (0, 0, 0, 0).
+
+    The post-release number is what a floor such as SGLang's 0.4.6.post2
+    needs; a missing part counts as 0.
+    """
+    head = version.split("+")[0]
+    parts = [*version_tuple(head), 0, 0, 0]
+    post = _POST.search(head)
+    return parts[0], parts[1], parts[2], int(post.group(1)) if post else 0
+
+
 def _newer_or_unknown(version: str, floor: tuple[int, ...]) -> bool:
-    v = version_tuple(version)
-    return not v or v >= floor
+    if not version_tuple(version):
+        return True
+    return release_key(version) >= tuple(floor) + (0,) * (4 - len(floor))
+
+
+def _dotted(floor: tuple[int, ...]) -> str:
+    """A floor as its release is spelled: (0, 4, 6, 2) -> "0.4.6.post2", (0, 11, 1) -> "0.11.1"."""
+    base = ".".join(map(str, floor[:3]))
+    return f"{base}.post{floor[3]}" if len(floor) > 3 and floor[3] else base
 
 
 def _served_name(start: wire.StartShard) -> str:
@@ -112,7 +137,7 @@ def _vllm(start: wire.StartShard, version: str) -> Launch:
         if not _newer_or_unknown(version, VLLM_MP_MULTINODE):
             raise EngineError(
                 f"shard {start.shard_id}: vllm {version} spans nodes only through Ray; "
-                f"multi-node shards need vllm >= {'.'.join(map(str, VLLM_MP_MULTINODE))}"
+                f"multi-node shards need vllm >= {_dotted(VLLM_MP_MULTINODE)}"
             )
         addr, port = _leader(start)
         argv += ["--nnodes", str(start.nnodes), "--node-rank", str(start.rank)]
@@ -129,10 +154,14 @@ def _sglang(start: wire.StartShard, version: str) -> Launch:
         raise EngineError(f"shard {start.shard_id}: sglang needs the profile's model_path")
     argv = ["python3", "-m", "sglang.launch_server", "--model-path", p.model_path]
     argv += ["--host", BIND_HOST, "--port", str(start.http_port), "--served-model-name", _served_name(start)]
-    argv += ["--tp", str(p.tp)]
+    # The full name: SGLang has no `--tp`, only argparse's abbreviation of
+    # `--tp-size`, which breaks the day another `--tp...` flag appears.
+    argv += ["--tp-size", str(p.tp)]
     if p.pp > 1:
         if not _newer_or_unknown(version, SGLANG_PP):
-            raise EngineError(f"shard {start.shard_id}: sglang {version} has no pipeline parallelism (needs >= 0.4.8)")
+            raise EngineError(
+                f"shard {start.shard_id}: sglang {version} has no pipeline parallelism (needs >= {_dotted(SGLANG_PP)})"
+            )
         argv += ["--pp-size", str(p.pp)]
     health: str | None = "/health"
     if start.nnodes > 1:
@@ -152,8 +181,14 @@ def _llama_server(start: wire.StartShard) -> Launch:
         )
     if not p.model_path:
         raise EngineError(f"shard {start.shard_id}: llama-server needs the profile's model_path (a .gguf file)")
+    name = _served_name(start)
+    if "," in name:
+        # llama-server splits --alias on commas: "a,b" would serve two names, neither the one asked for.
+        raise EngineError(
+            f"shard {start.shard_id}: llama-server cannot serve the name {name!r}: its --alias splits on commas"
+        )
     argv = ["llama-server", "-m", p.model_path, "--host", BIND_HOST, "--port", str(start.http_port)]
-    argv += ["--alias", _served_name(start)]
+    argv += ["--alias", name]
     if start.gpu_indices:
         # Every layer on the GPUs it was given; llama.cpp splits across all visible ones.
         argv += ["--n-gpu-layers", "999"]
@@ -167,8 +202,12 @@ def _echo(start: wire.StartShard, python: str) -> Launch:
     return Launch(argv=argv + list(p.args))
 
 
-def shard_env(start: wire.StartShard, *, mgmt_interface: str = "") -> dict[str, str]:
-    """The environment a shard adds to the agent's: its GPUs, its fabric's HCAs, its interfaces."""
+def shard_env(start: wire.StartShard, *, mgmt_interface: str = "", host_ip: str = "") -> dict[str, str]:
+    """The environment a shard adds to the agent's: its GPUs, its fabric's HCAs, its interfaces.
+
+    `host_ip` is the address of the shard's interface on this node ("" when
+    unknown).
+    """
     env = {str(k): str(v) for k, v in start.profile.env.items()}
     iface = start.mgmt_interface or mgmt_interface
     if iface:
@@ -176,6 +215,11 @@ def shard_env(start: wire.StartShard, *, mgmt_interface: str = "") -> dict[str, 
         # "eth1" would also pick eth10, "mlx5_1" also mlx5_10..mlx5_17.
         env.setdefault("NCCL_SOCKET_IFNAME", f"={iface}")
         env.setdefault("GLOO_SOCKET_IFNAME", iface)
+    if start.nnodes > 1 and host_ip and engine_name(start.profile) == "vllm":
+        # vLLM advertises the address of the default route's interface unless
+        # told: where management and data networks differ, the other ranks
+        # would dial an address that is not the shard's.
+        env.setdefault("VLLM_HOST_IP", host_ip)
     if start.nvlink_domain:
         env.setdefault("NCCL_MNNVL_ENABLE", "1")
     # CUDA's default order is fastest-first, NVML's and nvidia-smi's is PCI:
@@ -192,9 +236,14 @@ def shard_env(start: wire.StartShard, *, mgmt_interface: str = "") -> dict[str, 
 
 
 def build(
-    start: wire.StartShard, *, version: str = "", mgmt_interface: str = "", python: str = sys.executable
+    start: wire.StartShard,
+    *,
+    version: str = "",
+    mgmt_interface: str = "",
+    host_ip: str = "",
+    python: str = sys.executable,
 ) -> Launch:
-    """The argv, environment and health path to start one shard."""
+    """The argv, environment and health path to start one shard (`host_ip`: the address of its interface)."""
     name = engine_name(start.profile)
     if name == "vllm":
         launch = _vllm(start, version)
@@ -208,4 +257,5 @@ def build(
         raise EngineError(
             f"shard {start.shard_id}: unknown engine {start.profile.engine!r} (known: {', '.join(ENGINES)})"
         )
-    return Launch(argv=launch.argv, env=shard_env(start, mgmt_interface=mgmt_interface), health_path=launch.health_path)
+    env = shard_env(start, mgmt_interface=mgmt_interface, host_ip=host_ip)
+    return Launch(argv=launch.argv, env=env, health_path=launch.health_path)

@@ -18,13 +18,11 @@ shards; no transient error ends it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import random
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -38,6 +36,7 @@ import pydantic
 
 from agents import wire
 from agents.node.config import Config
+from agents.node.netif import interface_addr
 from agents.node.shardload import ShardMeter
 from agents.node.supervisor import Supervisor
 
@@ -95,17 +94,6 @@ class Refused(Exception):
 
 class NeedsRegister(Exception):
     """The control plane no longer knows this agent's credential or node: register again."""
-
-
-def interface_addr(name: str) -> str:
-    """The IPv4 address of a network interface, '' when it has none."""
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            res = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
-        except OSError:
-            return ""
-    return socket.inet_ntoa(res[20:24])
 
 
 def route_addr(url: str) -> str:

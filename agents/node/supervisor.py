@@ -28,6 +28,7 @@ import httpx
 
 from agents import wire
 from agents.node import engines
+from agents.node.netif import interface_addr
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -119,6 +120,7 @@ class Supervisor:
         kill_grace_s: float = 10.0,
         base_env: dict[str, str] | None = None,
         clock: Callable[[], float] = time.time,
+        address_of: Callable[[str], str] = interface_addr,
     ) -> None:
         self.dir = Path(state_dir)
         self.shard_dir = self.dir / "shards"
@@ -127,6 +129,8 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engine_versions = dict(engine_versions or {})
         self.mgmt_interface = mgmt_interface
+        # An interface's address, for engines that must be told which one to advertise.
+        self.address_of = address_of
         self.log_max_bytes = log_max_bytes
         self.log_backups = log_backups
         self.keep_finished_s = keep_finished_s
@@ -309,8 +313,12 @@ class Supervisor:
                 return shard
             engine = engines.engine_name(p)
             try:
+                iface = cmd.mgmt_interface or self.mgmt_interface
                 launch = engines.build(
-                    cmd, version=self.engine_versions.get(engine, ""), mgmt_interface=self.mgmt_interface
+                    cmd,
+                    version=self.engine_versions.get(engine, ""),
+                    mgmt_interface=self.mgmt_interface,
+                    host_ip=self.address_of(iface) if iface else "",
                 )
             except engines.EngineError as e:
                 self._move(shard, S.FAILED, reason=str(e))

@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('inventory', '0002_node_operator_permissions'),
+        ("inventory", "0002_node_operator_permissions"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='gpu',
-            name='fabric_health',
+            model_name="gpu",
+            name="fabric_health",
             field=models.CharField(blank=True, max_length=64),
         ),
     ]

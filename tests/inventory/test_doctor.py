@@ -355,7 +355,13 @@ def healthy_cluster(now):
     )
     [order] = scans.schedule_fabric_scans(now=now)
     fabric.set_scan(
-        key=order.key, at=now, node_id="tray-1", port="mlx5_0/1", output=recorded("x5-qdr-2020.topo"), error="", took_s=2
+        key=order.key,
+        at=now,
+        node_id="tray-1",
+        port="mlx5_0/1",
+        output=recorded("x5-qdr-2020.topo"),
+        error="",
+        took_s=2,
     )
 
 

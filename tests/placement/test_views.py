@@ -103,6 +103,21 @@ def test_bad_input_names_the_field(operator, profile):
     assert not Hold.objects.exists()
 
 
+def test_a_llamacpp_served_name_with_a_comma_is_refused_naming_the_field(operator):
+    c = client(operator)
+    body = {"name": "qwen", "engine": "llamacpp", "served_model_name": "qwen,coder", "model_path": "/m.gguf"}
+    r = c.post("/api/v1/profiles/", body, format="json")
+    assert r.status_code == 400
+    assert r.json() == {"served_model_name": ["llama.cpp splits its served name on commas: choose a name without one"]}
+    # Without a served name the profile's name is served: the same rule.
+    r = c.post("/api/v1/profiles/", {"name": "a,b", "engine": "llamacpp"}, format="json")
+    assert (r.status_code, list(r.json())) == (400, ["name"])
+    # vLLM takes the name whole.
+    r = c.post("/api/v1/profiles/", {**body, "engine": "vllm"}, format="json")
+    assert r.status_code == 201
+    assert not EngineProfile.objects.filter(engine="llamacpp").exists()
+
+
 def test_scale_pause_resume(operator, dep, now):
     c = client(operator)
     r = c.post(f"/api/v1/deployments/{dep.id}/scale/", {"replicas": 3}, format="json")

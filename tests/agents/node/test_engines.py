@@ -45,7 +45,7 @@ def test_vllm_single_node():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("version", ["0.11.0", "0.11.2", ""])
+@pytest.mark.parametrize("version", ["0.11.1", "0.11.2", "0.33.0", ""])
 def test_vllm_multinode_leader_and_worker(version):
     leader = engines.build(_start("vllm", tp=8, pp=2, nnodes=2, rank=0), version=version)
     assert leader.argv == [
@@ -70,9 +70,27 @@ def test_vllm_multinode_leader_and_worker(version):
     assert worker.health_path is None
 
 
-def test_vllm_before_0_11_refuses_multinode():
-    with pytest.raises(engines.EngineError, match=r"vllm 0.10.2 spans nodes only through Ray; .* >= 0.11"):
-        engines.build(_start("vllm", tp=8, nnodes=2, rank=0), version="0.10.2")
+@pytest.mark.parametrize("version", ["0.10.2", "0.11.0", "0.11.0rc1"])
+def test_vllm_before_0_11_1_refuses_multinode(version):
+    # 0.11.0 has no --nnodes/--node-rank/--master-addr/--master-port: it would die on them.
+    with pytest.raises(engines.EngineError, match=rf"vllm {version} spans nodes only through Ray; .* >= 0\.11\.1$"):
+        engines.build(_start("vllm", tp=8, nnodes=2, rank=0), version=version)
+    # One node needs none of those flags.
+    assert "--nnodes" not in engines.build(_start("vllm", tp=8), version=version).argv
+
+
+def test_vllm_multinode_is_told_its_interfaces_address():
+    start = _start("vllm", tp=8, nnodes=2, rank=1, mgmt_interface="ens8f0")
+    env = engines.build(start, version="0.11.1", host_ip="10.20.0.12").env
+    assert (env["VLLM_HOST_IP"], env["NCCL_SOCKET_IFNAME"], env["GLOO_SOCKET_IFNAME"]) == (
+        "10.20.0.12",
+        "=ens8f0",
+        "ens8f0",
+    )
+    # A single-node shard, another engine, or an unknown address: nothing to advertise.
+    assert "VLLM_HOST_IP" not in engines.build(_start("vllm", tp=8), host_ip="10.20.0.12").env
+    assert "VLLM_HOST_IP" not in engines.build(_start("sglang", tp=8, nnodes=2), host_ip="10.20.0.12").env
+    assert "VLLM_HOST_IP" not in engines.build(_start("vllm", tp=8, nnodes=2), version="0.11.1").env
 
 
 def test_multinode_needs_a_leader():
@@ -84,22 +102,38 @@ def test_sglang_single_and_multinode():
     assert engines.build(_start("sglang", tp=8), version="0.5.2").argv == [
         "python3", "-m", "sglang.launch_server", "--model-path", "/models/Llama-3.3-70B-Instruct",
         "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "llama-3.3-70b",
-        "--tp", "8",
+        "--tp-size", "8",
         "--max-model-len", "32768",
     ]  # fmt: skip
     worker = engines.build(_start("sglang", tp=16, pp=2, nnodes=2, rank=1, args=[]), version="0.5.2")
     assert worker.argv == [
         "python3", "-m", "sglang.launch_server", "--model-path", "/models/Llama-3.3-70B-Instruct",
         "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "llama-3.3-70b",
-        "--tp", "16", "--pp-size", "2",
+        "--tp-size", "16", "--pp-size", "2",
         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.11:29500",
     ]  # fmt: skip
     assert worker.health_path is None
 
 
-def test_sglang_old_version_has_no_pp():
-    with pytest.raises(engines.EngineError, match=r"sglang 0\.4\.6 has no pipeline parallelism"):
-        engines.build(_start("sglang", tp=8, pp=2), version="0.4.6")
+@pytest.mark.parametrize("version", ["0.4.5", "0.4.6", "0.4.6.post1"])
+def test_sglang_before_0_4_6_post2_has_no_pp(version):
+    with pytest.raises(
+        engines.EngineError, match=rf"sglang {version} has no pipeline parallelism \(needs >= 0\.4\.6\.post2\)"
+    ):
+        engines.build(_start("sglang", tp=8, pp=2), version=version)
+
+
+@pytest.mark.parametrize("version", ["0.4.6.post2", "0.4.7", "0.5.23", ""])
+def test_sglang_from_0_4_6_post2_has_pp(version):
+    argv = engines.build(_start("sglang", tp=8, pp=2, args=[]), version=version).argv
+    assert argv[-4:] == ["--tp-size", "8", "--pp-size", "2"]
+
+
+def test_release_key_reads_post_releases():
+    assert engines.release_key("0.4.6.post2") == (0, 4, 6, 2)
+    assert engines.release_key("0.4.6") == (0, 4, 6, 0)
+    assert engines.release_key("0.6.3.post1+cu124") == (0, 6, 3, 1)
+    assert engines.release_key("0.11") == (0, 11, 0, 0)
 
 
 def test_llama_server():
@@ -124,6 +158,16 @@ def test_llama_server():
     ]
     with pytest.raises(engines.EngineError, match="llama-server runs on one node"):
         engines.build(_start("llama-server", nnodes=2), version="b6500")
+
+
+def test_llama_server_refuses_a_served_name_with_a_comma():
+    start = _start("llamacpp", model_path="/m.gguf", args=[])
+    start.profile.served_model_name = "qwen,coder"
+    with pytest.raises(engines.EngineError, match=r"cannot serve the name 'qwen,coder': its --alias splits on commas"):
+        engines.build(start, version="b6500")
+    # Other engines take the name whole.
+    vllm = start.model_copy(update={"profile": start.profile.model_copy(update={"engine": "vllm"})})
+    assert engines.build(vllm).argv[7:9] == ["--served-model-name", "qwen,coder"]
 
 
 def test_echo():

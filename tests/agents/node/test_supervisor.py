@@ -175,6 +175,28 @@ def test_missing_engine_binary_fails(sup):
     assert shard.reason.startswith("cannot start llama-server")
 
 
+def test_a_multinode_vllm_shard_is_told_the_address_of_its_interface(sup, tmp_path):
+    # A stand-in `vllm` on PATH that writes down what it was told, then waits to be stopped.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    told = tmp_path / "told"
+    script = bin_dir / "vllm"
+    script.write_text(f'#!/bin/sh\necho "$VLLM_HOST_IP $NCCL_SOCKET_IFNAME" > {told}\nexec sleep 30\n')
+    script.chmod(0o755)
+    asked: list[str] = []
+
+    def address_of(name: str) -> str:
+        asked.append(name)
+        return {"ens8f0": "10.20.0.12"}.get(name, "")
+
+    s = sup(base_env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, mgmt_interface="eno1", address_of=address_of)
+    cmd = echo_start("s1", nnodes=2, rank=1, leader_addr="10.20.0.11", leader_port=29500, mgmt_interface="ens8f0")
+    cmd.profile.engine, cmd.profile.model_path = "vllm", "/models/x"
+    s.start(cmd)
+    assert wait_for(lambda: told.exists() and told.read_text().strip()) == "10.20.0.12 =ens8f0"
+    assert asked == ["ens8f0"]
+
+
 def test_log_rotation_keeps_backups(sup, tmp_path):
     s = sup(log_backups=2)
     log = s.log_path("s1")
