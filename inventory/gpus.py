@@ -132,6 +132,45 @@ def imex_up(state: str) -> bool:
     return (state or "").strip().upper() in {"UP", "READY", "ACTIVE", "RUNNING"}
 
 
+# XIDs that are the application's own fault (NVIDIA's XID catalogue, and the
+# device plugin's skip list): an illegal address in a kernel, a graphics
+# engine exception. The card is fine for the next process; resetting it for
+# one of these costs the node's other shards and fixes nothing.
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68})
+# Advice for the hardware and driver XIDs the catalogue names; the rest of
+# its "reset or RMA" class gets the general advice.
+_XID_ADVICE = {
+    48: "drain the node and reset the card",
+    63: "drain the node and reset the card when idle",
+    64: "drain the node, reset the card and have it serviced",
+    74: "drain the node, check the NVLink and reset the card",
+    79: "drain and reboot the node; replace the card if it recurs",
+    92: "drain the node and reset the card; replace it if it recurs",
+    94: "drain the node and reset the card",
+    95: "drain the node and reset the card",
+    119: "drain the node and reset the card; update the driver if it recurs",
+    120: "drain the node and reset the card; update the driver if it recurs",
+}
+
+
+def xid_is_application(xid: int) -> bool:
+    """Whether an XID is an application's fault (13, 31, 43, 45, 68), the card being fine."""
+    return xid in APPLICATION_XIDS
+
+
+def xid_advice(xid: int) -> str:
+    """What an operator does about an XID: the engine for an application fault, the card for the rest."""
+    if xid_is_application(xid):
+        return "application fault: look at the engine's process and its log; the card needs no reset"
+    action = _XID_ADVICE.get(xid, "drain the node and reset the card; replace it if it recurs")
+    return f"hardware or driver fault: {action}"
+
+
+def hardware_xid(wear: Any) -> bool:
+    """Whether a card's wear carries an XID of the hardware or driver class (not an application's)."""
+    return wear is not None and wear.xid_errors > 0 and wear.last_xid > 0 and not xid_is_application(wear.last_xid)
+
+
 def wear_problems(wear: Any) -> list[str]:
     """What wears a card out, in a few words each; empty when nothing does.
 
@@ -152,7 +191,7 @@ def wear_problems(wear: Any) -> list[str]:
     if wear.retired_pages_dbe > 0:
         out.append(f"{wear.retired_pages_dbe} pages retired for double-bit errors")
     if wear.xid_errors > 0:
-        out.append(f"XID {wear.last_xid} ({wear.last_xid_text})")
+        out.append(f"XID {wear.last_xid} ({wear.last_xid_text}): {xid_advice(wear.last_xid)}")
     if wear.nvlink_crc_errors > 0 or wear.nvlink_replay_errors > 0 or wear.nvlink_recovery_errors > 0:
         out.append(
             f"NVLink errors: {max(wear.nvlink_crc_errors, 0)} CRC, "

@@ -80,7 +80,9 @@ def gpu_rows(gpus: list[GPU], data: Mapping[str, Any] | None) -> list[GPURow]:
                 temp_c=s.temp_c if s and s.temp_c else None,
                 power_w=s.power_w if s and s.power_w else None,
                 power_limit_w=s.power_limit_w if s and s.power_limit_w else None,
-                healthy=g.healthy and not (s and s.problems),
+                # A hardware XID in the wear column is never beside "healthy",
+                # whatever an older agent put in its problems.
+                healthy=g.healthy and not (s and s.problems) and not gpu_rules.hardware_xid(s.wear if s else None),
                 problems=problems,
                 wear=gpu_rules.wear_problems(s.wear if s else None),
                 nearest=nearest_adapters(g.nic_paths),

@@ -316,6 +316,44 @@ def test_gpu_health(now):
     ]
 
 
+def test_gpu_health_application_xid_points_at_the_engine_not_the_card(now):
+    make_node("a", now=now, gpus=1)
+    put("a", now=now, gpus=[{"index": 0, "wear": {"xid_errors": 1, "last_xid": 31, "last_xid_text": "page fault"}}])
+    r = run(doctor.check_gpu_health, now)
+    assert_result(
+        r,
+        Result.WARN,
+        ["a"],
+        [
+            "a: GPU 0: XID 31 (page fault): application fault: look at the engine's process and its log; "
+            "the card needs no reset"
+        ],
+    )
+    assert "reset the card" not in r.action.replace("do not reset the card", "")
+    assert "read the shard's log" in r.action
+    # A hardware XID on another node: a failure, and the card advice joins.
+    make_node("b", now=now, gpus=1)
+    put(
+        "b",
+        now=now,
+        gpus=[
+            {
+                "index": 0,
+                "wear": {"xid_errors": 2, "last_xid": 79, "last_xid_text": "GPU has fallen off the bus"},
+                "problems": ["XID 79: GPU has fallen off the bus: reboot the node"],
+            }
+        ],
+    )
+    r = run(doctor.check_gpu_health, now)
+    assert_result(r, Result.FAIL, ["a", "b"])
+    assert r.details[1] == (
+        "b: GPU 0: XID 79 (GPU has fallen off the bus): hardware or driver fault: drain and reboot the node; "
+        "replace the card if it recurs"
+    )
+    assert len(r.details) == 2
+    assert r.action.startswith("drain the node and reset the card")
+
+
 def test_engine_installs(now):
     ok = [{"engine": "vllm", "version": "0.9.2", "state": "ready"}]
     make_node("a", now=now, gpus=0, engine_installs=ok)

@@ -139,9 +139,26 @@ def test_wear_problems_are_short_sentences():
         "memory pages waiting for a reset to be retired",
         "5 rows remapped for uncorrectable errors",
         "2 pages retired for double-bit errors",
-        "XID 79 (GPU has fallen off the bus)",
+        "XID 79 (GPU has fallen off the bus): hardware or driver fault: drain and reboot the node; "
+        "replace the card if it recurs",
         "NVLink errors: 7 CRC, 1 replay, 0 recovery",
     ]
+
+
+@pytest.mark.parametrize("xid", [13, 31, 43, 45, 68])
+def test_application_xids_point_at_the_engine(xid):
+    assert gpus.xid_is_application(xid) is True
+    assert gpus.xid_advice(xid).startswith("application fault: look at the engine's process")
+    assert gpus.hardware_xid(wire.GPUWear(xid_errors=1, last_xid=xid)) is False
+
+
+@pytest.mark.parametrize("xid", [48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140, 32])
+def test_hardware_and_driver_xids_drain_and_reset_or_replace(xid):
+    assert gpus.xid_is_application(xid) is False
+    advice = gpus.xid_advice(xid)
+    assert advice.startswith("hardware or driver fault: drain ")
+    assert "reset" in advice or "reboot" in advice
+    assert gpus.hardware_xid(wire.GPUWear(xid_errors=1, last_xid=xid)) is True
 
 
 def test_unreported_wear_has_no_problems():

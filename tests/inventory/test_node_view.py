@@ -30,6 +30,9 @@ def test_nvlink_matrix(now):
     ]
 
 
+XID_79 = "XID 79 (fell off the bus): hardware or driver fault: drain and reboot the node; replace the card if it recurs"
+
+
 def test_gpu_rows_join_sensors_and_wear(now):
     make_node("n", now=now, gpus=[card(0), card(1, joined=False)])
     put_telemetry(
@@ -47,9 +50,21 @@ def test_gpu_rows_join_sensors_and_wear(now):
     r0, r1 = page.gpus
     assert (r0.temp_c, r0.power_w, r0.power_limit_w, r0.util_percent, r0.healthy) == (55, 600, 1000, 40, True)
     assert r0.nearest == ["mlx5_0"]
-    assert (r1.util_percent, r1.temp_c, r1.wear) == (None, None, ["XID 79 (fell off the bus)"])
+    assert (r1.util_percent, r1.temp_c, r1.wear) == (None, None, [XID_79])
+    # A hardware XID in the wear column: never "healthy" beside it, even with no problem sent.
+    assert r1.healthy is False
     assert r1.nearest == ["mlx5_0"]
-    assert page.problems == ["GPU 1: XID 79 (fell off the bus)", "NVLink: 1 of 2 cards joined"]
+    assert page.problems == [f"GPU 1: {XID_79}", "NVLink: 1 of 2 cards joined"]
+
+
+def test_an_application_xid_leaves_the_card_healthy_and_points_at_the_engine(now):
+    make_node("n", now=now, gpus=[card(0)])
+    put_telemetry("n", gpus=[{"index": 0, "wear": {"xid_errors": 1, "last_xid": 31, "last_xid_text": "page fault"}}])
+    [row] = node_view.node_page(Node.objects.get(id="n")).gpus
+    assert row.healthy is True
+    assert row.wear == [
+        "XID 31 (page fault): application fault: look at the engine's process and its log; the card needs no reset"
+    ]
 
 
 def test_ecc_and_unreachable_are_problems(now):
