@@ -467,7 +467,15 @@ class AllocationAdmin(admin.ModelAdmin):
     def gpu_list(self, obj: Allocation) -> str:
         return ",".join(map(str, obj.gpu_indices)) or "-"
 
+    # The reconciler claims and releases these in its own transactions: a
+    # hand-made or hand-deleted claim would double-book or strand GPUs.
+    def has_add_permission(self, request):
+        return False
+
     def has_change_permission(self, request, obj=None):
+        return False
+
+    def has_delete_permission(self, request, obj=None):
         return False
 
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from django.contrib import admin, messages
+from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q, Sum
 from django.db.models.fields.json import KeyTextTransform
 from django.db.models.lookups import Exact
+from django.http import HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
@@ -16,10 +18,10 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
-from placement import audit, planner, replicas
+from placement import audit, planner, reconciler, replicas, tasks
 from placement import deployments as deployment_actions
 from placement import snapshot as snapshots
-from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
+from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, ReplicaState, Shard
 
 
 class AuditedAdmin(admin.ModelAdmin):
@@ -156,9 +158,34 @@ class ReplicaAdmin(admin.ModelAdmin):
         "ready_at",
     ]
     exclude = ["pending_reasons"]
+    change_form_template = "admin/placement/replica/change_form.html"
 
+    # The reconciler owns replicas: an operator reads them, asks the planner,
+    # and retires one; editing or deleting the row would lie about what runs.
     def has_add_permission(self, request) -> bool:
         return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+    def can_retire(self, request) -> bool:
+        """Whoever may change deployments may retire one of their replicas."""
+        return request.user.has_perm("placement.change_deployment")
+
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        extra = dict(extra_context or {})
+        replica = self.get_object(request, object_id)
+        if replica is not None:
+            extra.update(
+                replica=replica,
+                why_url=reverse("admin:placement_replica_why", args=[replica.pk]),
+                retire_url=reverse("admin:placement_replica_retire", args=[replica.pk]),
+                can_retire=self.can_retire(request) and replica.state in replicas.LIVE_STATES - {ReplicaState.DRAINING},
+            )
+        return super().change_view(request, object_id, form_url, extra_context=extra)
 
     @admin.display(description="where")
     def where(self, obj: Replica) -> str:
@@ -182,6 +209,7 @@ class ReplicaAdmin(admin.ModelAdmin):
     def get_urls(self):
         return [
             path("<uuid:pk>/why/", self.admin_site.admin_view(self.why_view), name="placement_replica_why"),
+            path("<uuid:pk>/retire/", self.admin_site.admin_view(self.retire_view), name="placement_replica_retire"),
             *super().get_urls(),
         ]
 
@@ -207,6 +235,30 @@ class ReplicaAdmin(admin.ModelAdmin):
         }
         return TemplateResponse(request, "admin/placement/replica_why.html", context)
 
+    def retire_view(self, request, pk):
+        """Retire one replica after a confirmation page saying what it stops and what follows."""
+        replica = get_object_or_404(Replica.objects.select_related("deployment"), pk=pk)
+        if not self.can_retire(request):
+            raise PermissionDenied
+        page = reverse("admin:placement_replica_change", args=[replica.pk])
+        if request.method == "POST":
+            reason = request.POST.get("reason", "").strip()[:200]
+            if reconciler.retire_replica(replica.pk, now=timezone.now(), actor=request.user, reason=reason):
+                tasks.queue_reconcile()
+                self.message_user(request, f"retired {replica}: its shards are told to stop", messages.SUCCESS)
+            else:
+                self.message_user(request, f"not retired: {replica} is {replica.state}", messages.WARNING)
+            return HttpResponseRedirect(page)
+        context = {
+            **self.admin_site.each_context(request),
+            "title": f"Retire {replica}?",
+            "replica": replica,
+            "shards": list(replica.shards.select_related("node").order_by("rank")),
+            "page_url": page,
+            "opts": self.model._meta,
+        }
+        return TemplateResponse(request, "admin/placement/replica/retire.html", context)
+
 
 @admin.register(Shard)
 class ShardAdmin(admin.ModelAdmin):
@@ -217,7 +269,14 @@ class ShardAdmin(admin.ModelAdmin):
     autocomplete_fields = ["node"]
     readonly_fields = [f.name for f in Shard._meta.fields]
 
+    # Written by the reconciler and the agents' reports alone: a view, not a form.
     def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
         return False
 
 

@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import IntegrityError, OperationalError, transaction
 from django.db.models import OuterRef, Subquery
 
@@ -91,7 +92,9 @@ def _gone(s: dict[str, Any]) -> bool:
     return s["state"] in replicas.SHARD_DONE or s["node__state"] == NodeState.LOST
 
 
-def retire(rep: _Replica, new_state: str, *, reason: str, now: dt.datetime) -> bool:
+def retire(
+    rep: _Replica, new_state: str, *, reason: str, now: dt.datetime, actor: AbstractBaseUser | None = None
+) -> bool:
     """Give a replica up whole: its shards told to stop and its allocations released.
 
     A planned stop (scale down, replaced) whose processes still run goes
@@ -102,7 +105,7 @@ def retire(rep: _Replica, new_state: str, *, reason: str, now: dt.datetime) -> b
     stopping = new_state == RS.STOPPED and not all(_gone(s) for s in rep.shards)
     with transaction.atomic():
         target = RS.DRAINING if stopping else new_state
-        if not replicas.change_state(rep.row, target, now=now, reason=reason):
+        if not replicas.change_state(rep.row, target, now=now, reason=reason, actor=actor):
             return False
         _stop_shards(rep.shards, reason=reason, now=now)
         if not stopping:
@@ -505,3 +508,28 @@ def finish_drains(*, now: dt.datetime) -> list[str]:
         record_event(node_id, "drained", "no replicas left; uncordon to use it again", now=now)
         done.append(node_id)
     return done
+
+
+def retire_replica(
+    replica_id: Any, *, now: dt.datetime, actor: AbstractBaseUser | None = None, reason: str = ""
+) -> bool:
+    """An operator gives a replica up: stopped whole, as a scale-down stops one.
+
+    Its shards are told to stop and its GPUs kept until they have ended (an
+    agent refuses new work on cards an old process still holds); the next
+    pass places a new replica if the deployment still wants as many. False
+    when the replica is not live any more (already retired, stopped or failed).
+    """
+    row = Replica.objects.filter(id=replica_id, state__in=replicas.LIVE_STATES - {RS.DRAINING}).first()
+    if row is None:
+        return False
+    rep = _Replica(row)
+    rep.shards = sorted(
+        Shard.objects.filter(replica_id=row.id).values(
+            "id", "replica_id", "node_id", "rank", "state", "reason", "created_at", "http_port", "node__state"
+        ),
+        key=lambda s: s["rank"],
+    )
+    who = getattr(actor, "username", "") or "an operator"
+    why = f"retired by {who}" + (f": {reason}" if reason else "")
+    return retire(rep, RS.STOPPED, reason=why, now=now, actor=actor)

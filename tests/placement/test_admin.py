@@ -8,6 +8,7 @@ import uuid
 import pytest
 from django.test import Client
 
+from agents.models import Command
 from inventory.models import Allocation
 from inventory.nodes import change_state
 from placement import snapshot as snapshots
@@ -93,3 +94,58 @@ def test_power_budgets_show_what_is_claimed_under_each(operator, now):
         ("rack", "r2"): 350.0,
         ("topology.llmgw.io/pdu", "p1"): 3850.5,
     }
+
+
+@pytest.fixture
+def placed(now):
+    make_node("a", now=now, gpus=4)
+    prof = EngineProfile.objects.create(name="echo-2", engine="echo", gpus_per_node=2)
+    dep = Deployment.objects.create(name="chat", served_model="chat", profile=prof, replicas=1)
+    reconcile(now=now)
+    return dep
+
+
+def test_replica_shard_and_allocation_pages_are_views_with_the_actions_that_make_sense(operator, placed):
+    rep = Replica.objects.get()
+    shard = rep.shards.get()
+    alloc = Allocation.objects.get()
+    c = login(operator)
+    page = c.get(f"/admin/placement/replica/{rep.pk}/change/").content.decode()
+    assert "<h1>View replica</h1>" in page
+    assert 'name="_save"' not in page and "/delete/" not in page
+    assert f'href="/admin/placement/replica/{rep.pk}/why/" id="ask-planner">Ask the planner</a>' in page
+    assert f'href="/admin/placement/replica/{rep.pk}/retire/" id="retire-replica">Retire…</a>' in page
+    for url, title in (
+        (f"/admin/placement/shard/{shard.pk}/change/", "View shard"),
+        (f"/admin/inventory/allocation/{alloc.pk}/change/", "View allocation"),
+    ):
+        body = c.get(url).content.decode()
+        assert f"<h1>{title}</h1>" in body
+        assert 'name="_save"' not in body and "/delete/" not in body
+    # Nothing is deleted through them either.
+    assert c.post(f"/admin/placement/replica/{rep.pk}/delete/", {"post": "yes"}).status_code == 403
+    assert c.post(f"/admin/inventory/allocation/{alloc.pk}/delete/", {"post": "yes"}).status_code == 403
+    assert Replica.objects.filter(pk=rep.pk).exists() and Allocation.objects.filter(pk=alloc.pk).exists()
+
+
+def test_retire_asks_first_then_stops_the_replica_and_records_who(operator, viewer, placed):
+    viewer.is_staff = True
+    viewer.save()
+    rep = Replica.objects.get()
+    c = login(operator)
+    confirm = c.get(f"/admin/placement/replica/{rep.pk}/retire/").content.decode()
+    assert "so the reconciler places a new one if this leaves it short" in confirm
+    assert Replica.objects.get(pk=rep.pk).state == rep.state
+    # A viewer cannot.
+    assert login(viewer).post(f"/admin/placement/replica/{rep.pk}/retire/", {}).status_code == 403
+    r = c.post(f"/admin/placement/replica/{rep.pk}/retire/", {"reason": "bad weights"})
+    assert r.status_code == 302 and r["Location"] == f"/admin/placement/replica/{rep.pk}/change/"
+    rep.refresh_from_db()
+    # Its shard still runs (nothing reported it stopped): it drains, keeping its GPUs.
+    assert (rep.state, rep.reason) == ("draining", "retired by operator: bad weights")
+    ev = PlacementEvent.objects.filter(replica=rep).latest("id")
+    assert ev.actor_name == "operator"
+    assert Command.objects.filter(kind="stop_shard", node_id="a").count() == 1
+    # Retiring it again is refused, saying why.
+    r = c.post(f"/admin/placement/replica/{rep.pk}/retire/", {}, follow=True)
+    assert [str(m) for m in r.context["messages"]][-1] == f"not retired: {rep} is draining"
