@@ -196,7 +196,9 @@ class NodeAdmin(admin.ModelAdmin):
         return False  # the inventory is the agent's report; operators act through actions
 
     def has_delete_permission(self, request, obj=None):
-        return request.user.has_perm("inventory.forget_node")
+        # Django's delete would cascade through GPUs and history without the
+        # checks Forget makes (allocations, shards): Forget is the one way out.
+        return False
 
     def has_cordon_permission(self, request):
         return request.user.has_perm("inventory.cordon_node")
@@ -409,14 +411,15 @@ class NodeAdmin(admin.ModelAdmin):
         if node is not None:
             from placement.models import Shard
 
+            shards = list(Shard.objects.filter(node=node).select_related("replica__deployment").order_by("-created_at"))
+            allocations = list(node.allocations.prefetch_related("gpus").order_by("created_at"))
             extra.update(
-                page=node_view.node_page(node),
+                page=node_view.node_page(node, holders=node_view.gpu_holders(allocations, shards)),
                 drain=operations.drain_progress(node),
                 history=list(NodeEvent.objects.filter(node=node).order_by("-at", "-id")[:50]),
-                shards=list(
-                    Shard.objects.filter(node=node).select_related("replica__deployment").order_by("-created_at")
-                ),
-                allocations=list(node.allocations.prefetch_related("gpus").order_by("created_at")),
+                shards=shards,
+                allocations=allocations,
+                can_forget=self.has_forget_permission(request),
                 storage=list(node.storage.all()),
                 weights=list(node.weights.all()),
                 installs=list(node.engine_installs.all()),

@@ -7,7 +7,7 @@ list, the node page and the API agree on what a "problem" is.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +48,35 @@ class GPURow:
     problems: list[str]
     wear: list[str]
     nearest: list[str]
+    # Which shard holds the card ("" free).
+    holder: str = ""
+
+    @property
+    def memory(self) -> str:
+        """Used and total memory, always in the same form: "2 / 189471 MiB", "- / 189471 MiB" unread."""
+        used = "-" if self.memory_used_mb is None else f"{self.memory_used_mb:.0f}"
+        total = f"{self.gpu.memory_total_mb}" if self.gpu.memory_total_mb else "?"
+        return f"{used} / {total} MiB"
+
+
+def gpu_holders(allocations: Iterable[Any], shards: Iterable[Any]) -> dict[int, str]:
+    """Card index -> the shard holding it, as an operator reads it ("llama-70b rank 0 · 78907165 (ready)").
+
+    `allocations` carry `shard_id` and `gpu_indices`; `shards` are the node's
+    shards with their replica and deployment. A claim whose shard is gone
+    from the list (its record pruned) still says which shard id holds it.
+    """
+    by_id = {str(s.id): s for s in shards}
+    out: dict[int, str] = {}
+    for a in allocations:
+        s = by_id.get(str(a.shard_id))
+        if s is None:
+            label = f"shard {str(a.shard_id)[:8]}"
+        else:
+            label = f"{s.replica.deployment.name} rank {s.rank} · {str(s.replica_id)[:8]} ({s.state})"
+        for i in a.gpu_indices:
+            out[i] = label
+    return out
 
 
 def _sensors(data: Mapping[str, Any] | None) -> dict[int, wire.GPUSensor]:
@@ -61,8 +90,8 @@ def _sensors(data: Mapping[str, Any] | None) -> dict[int, wire.GPUSensor]:
     return out
 
 
-def gpu_rows(gpus: list[GPU], data: Mapping[str, Any] | None) -> list[GPURow]:
-    """The GPU table: inventory row, live sensors, health and wear problems."""
+def gpu_rows(gpus: list[GPU], data: Mapping[str, Any] | None, holders: Mapping[int, str] | None = None) -> list[GPURow]:
+    """The GPU table: inventory row, live sensors, health and wear problems, and who holds each card."""
     sensors = _sensors(data)
     rows = []
     for g in gpus:
@@ -86,9 +115,18 @@ def gpu_rows(gpus: list[GPU], data: Mapping[str, Any] | None) -> list[GPURow]:
                 problems=problems,
                 wear=gpu_rules.wear_problems(s.wear if s else None),
                 nearest=nearest_adapters(g.nic_paths),
+                holder=(holders or {}).get(g.index, ""),
             )
         )
     return rows
+
+
+def topology_reported(gpus: list[GPU]) -> bool:
+    """Whether the agent sent the node's GPU topology (`nvidia-smi topo -m`): NVLink peers or adapter paths.
+
+    Without it an empty NVLink matrix means "not reported", not "no NVLink".
+    """
+    return any(g.nvlink_peers or g.nic_paths for g in gpus)
 
 
 def nvlink_matrix(gpus: list[GPU]) -> list[tuple[int, list[str]]]:
@@ -184,6 +222,7 @@ class NodePage:
     gpus: list[GPURow]
     matrix: list[tuple[int, list[str]]]
     matrix_header: list[int]
+    topology_reported: bool
     ports: list[PortLive]
     problems: list[str]
     telemetry_at: float | None
@@ -191,14 +230,15 @@ class NodePage:
     load: dict[str, Any] = field(default_factory=dict)
 
 
-def node_page(node: Node) -> NodePage:
-    """Gather the node page's tables from the inventory and the telemetry cache."""
+def node_page(node: Node, *, holders: Mapping[int, str] | None = None) -> NodePage:
+    """Gather the node page's tables from the inventory and the telemetry cache (`holders`: see gpu_holders)."""
     data = telemetry.get(node.id)
     gpus = list(node.gpus.all())
     return NodePage(
-        gpus=gpu_rows(gpus, data),
+        gpus=gpu_rows(gpus, data, holders),
         matrix=nvlink_matrix(gpus),
         matrix_header=[g.index for g in gpus],
+        topology_reported=topology_reported(gpus),
         ports=ib_ports(data),
         problems=node_problems(node, data, gpus=gpus),
         telemetry_at=(data or {}).get("at"),

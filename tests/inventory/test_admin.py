@@ -11,7 +11,7 @@ from inventory.allocation import allocate
 from inventory.models import Node, NodeEvent
 from inventory.nodes import change_state
 from tests.factories import make_node
-from tests.inventory.cockpit_fixtures import ib_port, put_telemetry, replica_on
+from tests.inventory.cockpit_fixtures import card, ib_port, put_telemetry, replica_on
 
 pytestmark = pytest.mark.django_db
 
@@ -207,6 +207,35 @@ def test_node_page_sections(nodes, operator, now):
     assert "Drain it and wait for its replicas to move" in page  # and what to do about it
     assert 'id="agent-labels"><code>rack=r2</code>' in page
     assert "node joined" in page  # history
+
+
+def test_node_page_says_who_holds_each_card_and_what_is_not_reported(nodes, operator, now, django_user_model):
+    put_telemetry("node-b", gpus=[{"index": 0, "memory_used_mb": 2}, {"index": 1}])
+    rep = replica_on("node-b", now=now, deployment="qwen", gpus=(1,))
+    shard = rep.shards.get()
+    allocate(node_id="node-b", replica_id=rep.id, shard_id=shard.id, gpu_indices=[1])
+    page = text(login(operator).get("/admin/inventory/node/node-b/change/"))
+    # Which shard holds which card.
+    assert '<td class="holder" data-holder=""><span class="lg-dim">free</span></td>' in page
+    assert f'data-holder="qwen rank 0 · {str(rep.id)[:8]} (ready)"' in page
+    # Memory in one form on every card, read or not.
+    assert '<td class="memory">2 / 81559 MiB</td>' in page
+    assert '<td class="memory">- / 81559 MiB</td>' in page
+    # No topology recording: the matrix says so instead of a grid of dots.
+    assert 'id="nvlink-not-reported"' in page and 'class="lg-matrix"' not in page
+    # No Close/Delete bar; Forget is offered, and Django's delete is not a way around it.
+    assert 'class="submit-row"' not in page and "deletelink" not in page
+    assert 'id="forget-node"' in page
+    root = django_user_model.objects.create_superuser("root", password="pw-root-1")
+    assert login(root).get("/admin/inventory/node/node-b/delete/").status_code == 403
+    assert "deletelink" not in text(login(root).get("/admin/inventory/node/node-b/change/"))
+
+
+def test_node_page_draws_the_matrix_when_topology_was_reported(operator, now):
+    make_node("tray", now=now, gpus=[card(i) for i in range(4)])
+    page = text(login(operator).get("/admin/inventory/node/tray/change/"))
+    assert 'class="lg-matrix"' in page and 'id="nvlink-not-reported"' not in page
+    assert page.count('<td class="nv">NV</td>') == 12
 
 
 def test_labels_editor_saves_and_removing_brings_agent_value_back(nodes, operator):
