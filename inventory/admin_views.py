@@ -25,18 +25,20 @@ def _require_view(request: HttpRequest) -> None:
 def nvlink_page(request: HttpRequest) -> TemplateResponse:
     """Each NVLink domain drawn as a rack of trays, with what keeps each tray out."""
     _require_view(request)
-    racks = nvlink_view.racks()
+    racks, machines = nvlink_view.overview()
     trays = [t for r in racks for t in r.trays]
     context = {
         **admin.site.each_context(request),
         "title": "NVLink domains",
         "racks": racks,
+        "machines": machines,
         "totals": {
             "racks": len([r for r in racks if r.domain]),
             "trays": len(trays),
             "joined": sum(1 for t in trays if t.state == nvlink_view.TrayState.JOINED),
             "degraded": sum(1 for t in trays if t.state == nvlink_view.TrayState.DEGRADED),
             "out": sum(1 for t in trays if t.state == nvlink_view.TrayState.OUT),
+            "machines": len(machines),
         },
     }
     return TemplateResponse(request, "admin/nvlink.html", context)

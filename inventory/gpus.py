@@ -80,6 +80,25 @@ def fabric_joined(state: str, status: str, cluster_uuid: str) -> bool:
     return cluster_known(cluster_uuid)
 
 
+def single_node_nvswitch(gpus: Iterable[Any]) -> bool:
+    """Whether a node is one machine's NVSwitch (an HGX box): every card's fabric completed, no cluster named.
+
+    Such a machine reports Completed / Success with a cluster UUID of zeros on
+    every card: its NVLink ends at its own chassis, by design, and nothing in
+    it is "not joined". A completed card with another status (Insufficient
+    Resources) is a multi-node card that failed to join, not one of these.
+    """
+    seen = False
+    for g in gpus:
+        seen = True
+        state, status = (g.fabric_state or "").strip().lower(), (g.fabric_status or "").strip().lower()
+        if state != "completed" or status != "success":
+            return False
+        if cluster_known(g.cluster_uuid):
+            return False
+    return seen
+
+
 def gpu_domain(state: str, status: str, cluster_uuid: str, clique_id: str) -> str:
     """The NVLink domain a card is joined to ("<cluster>/<clique>"), "" for none."""
     if not fabric_joined(state, status, cluster_uuid):

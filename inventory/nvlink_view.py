@@ -64,6 +64,17 @@ class Tray:
 
 
 @dataclass
+class Machine:
+    """A node whose NVSwitch is its own (an HGX box): NVLink inside it, no multi-node domain by design."""
+
+    node_id: str
+    hostname: str
+    node_state: str
+    gpus: int
+    gpu_class: str
+
+
+@dataclass
 class Rack:
     """One NVLink domain ("" for trays whose cards name none)."""
 
@@ -107,7 +118,10 @@ def tray(node: Node, domain: str, cards: list[GPU]) -> Tray:
     drawn: list[Card] = []
     for g in sorted(cards, key=lambda c: c.index):
         d = g.nvlink_domain
-        if d and d == domain:
+        if d and d == domain and gpu_rules.fabric_unhealthy(g.fabric_health):
+            state = CardState.NOT_JOINED
+            reasons.append(f"GPU {g.index} fabric health {g.fabric_health}")
+        elif d and d == domain:
             degraded = gpu_rules.bandwidth_degraded(g.fabric_bandwidth)
             state = CardState.DEGRADED if degraded else CardState.JOINED
             if degraded:
@@ -151,22 +165,34 @@ def tray(node: Node, domain: str, cards: list[GPU]) -> Tray:
     )
 
 
-def racks() -> list[Rack]:
-    """Every NVLink domain as a rack of trays, domains in name order, the domainless rack last.
+def overview() -> tuple[list[Rack], list[Machine]]:
+    """The multi-node racks and, apart from them, the single-node NVSwitch machines. Two queries.
 
-    Nodes whose cards report no NVLink fabric (PCIe cards, an HGX box without
-    multi-node NVLink) are left out: there is nothing to join. Two queries,
-    whatever the cluster's size.
+    Racks: every NVLink domain as a rack of trays, domains in name order, the
+    domainless rack last. Machines: nodes whose NVSwitch is their own (see
+    gpu_rules.single_node_nvswitch), drawn neutral: they have nothing to
+    join. Nodes whose cards report no NVLink fabric (PCIe cards) are in
+    neither.
     """
     nodes = Node.objects.prefetch_related("gpus").order_by("id")
     by_domain: dict[str, Rack] = {}
+    machines: list[Machine] = []
     for node in nodes:
         cards = list(node.gpus.all())
         if not any(gpu_rules.fabric_reported(g.fabric_state) for g in cards) and not node.nvlink_domain:
+            continue
+        if not node.nvlink_domain and gpu_rules.single_node_nvswitch(cards):
+            classes = sorted({g.gpu_class for g in cards if g.gpu_class})
+            machines.append(Machine(node.id, node.hostname, node.state, len(cards), ", ".join(classes)))
             continue
         domain = _candidate_domain(node, cards)
         rack = by_domain.setdefault(domain, Rack(domain))
         rack.trays.append(tray(node, domain, cards))
     for rack in by_domain.values():
         rack.trays.sort(key=lambda t: t.node_id)
-    return sorted(by_domain.values(), key=lambda r: (r.domain == NO_DOMAIN, r.domain))
+    return sorted(by_domain.values(), key=lambda r: (r.domain == NO_DOMAIN, r.domain)), machines
+
+
+def racks() -> list[Rack]:
+    """Every multi-node NVLink domain as a rack of trays (see `overview`); single-node machines are not racks."""
+    return overview()[0]

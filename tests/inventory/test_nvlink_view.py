@@ -1,7 +1,11 @@
 """NVLink racks: which tray is in, which is out and why."""
 
+from pathlib import Path
+
 import pytest
 
+from agents.node.discovery import nvidia_smi
+from agents.node.discovery.readings import to_gpu
 from inventory import nvlink_view
 from inventory.models import Node
 from inventory.nodes import change_state
@@ -9,6 +13,9 @@ from tests.factories import make_node
 from tests.inventory.cockpit_fixtures import CLUSTER, card, nvlink_cluster, tray
 
 pytestmark = pytest.mark.django_db
+
+
+HARDWARE = Path(__file__).resolve().parent.parent / "fixtures" / "hardware"
 
 
 def trays_by_node(racks):
@@ -75,11 +82,45 @@ def test_pcie_nodes_are_left_out_and_fabricless_cards_go_to_no_domain(now):
     assert racks[0].trays[0].reasons[0] == "GPU 0 not joined (Not Started, N/A)"
 
 
-def test_single_box_nvswitch_zero_uuid_is_no_domain(now):
-    zero = "00000000-0000-0000-0000-000000000000"
-    make_node("hgx", now=now, gpus=[card(0, cluster=zero)])
+def recorded_cards(name: str) -> list[dict]:
+    """The cards of a recorded `nvidia-smi -q`, as the agent registers them."""
+    text = (HARDWARE / "nvidia-smi-q" / name).read_text()
+    return [to_gpu(r).model_dump(mode="json") for r in nvidia_smi.parse_query(text).gpus]
+
+
+def test_a_single_hgx_machine_is_no_rack_but_a_machine_apart(now):
+    # The recorded 8-GPU HGX H100: Completed / Success / cluster UUID of zeros on every card.
+    make_node("hgx-h100", now=now, gpus=recorded_cards("h100-hgx-8gpu-excerpt.txt"))
+    nvlink_cluster(now)
+    racks, machines = nvlink_view.overview()
+    assert [r.domain for r in racks] == [f"{CLUSTER}/7"]
+    assert "hgx-h100" not in trays_by_node(racks)
+    assert machines == [nvlink_view.Machine("hgx-h100", "hgx-h100.cluster", "ready", 8, "H100-80GB")]
+    assert nvlink_view.racks() == racks
+
+
+def test_a_card_that_failed_to_join_with_a_zero_cluster_stays_in_the_racks(now):
+    # Completed with Insufficient Resources and a cluster of zeros (recorded on a GB200): it failed to join.
+    failed = {
+        "state": "Completed",
+        "status": "Insufficient Resources",
+        "cluster_uuid": "0" * 8 + "-0000-0000-0000-" + "0" * 12,
+    }
+    make_node("gb200-failed", now=now, gpus=[{**card(0), "fabric": {**failed, "clique_id": "0"}}])
+    racks, machines = nvlink_view.overview()
+    assert machines == []
+    (rack,) = racks
+    assert (rack.domain, rack.trays[0].reasons[0]) == ("", "GPU 0 not joined (Completed, Insufficient Resources)")
+
+
+def test_an_unhealthy_card_keeps_its_tray_out_saying_why(now):
+    cards = [card(i) for i in range(4)]
+    cards[2]["fabric"] = {**cards[2]["fabric"], "health": "Unhealthy"}
+    make_node("sick", now=now, gpus=cards, imex={"state": "UP", "channels": 1})
     (rack,) = nvlink_view.racks()
-    assert rack.domain == ""
+    (t,) = rack.trays
+    assert (rack.domain, t.state, t.reasons) == (f"{CLUSTER}/7", "out", ["GPU 2 fabric health Unhealthy"])
+    assert [c.state for c in t.cards] == ["joined", "joined", "not-joined", "joined"]
 
 
 def test_a_tray_still_joining_is_drawn_in_its_clusters_rack(now):
