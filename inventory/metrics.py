@@ -96,7 +96,7 @@ def _families() -> dict[str, Family]:
         "power": Family("llmgw_gpu_power_watts", "gauge", "GPU power draw.", ("node", "gpu")),
         "allocated": Family("llmgw_gpu_allocated", "gauge", "1 when a shard holds the card.", ("node", "gpu")),
         "ib_rate": Family(
-            "llmgw_ib_port_rate_bytes",
+            "llmgw_ib_port_rate_bytes_per_second",
             "gauge",
             "InfiniBand/RoCE port traffic in bytes per second.",
             ("node", "hca", "port", "direction"),

@@ -103,7 +103,7 @@ def test_node_and_gpu_metrics(client, cluster):
 
 def test_ib_port_metrics(client, cluster):
     m = scrape(client)
-    assert m["llmgw_ib_port_rate_bytes"] == {
+    assert m["llmgw_ib_port_rate_bytes_per_second"] == {
         lbl(node="tray-1", hca="mlx5_0", port="1", direction="tx"): 50e9,
         lbl(node="tray-1", hca="mlx5_0", port="1", direction="rx"): 1e9,
     }
@@ -182,7 +182,7 @@ def test_scrape_query_count_at_1000_nodes(client, django_assert_num_queries):
         m = scrape(client)
     assert len(m["llmgw_node_state"]) == 1000 * len(NodeState.values)
     assert len(m["llmgw_gpu_allocated"]) == 8000
-    assert len(m["llmgw_ib_port_rate_bytes"]) == 1000 * 8 * 2
+    assert len(m["llmgw_ib_port_rate_bytes_per_second"]) == 1000 * 8 * 2
     assert m["llmgw_gpu_power_watts"][lbl(node="node-0999", gpu="7")] == 500.0
 
 
@@ -195,7 +195,7 @@ METRIC_NAMES = {
     "llmgw_gpu_temperature_celsius",
     "llmgw_gpu_power_watts",
     "llmgw_gpu_allocated",
-    "llmgw_ib_port_rate_bytes",
+    "llmgw_ib_port_rate_bytes_per_second",
     "llmgw_ib_port_errors_total",
     "llmgw_replicas",
     "llmgw_doctor_checks",
@@ -299,6 +299,6 @@ def test_port_rates_from_heartbeat_counters_are_bytes_a_second(client, now):
         hb = wire.Heartbeat.model_validate(heartbeat_payload(at=at, counters=counters))
         protocol.heartbeat(caller, hb, now=now + dt.timedelta(seconds=at - 100.0))
     # 1.25 M words of 4 bytes in 5 s: 1 MB/s out; the payload's rx counts twice as many.
-    rates = scrape(client)["llmgw_ib_port_rate_bytes"]
+    rates = scrape(client)["llmgw_ib_port_rate_bytes_per_second"]
     assert rates[lbl(node="node-a", hca="mlx5_0", port="1", direction="tx")] == 1_000_000.0
     assert rates[lbl(node="node-a", hca="mlx5_0", port="1", direction="rx")] == 2_000_000.0
