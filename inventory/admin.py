@@ -229,6 +229,11 @@ class NodeAdmin(admin.ModelAdmin):
     def get_changelist(self, request, **kwargs):
         return NodeChangeList
 
+    def changelist_view(self, request, extra_context=None):
+        # The cockpit's own bar links every page: the app sidebar would take
+        # the width the node list needs to show every column on one line.
+        return super().changelist_view(request, {**(extra_context or {}), "is_nav_sidebar_enabled": False})
+
     @admin.display(description="state", ordering="state")
     def state_column(self, node: Node):
         badges = [format_html('<span class="lg-state lg-state-{}">{}</span>', node.state, node.state)]

@@ -15,9 +15,18 @@ from django.conf import settings
 from django.db import connections
 from django.utils import timezone
 
+from inventory.allocation import allocate
 from inventory.models import GPU, Node, NodeEvent
 from tests.factories import make_node
-from tests.inventory.cockpit_fixtures import CLUSTER, ib_port, nvlink_cluster, put_telemetry, replica_on
+from tests.inventory.cockpit_fixtures import (
+    CLUSTER,
+    ib_port,
+    nvlink_cluster,
+    put_telemetry,
+    recorded_cards,
+    replica_on,
+    tray,
+)
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = [
@@ -192,4 +201,94 @@ def test_eight_racks_of_eighteen_trays_stay_readable(django_db_setup, live_serve
     tops = page.locator("section.rack").evaluate_all("els => els.map(e => Math.round(e.getBoundingClientRect().top))")
     assert len(set(tops)) <= 3
     page.screenshot(path=str(ARTIFACTS / "nvlink-8x18.png"), full_page=True)
+    page.close()
+
+
+def test_hardware_pages_read_as_an_operator_must(django_db_setup, live_server, browser, operator):
+    """NVLink racks beside single-node machines, an allocated GB200, an H100 with XIDs, a replica, the node list."""
+    now = timezone.now()
+    nvlink_cluster(now)
+    # A tray with a long name, as the demo's simulated racks name them.
+    long_name = "sim-gb200-nvl72-rack01-tray01"
+    tray(long_name, now=now)
+    # The recorded 8-GPU HGX H100: one machine's NVSwitch, cluster UUID of zeros.
+    make_node("hgx-h100-01", now=now, gpus=recorded_cards("h100-hgx-8gpu-excerpt.txt"))
+    put_telemetry(
+        "hgx-h100-01",
+        gpus=[
+            {"index": 3, "wear": {"xid_errors": 2, "last_xid": 79, "last_xid_text": "GPU has fallen off the bus"}},
+            {"index": 5, "wear": {"xid_errors": 1, "last_xid": 31, "last_xid_text": "GPU memory page fault"}},
+        ],
+    )
+    # An allocated GB200 tray: cards 0 and 1 held by a ready shard.
+    rep = replica_on("tray-joined", now=now, deployment="llama-70b", gpus=(0, 1))
+    shard = rep.shards.get()
+    allocate(node_id="tray-joined", replica_id=rep.id, shard_id=shard.id, gpu_indices=[0, 1])
+    put_telemetry("tray-joined", gpus=[{"index": i, "memory_used_mb": 2 + 90000 * (i < 2)} for i in range(3)])
+
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    base = live_server.url
+    log_in(page, base, "operator", "pw-operator-1", "/admin/nvlink/")
+
+    # NVLink: the multi-node rack, and the HGX apart, neutral, not "not joined".
+    rack = page.locator(f"section.rack[data-domain='{CLUSTER}/7']")
+    assert rack.locator(".tray").count() == 4
+    assert page.locator("section.rack").count() == 1
+    assert page.locator(".tray[data-node='hgx-h100-01']").count() == 0
+    machine = page.locator("#single-node-machines tr[data-machine='hgx-h100-01']")
+    assert machine.inner_text().split("\t") == ["hgx-h100-01", "8 x H100-80GB", "ready"]
+    assert "not joined" not in page.locator("#single-node-machines").inner_text()
+    assert "no multi-node domain, by design" in page.locator("#single-node-machines").inner_text()
+    # Whole names: the tray's name and the domain are not cut.
+    name = rack.locator(f".tray[data-node='{long_name}'] a.node")
+    assert name.inner_text() == long_name
+    assert name.evaluate("e => e.scrollWidth <= e.clientWidth")
+    assert rack.locator(".rack-head .name").inner_text() == f"{CLUSTER} / clique 7"
+    page.screenshot(path=str(ARTIFACTS / "nvlink-racks-and-machines.png"), full_page=True)
+
+    # The allocated GB200: who holds which card, memory in one form.
+    page.goto(f"{base}/admin/inventory/node/tray-joined/change/")
+    rows = page.locator("#gpus tbody tr")
+    holders = [rows.nth(i).locator("td.holder").inner_text() for i in range(4)]
+    held = f"llama-70b rank 0 · {str(rep.id)[:8]} (ready)"
+    assert holders == [held, held, "free", "free"]
+    memory = [rows.nth(i).locator("td.memory").inner_text() for i in range(4)]
+    assert memory == ["90002 / 189471 MiB", "90002 / 189471 MiB", "2 / 189471 MiB", "- / 189471 MiB"]
+    assert page.locator("#nvlink-matrix td.nv").count() == 12
+    assert page.locator(".submit-row").count() == 0 and page.locator("a.deletelink").count() == 0
+    assert page.locator("#forget-node").inner_text() == "Forget…"
+    page.screenshot(path=str(ARTIFACTS / "node-gb200-allocated.png"), full_page=True)
+
+    # The H100 with XIDs: a hardware XID is never beside "healthy"; an application XID points at the engine.
+    page.goto(f"{base}/admin/inventory/node/hgx-h100-01/change/")
+    gpu3 = page.locator("#gpus tbody tr[data-gpu='3']")
+    gpu5 = page.locator("#gpus tbody tr[data-gpu='5']")
+    assert gpu3.locator("td.health").inner_text() != "healthy"
+    assert "hardware or driver fault: drain and reboot the node" in gpu3.inner_text()
+    assert gpu5.locator("td.health").inner_text() == "healthy"
+    assert "application fault: look at the engine's process" in gpu5.inner_text()
+    assert "not reported" in page.locator("#nvlink-matrix").inner_text()
+    assert page.locator("#nvlink-matrix .lg-matrix").count() == 0
+    page.screenshot(path=str(ARTIFACTS / "node-h100-xid.png"), full_page=True)
+
+    # The replica: a view of what the reconciler owns, with its actions.
+    page.goto(f"{base}/admin/placement/replica/{rep.pk}/change/")
+    assert page.locator("h1").first.inner_text() == "View replica"
+    assert page.locator("#ask-planner").text_content() == "Ask the planner"
+    assert page.locator("#retire-replica").text_content() == "Retire…"
+    assert page.locator("input[name=_save]").count() == 0 and page.locator("a.deletelink").count() == 0
+    assert page.locator("[data-replica-state]").get_attribute("data-replica-state") == "ready"
+    page.screenshot(path=str(ARTIFACTS / "replica.png"), full_page=True)
+
+    # The node list at 1440 px: every column in view, one line per node.
+    page.goto(f"{base}/admin/inventory/node/")
+    assert page.evaluate("document.documentElement.scrollWidth") <= 1440
+    problems = page.locator("#result_list thead th.column-problems_column")
+    assert problems.evaluate("e => e.getBoundingClientRect().right") <= 1440
+    row = page.locator("#result_list tbody tr", has=page.locator(f"a:text-is('{long_name}')"))
+    heights = row.locator("th, td").evaluate_all("els => els.map(e => e.getBoundingClientRect().height)")
+    id_height = row.locator("th").evaluate("e => e.getBoundingClientRect().height")
+    assert id_height <= min(heights) + 1
+    assert row.locator("th a").evaluate("e => e.getClientRects().length") == 1
+    page.screenshot(path=str(ARTIFACTS / "node-list-1440.png"), full_page=True)
     page.close()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from pathlib import Path
 
+from agents.node.discovery import nvidia_smi
+from agents.node.discovery.readings import to_gpu
 from inventory import telemetry
 from placement.models import Deployment, EngineProfile, Replica, Shard
 from tests.factories import gpu_payload, make_node
 
 CLUSTER = "a1b2c3d4-0000-4000-8000-00000000c0de"
+HARDWARE = Path(__file__).resolve().parent.parent / "fixtures" / "hardware"
 GB200 = {"name": "NVIDIA GB200", "memory_total_mb": 189471, "compute_capability": "10.0"}
 
 
@@ -88,3 +92,9 @@ def ib_port(hca: str, *, sm: str, sms=(), state="ACTIVE", rate=400, tx=0.0, rx=0
 def put_telemetry(node_id: str, *, ports=(), gpus=(), at: float = 0.0):
     """Store a node's telemetry the way a heartbeat does."""
     telemetry.put(node_id, {"at": at, "agent_at": None, "load": None, "gpus": list(gpus), "ib_ports": list(ports)})
+
+
+def recorded_cards(name: str) -> list[dict]:
+    """The cards of a recorded `nvidia-smi -q` (tests/fixtures/hardware/nvidia-smi-q/), as the agent registers them."""
+    text = (HARDWARE / "nvidia-smi-q" / name).read_text()
+    return [to_gpu(r).model_dump(mode="json") for r in nvidia_smi.parse_query(text).gpus]

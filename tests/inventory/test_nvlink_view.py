@@ -1,21 +1,14 @@
 """NVLink racks: which tray is in, which is out and why."""
 
-from pathlib import Path
-
 import pytest
 
-from agents.node.discovery import nvidia_smi
-from agents.node.discovery.readings import to_gpu
 from inventory import nvlink_view
 from inventory.models import Node
 from inventory.nodes import change_state
 from tests.factories import make_node
-from tests.inventory.cockpit_fixtures import CLUSTER, card, nvlink_cluster, tray
+from tests.inventory.cockpit_fixtures import CLUSTER, card, nvlink_cluster, recorded_cards, tray
 
 pytestmark = pytest.mark.django_db
-
-
-HARDWARE = Path(__file__).resolve().parent.parent / "fixtures" / "hardware"
 
 
 def trays_by_node(racks):
@@ -80,12 +73,6 @@ def test_pcie_nodes_are_left_out_and_fabricless_cards_go_to_no_domain(now):
     racks = nvlink_view.racks()
     assert [(r.domain, [t.node_id for t in r.trays]) for r in racks] == [("", ["dropped"])]
     assert racks[0].trays[0].reasons[0] == "GPU 0 not joined (Not Started, N/A)"
-
-
-def recorded_cards(name: str) -> list[dict]:
-    """The cards of a recorded `nvidia-smi -q`, as the agent registers them."""
-    text = (HARDWARE / "nvidia-smi-q" / name).read_text()
-    return [to_gpu(r).model_dump(mode="json") for r in nvidia_smi.parse_query(text).gpus]
 
 
 def test_a_single_hgx_machine_is_no_rack_but_a_machine_apart(now):
