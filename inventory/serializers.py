@@ -38,6 +38,7 @@ class GPUSerializer(serializers.ModelSerializer):
             "cluster_uuid",
             "clique_id",
             "fabric_bandwidth",
+            "fabric_health",
             "nvlink_domain",
             "ecc_errors",
             "healthy",

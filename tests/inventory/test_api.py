@@ -275,3 +275,22 @@ def test_an_agent_credential_is_no_operator(cluster):
     c.credentials(HTTP_AUTHORIZATION="Bearer not-an-operator-token")
     assert c.get("/api/v1/nodes/").status_code == 403
     assert c.post("/api/v1/nodes/node-a/cordon/", {}, format="json").status_code == 403
+
+
+def test_gpu_api_carries_the_fabric_health_summary(operator, now):
+    cards = [
+        gpu_payload(
+            0,
+            fabric={
+                "state": "Completed",
+                "status": "Success",
+                "cluster_uuid": CLUSTER,
+                "clique_id": "7",
+                "bandwidth": "Full",
+                "health": "Unhealthy",
+            },
+        )
+    ]
+    make_node("sick", now=now, gpus=cards)
+    [gpu] = client_for(operator).get("/api/v1/gpus/?search=sick").json()["results"]
+    assert (gpu["fabric_health"], gpu["nvlink_domain"]) == ("Unhealthy", f"{CLUSTER}/7")
