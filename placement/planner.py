@@ -361,6 +361,8 @@ def _multi_reason(req: ReplicaRequest, n: NodeInfo, groups: Mapping[str, str]) -
     keeps enough of them from taking the replica together.
     """
     parts = []
+    if n.nvlink_out:
+        parts.append(f"out of NVLink: {n.nvlink_out}")
     if n.nvlink_domain and not n.imex_up:
         parts.append(f"NVLink domain {n.nvlink_domain}: IMEX down")
     elif n.domain_ready():

@@ -130,6 +130,8 @@ class NodeInfo:
     # The NVLink domain every card is joined to ("" none) and whether IMEX is up.
     nvlink_domain: str = ""
     imex_up: bool = False
+    # Why the node is out of the NVLink domain its cards name ("GPU 2 fabric health Unhealthy"), "" when not.
+    nvlink_out: str = ""
     fabrics: tuple[FabricInfo, ...] = ()
     # Momentary draw from telemetry (W), for the operator; budgets count claims.
     power_draw_w: float = 0.0
@@ -372,7 +374,15 @@ def build(*, unique_ports: bool | None = None) -> Snapshot:
 
     gpus: dict[str, list[tuple]] = defaultdict(list)
     for row in GPU.objects.values_list(
-        "node_id", "index", "gpu_class", "ecc_errors", "problems", "numa_node", "nvlink_peers", "nic_paths"
+        "node_id",
+        "index",
+        "gpu_class",
+        "ecc_errors",
+        "problems",
+        "numa_node",
+        "nvlink_peers",
+        "nic_paths",
+        "fabric_health",
     ).order_by("node_id", "index"):
         gpus[row[0]].append(row)
     held_gpus: dict[str, set[int]] = defaultdict(set)
@@ -433,7 +443,12 @@ def build(*, unique_ports: bool | None = None) -> Snapshot:
         t = tele.get(node_id) or {}
         limits = {s.get("index"): float(s.get("power_limit_w") or 0) for s in t.get("gpus") or []}
         ginfo = []
-        for _, idx, cls, ecc, problems, numa, peers, nic in gpus.get(node_id, []):
+        sick = [
+            f"GPU {row[1]} fabric health {row[8]}"
+            for row in gpus.get(node_id, [])
+            if gpu_rules.fabric_unhealthy(row[8])
+        ]
+        for _, idx, cls, ecc, problems, numa, peers, nic, _health in gpus.get(node_id, []):
             ginfo.append(
                 GPUInfo(
                     index=idx,
@@ -477,6 +492,7 @@ def build(*, unique_ports: bool | None = None) -> Snapshot:
             engines_probed=probed,
             engines_blocked=installs.get(node_id, {}),
             nvlink_domain=domain,
+            nvlink_out="; ".join(sick),
             imex_up=gpu_rules.imex_up(imex),
             fabrics=tuple(finfo),
             power_draw_w=draw,

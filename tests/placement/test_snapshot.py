@@ -231,3 +231,20 @@ def test_a_node_that_looked_for_weights_and_found_none_is_excluded_from_a_local_
     change_state("never-looked", "cordoned", now=now)
     refused = plan(ReplicaRequest(model_path="/models/llama-70b"), snapshots.build())
     assert refused.reasons["looked-empty"] == "weights /models/llama-70b not present"
+
+
+def test_a_tray_with_an_unhealthy_card_takes_no_multi_node_nvlink_replica_and_says_why(now):
+    for n in ("a", "b"):
+        cards = [gpu_payload(i, fabric=JOINED) for i in range(4)]
+        if n == "b":
+            cards[2]["fabric"] = {**JOINED, "health": "Unhealthy"}
+        make_node(n, now=now, gpus=cards, imex={"state": "UP", "channels": 1})
+    snap = snapshots.build()
+    assert (snap.nodes["a"].nvlink_domain, snap.nodes["b"].nvlink_domain) == (
+        "c0ffee00-0000-0000-0000-000000000001/7",
+        "",
+    )
+    result = plan(ReplicaRequest(gpus_per_node=4, nodes=2), snap)
+    assert result.reasons["b"] == (
+        "out of NVLink: GPU 2 fabric health Unhealthy; no fabric: never hosts a multi-node replica; needs 2"
+    )
