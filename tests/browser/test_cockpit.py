@@ -267,6 +267,9 @@ def test_hardware_pages_read_as_an_operator_must(django_db_setup, live_server, b
     assert "hardware or driver fault: drain and reboot the node" in gpu3.inner_text()
     assert gpu5.locator("td.health").inner_text() == "healthy"
     assert "application fault: look at the engine's process" in gpu5.inner_text()
+    # The hardware XID reads red, the application one amber.
+    assert gpu3.locator("td.wear span").get_attribute("class") == "lg-bad"
+    assert gpu5.locator("td.wear span").get_attribute("class") == "lg-warn"
     assert "not reported" in page.locator("#nvlink-matrix").inner_text()
     assert page.locator("#nvlink-matrix .lg-matrix").count() == 0
     page.screenshot(path=str(ARTIFACTS / "node-h100-xid.png"), full_page=True)
