@@ -27,7 +27,7 @@ from inventory.nodes import change_state
 from placement.models import Deployment, EngineProfile, Replica, Shard
 from placement.reconciler import reconcile
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 JOIN = "e2e-join-token-for-placement"
 
