@@ -292,8 +292,8 @@ def chat(endpoint: str, model: str) -> str:
 
 
 def test_control_plane_restart_keeps_shards_and_fences_unknown_ones(plane, agents, settings):
-    # The reconciler runs in this process: three nodes share this host, so shard ports are unique.
-    settings.LLMGW_SHARD_PORTS_UNIQUE = True
+    # The reconciler runs in this process. Three nodes share this host's address: their shard
+    # ports are kept apart without LLMGW_SHARD_PORTS_UNIQUE, as in `make demo`.
     settings.LLMGW_SHARD_PORT_BASE = _free_port()
     plane.start()
     agents.start()
