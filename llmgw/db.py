@@ -64,9 +64,10 @@ def trust_idle_connection(alias: str = DEFAULT_DB_ALIAS, *, conn: BaseDatabaseWr
     `SELECT 1` until its timeout; the request fails and Django's
     errors-occurred check replaces the connection at the next one.
 
-    For persistent connections (DATABASE_POOL_MAX=0): a pooled connection
-    is not the request's until it asks, and the pool checks it then.
-    `conn`: a connection wrapper of its own instead of the alias's.
+    This serves persistent connections (DATABASE_POOL_MAX=0). A pooled
+    connection belongs to the pool between requests, so this answers False
+    for it: the pool checks it when it hands it out. `conn`: a connection
+    wrapper of its own instead of the alias's.
 
     Returns True when the round trip was spared.
     """
