@@ -21,11 +21,16 @@ from inventory.models import GPU, Node
 from inventory.nodes import TransitionError
 from inventory.serializers import (
     ActionInput,
-    AffectedReplicaSerializer,
+    ActionInputErrors,
+    DrainOut,
     GPUSerializer,
     LabelsInput,
+    LabelsInputErrors,
+    LabelsOut,
+    NodeActionOut,
     NodeSerializer,
     RackSerializer,
+    StateConflictOut,
 )
 from llmgw.permissions import ModelPermissions
 
@@ -86,30 +91,31 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
             fn(node.id, now=timezone.now(), actor=request.user, reason=body.validated_data["reason"])
         except TransitionError as exc:
             return Response({"state": [str(exc)]}, status=status.HTTP_409_CONFLICT)
-        data = {"node": NodeSerializer(_nodes().get(id=node.id)).data}
+        # Rendered by the serializers the API document declares, so the two cannot drift apart.
+        node = _nodes().get(id=node.id)
         if name == "drain":
-            data["replicas_to_move"] = AffectedReplicaSerializer(affected, many=True).data
-        return Response(data)
+            return Response(DrainOut({"node": node, "replicas_to_move": affected}).data)
+        return Response(NodeActionOut({"node": node}).data)
 
-    @extend_schema(request=ActionInput, responses={200: NodeSerializer})
+    @extend_schema(request=ActionInput, responses={200: NodeActionOut, 400: ActionInputErrors, 409: StateConflictOut})
     @action(detail=True, methods=["post"])
     def cordon(self, request: Request, pk: str | None = None) -> Response:
         """Exclude the node from new placement; what runs there keeps running."""
         return self._transition(request, pk, operations.cordon, "cordon")
 
-    @extend_schema(request=ActionInput, responses={200: NodeSerializer})
+    @extend_schema(request=ActionInput, responses={200: NodeActionOut, 400: ActionInputErrors, 409: StateConflictOut})
     @action(detail=True, methods=["post"])
     def uncordon(self, request: Request, pk: str | None = None) -> Response:
         """Give a cordoned or draining node back to placement."""
         return self._transition(request, pk, operations.uncordon, "uncordon")
 
-    @extend_schema(request=ActionInput, responses={200: NodeSerializer})
+    @extend_schema(request=ActionInput, responses={200: DrainOut, 400: ActionInputErrors, 409: StateConflictOut})
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk: str | None = None) -> Response:
         """Move the node's replicas elsewhere; the answer lists those that will move."""
         return self._transition(request, pk, operations.drain, "drain")
 
-    @extend_schema(request=LabelsInput)
+    @extend_schema(request=LabelsInput, responses={200: LabelsOut, 400: LabelsInputErrors})
     @action(detail=True, methods=["put", "patch"])
     def labels(self, request: Request, pk: str | None = None) -> Response:
         """Replace (PUT) or change (PATCH; null removes) the node's operator labels."""
@@ -125,11 +131,13 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
             return Response({"labels": {exc.field: [exc.message]}}, status=status.HTTP_400_BAD_REQUEST)
         node.refresh_from_db()
         return Response(
-            {
-                "agent_labels": node.agent_labels,
-                "operator_labels": node.operator_labels,
-                "effective_labels": node.labels,
-            }
+            LabelsOut(
+                {
+                    "agent_labels": node.agent_labels,
+                    "operator_labels": node.operator_labels,
+                    "effective_labels": node.labels,
+                }
+            ).data
         )
 
 

@@ -158,6 +158,44 @@ class AffectedReplicaSerializer(serializers.Serializer):
     shards = serializers.ListField(child=serializers.CharField())
 
 
+class NodeActionOut(serializers.Serializer):
+    """The answer to cordon and uncordon: the node as the action left it."""
+
+    node = NodeSerializer(read_only=True)
+
+
+class DrainOut(NodeActionOut):
+    """The answer to drain: the node, and the replicas that will move off it."""
+
+    replicas_to_move = AffectedReplicaSerializer(many=True, read_only=True)
+
+
+class LabelsOut(serializers.Serializer):
+    """A node's labels after a change: the agent's, the operator's, and the agent's overlaid by the operator's."""
+
+    agent_labels = serializers.DictField(child=serializers.CharField(), read_only=True)
+    operator_labels = serializers.DictField(child=serializers.CharField(), read_only=True)
+    effective_labels = serializers.DictField(child=serializers.CharField(), read_only=True)
+
+
+class ActionInputErrors(serializers.Serializer):
+    """400 from cordon, uncordon or drain: what is wrong with the reason."""
+
+    reason = serializers.ListField(child=serializers.CharField(), read_only=True)
+
+
+class LabelsInputErrors(serializers.Serializer):
+    """400 from a labels change: the problems of each label by key, or of the `labels` field itself (a list)."""
+
+    labels = serializers.JSONField(read_only=True)
+
+
+class StateConflictOut(serializers.Serializer):
+    """409: the node's state does not allow the action."""
+
+    state = serializers.ListField(child=serializers.CharField(), read_only=True)
+
+
 class CardSerializer(serializers.Serializer):
     """One GPU on an NVLink tray."""
 

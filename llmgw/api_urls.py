@@ -20,7 +20,10 @@ router.register("power-budgets", placement_views.PowerBudgetViewSet, basename="p
 
 urlpatterns: list = [
     path("agent/", include("agents.urls")),
-    path("placement/dry-run", placement_views.DryRunView.as_view(), name="placement-dry-run"),
+    # With a trailing slash as every other endpoint. Without one it answers too, as it
+    # always has (a POST cannot be redirected), and stays out of the API document.
+    path("placement/dry-run/", placement_views.DryRunView.as_view(), name="placement-dry-run"),
+    path("placement/dry-run", placement_views.DryRunView.as_view(schema=None)),
     *router.urls,
     re_path(r"^nvlink/?$", NVLinkView.as_view(), name="nvlink"),
     re_path(r"^doctor/?$", DoctorView.as_view(), name="doctor"),

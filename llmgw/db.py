@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.backends.base.base import BaseDatabaseWrapper
 
 # Executions of one statement on a connection before psycopg prepares it (psycopg's own default).
 PREPARE_THRESHOLD = 5
@@ -49,7 +50,7 @@ def prepared_cursor() -> Iterator:
         yield cur
 
 
-def trust_idle_connection(alias: str = DEFAULT_DB_ALIAS) -> bool:
+def trust_idle_connection(alias: str = DEFAULT_DB_ALIAS, *, conn: BaseDatabaseWrapper | None = None) -> bool:
     """Count a kept-alive connection as checked when the server has said nothing on it since its last answer.
 
     With CONN_HEALTH_CHECKS, Django sends `SELECT 1` before a request's first
@@ -63,9 +64,15 @@ def trust_idle_connection(alias: str = DEFAULT_DB_ALIAS) -> bool:
     `SELECT 1` until its timeout; the request fails and Django's
     errors-occurred check replaces the connection at the next one.
 
+    This serves persistent connections (DATABASE_POOL_MAX=0). A pooled
+    connection belongs to the pool between requests, so this answers False
+    for it: the pool checks it when it hands it out. `conn`: a connection
+    wrapper of its own instead of the alias's.
+
     Returns True when the round trip was spared.
     """
-    conn = connections[alias]
+    if conn is None:
+        conn = connections[alias]
     if (
         conn.connection is None
         or not conn.health_check_enabled

@@ -129,6 +129,25 @@ DATABASES = {
         conn_health_checks=True,
     )
 }
+# PostgreSQL connections come from a pool of at most DATABASE_POOL_MAX per
+# process. Persistent connections are one per thread, and a server that starts
+# a thread per request (runserver under `make run`) kept every one of them:
+# six demo agents had PostgreSQL refuse everyone ("too many clients already")
+# within minutes. A pooled connection goes back to the pool at the end of each
+# request; a request finding none free waits up to DATABASE_POOL_TIMEOUT.
+# DATABASE_POOL_MAX=0: persistent connections (DATABASE_CONN_MAX_AGE), one per
+# thread, for servers with a fixed number of threads.
+DATABASE_POOL_MAX = env_int("DATABASE_POOL_MAX", 4)
+DATABASE_POOL_TIMEOUT = env_seconds("DATABASE_POOL_TIMEOUT", 30.0)
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql" and DATABASE_POOL_MAX:
+    DATABASES["default"]["CONN_MAX_AGE"] = 0
+    DATABASES["default"].setdefault("OPTIONS", {})["pool"] = {
+        "min_size": min(1, DATABASE_POOL_MAX),
+        "max_size": DATABASE_POOL_MAX,
+        "timeout": DATABASE_POOL_TIMEOUT,
+        # Above min_size, a connection idle this long is closed.
+        "max_idle": 60.0,
+    }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The web process and the worker share one file: WAL lets readers run
     # beside a writer, and the busy timeout makes a writer wait its turn
@@ -190,7 +209,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["llmgw.permissions.ModelPermissions"],
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    "DEFAULT_PAGINATION_CLASS": "llmgw.pagination.LimitOffsetPagination",
     "PAGE_SIZE": 100,
 }
 
@@ -260,7 +279,8 @@ CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
 # Placement: the first HTTP port a shard gets on a node, and how often the
 # reconciler runs (it is also queued by events).
 LLMGW_SHARD_PORT_BASE = env_int("LLMGW_SHARD_PORT_BASE", 18000, minimum=1)
-# Unique shard ports across the whole cluster, for simulated fleets sharing one host.
+# Unique shard ports across the whole cluster. Nodes at one management
+# address (a simulated fleet on one host) share their ports without it.
 LLMGW_SHARD_PORTS_UNIQUE = env_bool("LLMGW_SHARD_PORTS_UNIQUE", False)
 LLMGW_RECONCILE_INTERVAL = env_seconds("LLMGW_RECONCILE_INTERVAL", 10.0)
 CELERY_BEAT_SCHEDULE["placement-reconcile"] = {

@@ -11,6 +11,9 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
 os.environ.setdefault("CELERY_BROKER_URL", "memory://")
 os.environ.setdefault("SECRET_KEY", "llmgw-test-key")
 os.environ.setdefault("LLMGW_CACHE_PREFIX", "llmgw-test")
+# A pool waits this long for a database that is not there (`make test`'s
+# makemigrations check runs where only the test database exists).
+os.environ.setdefault("DATABASE_POOL_TIMEOUT", "10")
 
 from llmgw.settings import *  # noqa: F403
 

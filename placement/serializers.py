@@ -127,6 +127,12 @@ class ScaleIn(serializers.Serializer):
     replicas = serializers.IntegerField(min_value=0, max_value=10_000)
 
 
+class ScaleInErrors(serializers.Serializer):
+    """400 from scale: what is wrong with the number of replicas."""
+
+    replicas = serializers.ListField(child=serializers.CharField(), read_only=True)
+
+
 class ShardOut(serializers.ModelSerializer):
     """A shard: where it runs and how it is."""
 

@@ -29,6 +29,7 @@ from placement.serializers import (
     ProfileOut,
     ReplicaOut,
     ScaleIn,
+    ScaleInErrors,
     ShardOut,
 )
 
@@ -124,6 +125,7 @@ class DeploymentViewSet(InOutViewSet):
             return Response({"replicas": [why]}, status=status.HTTP_409_CONFLICT)
         return super().destroy(request, *args, **kwargs)
 
+    @extend_schema(request=ScaleIn, responses={200: DeploymentOut, 400: ScaleInErrors})
     @action(detail=True, methods=["post"], permission_classes=[CanChange])
     def scale(self, request, pk=None):
         """Set the desired replicas."""
@@ -134,12 +136,14 @@ class DeploymentViewSet(InOutViewSet):
         )
         return Response(self.serializer_class(self._reload(dep)).data)
 
+    @extend_schema(request=None, responses=DeploymentOut)
     @action(detail=True, methods=["post"], permission_classes=[CanChange])
     def pause(self, request, pk=None):
         """Leave it alone: the reconciler neither starts nor stops its replicas."""
         dep = deployment_actions.set_paused(self.get_object(), True, now=timezone.now(), actor=request.user)
         return Response(self.serializer_class(self._reload(dep)).data)
 
+    @extend_schema(request=None, responses=DeploymentOut)
     @action(detail=True, methods=["post"], permission_classes=[CanChange])
     def resume(self, request, pk=None):
         """Reconcile it again."""
@@ -163,6 +167,7 @@ class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):
     def get_queryset(self):
         return Replica.objects.select_related("deployment").prefetch_related("shards").distinct()
 
+    @extend_schema(responses=EventOut(many=True), filters=False)
     @action(detail=True, methods=["get"])
     def events(self, request, pk=None):
         """The replica's state changes, newest first."""

@@ -69,27 +69,59 @@ def _terminate(pid: int) -> None:
             time.sleep(0.01)
 
 
+@pytest.fixture
+def persistent():
+    """A connection of its own to the test database, persistent and health-checked (DATABASE_POOL_MAX=0)."""
+    from django.db.backends.postgresql.base import DatabaseWrapper
+
+    s = dict(connection.settings_dict)
+    s["OPTIONS"] = {k: v for k, v in s["OPTIONS"].items() if k != "pool"}
+    s["CONN_MAX_AGE"], s["CONN_HEALTH_CHECKS"] = 600, True
+    conn = DatabaseWrapper(s, alias="persistent")
+    yield conn
+    conn.close()
+
+
+def _pid_of(conn) -> int:
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_backend_pid()")
+        return cur.fetchone()[0]
+
+
 @pytest.mark.django_db(transaction=True)
-def test_an_idle_connection_skips_the_health_check_round_trip(django_assert_num_queries):
-    pid = _backend_pid()
+def test_an_idle_connection_skips_the_health_check_round_trip(persistent):
+    from django.test.utils import CaptureQueriesContext
+
+    pid = _pid_of(persistent)
     # As at the start of a request: the connection is due a health check.
-    connection.close_if_unusable_or_obsolete()
-    assert connection.health_check_done is False
-    assert trust_idle_connection() is True
-    assert connection.health_check_done is True
-    with django_assert_num_queries(1):
-        assert _backend_pid() == pid
+    persistent.close_if_unusable_or_obsolete()
+    assert persistent.health_check_done is False
+    assert trust_idle_connection(conn=persistent) is True
+    assert persistent.health_check_done is True
+    with CaptureQueriesContext(persistent) as queries:
+        assert _pid_of(persistent) == pid
+    assert [q["sql"] for q in queries] == ["SELECT pg_backend_pid()"]
     # Already checked: nothing more to spare.
-    assert trust_idle_connection() is False
+    assert trust_idle_connection(conn=persistent) is False
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_connection_the_server_ended_is_still_checked_and_replaced():
-    pid = _backend_pid()
-    connection.close_if_unusable_or_obsolete()
+def test_a_connection_the_server_ended_is_still_checked_and_replaced(persistent):
+    pid = _pid_of(persistent)
+    persistent.close_if_unusable_or_obsolete()
     _terminate(pid)
     # The server closed the socket: Django's own check runs, fails, and a new connection answers.
-    assert trust_idle_connection() is False
-    assert connection.health_check_done is False
-    new_pid = _backend_pid()
+    assert trust_idle_connection(conn=persistent) is False
+    assert persistent.health_check_done is False
+    new_pid = _pid_of(persistent)
     assert new_pid != pid
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pooled_connection_is_not_trusted_but_checked_by_the_pool():
+    # The default connection is pooled: between requests it belongs to the pool.
+    assert connection.settings_dict["OPTIONS"]["pool"]["max_size"] == 4
+    _backend_pid()
+    connection.close_if_unusable_or_obsolete()
+    assert connection.connection is None
+    assert trust_idle_connection() is False

@@ -53,6 +53,8 @@ def test_the_embedded_default_keeps_its_files_under_var(tmp_path):
         ({"LLMGW_SHARD_PORT_BASE": "eighteen"}, "LLMGW_SHARD_PORT_BASE='eighteen' is not a whole number"),
         ({"LLMGW_SHARD_PORT_BASE": "0"}, "LLMGW_SHARD_PORT_BASE='0' must be at least 1"),
         ({"DATABASE_CONN_MAX_AGE": "1.5"}, "DATABASE_CONN_MAX_AGE='1.5' is not a whole number"),
+        ({"DATABASE_POOL_MAX": "four"}, "DATABASE_POOL_MAX='four' is not a whole number"),
+        ({"DATABASE_POOL_TIMEOUT": "0"}, "DATABASE_POOL_TIMEOUT='0' must be positive"),
         ({"LLMGW_SHARD_PORTS_UNIQUE": "si"}, "LLMGW_SHARD_PORTS_UNIQUE='si' is not a boolean"),
         (
             {"DEBUG": "0", "SECRET_KEY": ""},
@@ -64,6 +66,21 @@ def test_a_bad_value_names_its_variable(tmp_path, env, message):
     done = load_settings(tmp_path, **env)
     assert done.returncode != 0
     assert f"ImproperlyConfigured: {message}" in done.stderr
+
+
+def test_postgresql_connections_come_from_a_bounded_pool_unless_turned_off(tmp_path):
+    code = (
+        "import json; from django.conf import settings as s; d = s.DATABASES['default']; "
+        "print(json.dumps([d['CONN_MAX_AGE'], d.get('OPTIONS', {}).get('pool')]))"
+    )
+    url = "postgres://u@db.example:5432/llmgw"
+    done = load_settings(tmp_path, code, DATABASE_URL=url, DATABASE_POOL_MAX="6", DATABASE_POOL_TIMEOUT="5")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [0, {"min_size": 1, "max_size": 6, "timeout": 5.0, "max_idle": 60.0}]
+    # Persistent connections, one per thread, when the pool is turned off.
+    done = load_settings(tmp_path, code, DATABASE_URL=url, DATABASE_POOL_MAX="0", DATABASE_CONN_MAX_AGE="600")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == [600, None]
 
 
 def test_numbers_and_flags_are_read(tmp_path):

@@ -13,7 +13,6 @@ import dataclasses
 import datetime as dt
 import os
 import signal
-import socket
 import time
 
 import pytest
@@ -26,17 +25,11 @@ from inventory.models import NodeEvent
 from inventory.nodes import change_state
 from placement.models import Deployment, EngineProfile, Replica, Shard
 from placement.reconciler import reconcile
+from tests.ports import free_port_range
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 JOIN = "e2e-join-token-for-placement"
-
-
-def _port_base() -> int:
-    """A port the OS says is free; shards take it and the next few."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
@@ -120,9 +113,9 @@ def ready_count() -> int:
 def cluster(live_server, tmp_path, settings):
     pytest.importorskip("agents.node.simulate")
     settings.LLMGW_JOIN_TOKEN = JOIN
-    # Four simulated nodes share this host's loopback: shard ports unique across them.
-    settings.LLMGW_SHARD_PORTS_UNIQUE = True
-    settings.LLMGW_SHARD_PORT_BASE = _port_base()
+    # Four simulated nodes share this host's loopback, as `make demo`'s do: the
+    # control plane keeps their shard ports apart by itself (no LLMGW_SHARD_PORTS_UNIQUE).
+    settings.LLMGW_SHARD_PORT_BASE = free_port_range()
     c = Cluster(live_server.url, tmp_path / "fleet", 4)
     try:
         yield c

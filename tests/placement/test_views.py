@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from django.urls import reverse
 from rest_framework.test import APIClient
 
 from placement import planner
@@ -39,7 +40,7 @@ LISTS = ["profiles", "deployments", "replicas", "shards", "holds", "power-budget
 @pytest.mark.parametrize("name", LISTS)
 def test_anonymous_is_refused(name):
     assert client().get(f"/api/v1/{name}/").status_code in (401, 403)
-    assert client().post("/api/v1/placement/dry-run", {}, format="json").status_code in (401, 403)
+    assert client().post("/api/v1/placement/dry-run/", {}, format="json").status_code in (401, 403)
 
 
 @pytest.mark.parametrize("name", LISTS)
@@ -189,7 +190,7 @@ def test_replica_filters_and_pagination(viewer, now, profile):
 def test_dry_run_is_the_planner_over_a_fresh_snapshot(viewer, now, profile):
     make_node("a", now=now)
     make_node("b", now=now, gpus=2)
-    r = client(viewer).post("/api/v1/placement/dry-run", {"profile": profile.id, "replicas": 3}, format="json")
+    r = client(viewer).post("/api/v1/placement/dry-run/", {"profile": profile.id, "replicas": 3}, format="json")
     assert r.status_code == 200
     body = r.json()
     assert body["placed"] == 2
@@ -204,8 +205,17 @@ def test_dry_run_is_the_planner_over_a_fresh_snapshot(viewer, now, profile):
     assert not Replica.objects.exists()  # nothing written
 
 
+@pytest.mark.parametrize("path", ["/api/v1/placement/dry-run/", "/api/v1/placement/dry-run"])
+def test_dry_run_answers_with_and_without_the_trailing_slash(viewer, now, profile, path):
+    make_node("a", now=now)
+    r = client(viewer).post(path, {"profile": profile.id, "replicas": 1}, format="json")
+    assert r.status_code == 200
+    assert r.json()["placed"] == 1 and r.json()["plans"][0]["shards"][0]["node"] == "a"
+    assert reverse("placement-dry-run") == "/api/v1/placement/dry-run/"
+
+
 def test_dry_run_needs_a_profile(viewer):
-    r = client(viewer).post("/api/v1/placement/dry-run", {}, format="json")
+    r = client(viewer).post("/api/v1/placement/dry-run/", {}, format="json")
     assert r.status_code == 400 and r.json() == {"profile": ["name a profile or a deployment"]}
 
 
@@ -233,14 +243,14 @@ def test_an_agent_credential_is_not_an_operator(client, settings):
     auth = {"HTTP_AUTHORIZATION": f"Bearer {cred}"}
     for name in LISTS:
         assert client.get(f"/api/v1/{name}/", **auth).status_code in (401, 403)
-    r = client.post("/api/v1/placement/dry-run", {}, content_type="application/json", **auth)
+    r = client.post("/api/v1/placement/dry-run/", {}, content_type="application/json", **auth)
     assert r.status_code in (401, 403)
 
 
 def test_dry_run_body_exactly(viewer, now, profile):
     make_node("a", now=now, gpus=4)
     make_node("b", now=now, gpus=2)
-    r = client(viewer).post("/api/v1/placement/dry-run", {"profile": profile.id, "replicas": 2}, format="json")
+    r = client(viewer).post("/api/v1/placement/dry-run/", {"profile": profile.id, "replicas": 2}, format="json")
     shard = {
         "node": "a",
         "rank": 0,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import select
 import shutil
 import subprocess
 import sys
@@ -94,9 +95,14 @@ def test_cores_busy_over_the_session_between_two_samples(tmp_path):
 
 
 def test_meter_reads_the_live_proc_for_a_busy_child():
-    code = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
-    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    # The child says when it runs its own code: read before that, a process still
+    # being exec'd showed a resident size of 0 on a loaded machine. It spins
+    # until killed, however late the test gets to measure it.
+    code = "import sys\nprint('running', flush=True)\nwhile True: pass"
+    child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE)
     try:
+        ready, _, _ = select.select([child.stdout], [], [], 30)
+        assert ready and child.stdout.readline() == b"running\n", "the child did not start within 30 s"
         meter = ShardMeter()
         assert meter.measure({}) == {}
         first = meter.measure({"s": child.pid})
