@@ -44,7 +44,13 @@ CONTROL_PLANE_NAMED = (
     "drf_spectacular_sidecar",
 )
 # Templates the control plane's own pages need, wherever it is installed.
-TEMPLATES = ("admin/base_site.html", "admin/nvlink.html", "admin/fabrics.html", "admin/placement/replica_why.html")
+TEMPLATES = (
+    "drf_spectacular/redoc.html",
+    "admin/base_site.html",
+    "admin/nvlink.html",
+    "admin/fabrics.html",
+    "admin/placement/replica_why.html",
+)
 
 
 def walk(package: str) -> list[str]:
