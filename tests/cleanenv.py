@@ -8,13 +8,22 @@ requirements forget).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+import pytest
 from django.conf import settings
+
+T = TypeVar("T")
 
 REPO = Path(settings.BASE_DIR)
 # What the test runner's environment must not leak into a "fresh" process.
@@ -64,3 +73,94 @@ def make_venv(path: Path) -> Path:
     base_python = getattr(sys, "_base_executable", sys.executable)
     run([base_python, "-m", "venv", str(path)], cwd=path.parent)
     return path / "bin"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 the OS says is free now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(cond: Callable[[], T], *, timeout: float, what: str, context: Callable[[], str] = str) -> T:
+    """Poll cond until it returns something true, and return that; fail naming what after timeout seconds."""
+    end = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() >= end:
+            pytest.fail(f"{what}: not within {timeout:.0f} s\n{context()}")
+        time.sleep(0.5)
+
+
+class Background:
+    """A command running in a process group of its own, its output in a file.
+
+    stop() ends the whole group, so nothing a `make` target started outlives
+    the test.
+    """
+
+    def __init__(self, cmd: list[str], *, cwd: Path, env: dict[str, str], log: Path) -> None:
+        self.cmd, self.log = cmd, log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=cwd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def output(self) -> str:
+        """Everything it printed so far."""
+        return self.log.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        """Whether the command itself still runs."""
+        return self.proc.poll() is None
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM the group (the orderly stop the README's Ctrl-C gives), SIGKILL what is left after grace_s."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end and group_alive(self.proc.pid):
+            self.proc.poll()
+            time.sleep(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the group still exists (a zombie leader does not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                return True
+    return False
+
+
+def kill_processes_under(folder: Path) -> list[int]:
+    """SIGKILL every process whose command line or working directory lies in folder; return their pids.
+
+    The folder is a test's own temporary one, so these are processes the test
+    started: engines that run in sessions of their own, on purpose, to outlive
+    their agent.
+    """
+    marker = str(folder)
+    killed = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cwd = os.readlink(proc / "cwd")
+            if marker in cmdline or cwd.startswith(marker):
+                pid = int(proc.name)
+                if pid != os.getpid():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+    return killed
