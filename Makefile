@@ -30,13 +30,15 @@ run: $(VENV)/.installed
 	DEBUG=$${DEBUG:-1} $(PY) manage.py ensure_admin
 	DEBUG=$${DEBUG:-1} ./scripts/run-all.sh
 
-# The whole suite against PostgreSQL and Redis on localhost, and the linters.
+# The whole suite against PostgreSQL and Redis on localhost, its end-to-end subset on SQLite, and the linters.
 test: $(VENV)/.installed-dev services browser
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(TEST_ENV) $(PY) manage.py check
 	$(TEST_ENV) $(PY) manage.py makemigrations --check --dry-run
 	$(TEST_ENV) $(BIN)/pytest
+	# The end-to-end subset again on the embedded default (SQLite, the file cache).
+	DJANGO_SETTINGS_MODULE=llmgw.settings_test_sqlite $(BIN)/pytest -m e2e --ds=llmgw.settings_test_sqlite
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check --fix .

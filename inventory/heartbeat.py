@@ -98,6 +98,8 @@ def touch_credential_holder(
     that hash. The caller decides what the credential may do, and rolls the
     lease back when it refuses the request.
     """
+    if connection.vendor != "postgresql":
+        return _touch_credential_holder_portable(token_hash, now=now)
     from_items = ", ".join([f"{NodeCredential._meta.db_table} AS c", *_relax(durable)])
     with prepared_cursor() as cur:
         cur.execute(
@@ -111,6 +113,28 @@ def touch_credential_holder(
     if row is None:
         return None
     return (row[0], row[1], row[2], row[3]), _touched(row[0], row[4:], now=now)
+
+
+def _touch_credential_holder_portable(
+    token_hash: str, *, now: dt.datetime
+) -> tuple[tuple[str, str, str | None, dt.datetime | None], Touched] | None:
+    # SQLite's RETURNING may name only the updated table, never one of the
+    # FROM clause ("no such column: c.node_id"): the embedded default answered
+    # every heartbeat with a 500. It has no network round trip to spare, so
+    # the credential is read first and the lease renewed by touch().
+    with prepared_cursor() as cur:
+        cur.execute(
+            f"SELECT node_id, token_hash, previous_hash, rotation_requested_at FROM {NodeCredential._meta.db_table} "
+            "WHERE token_hash = %s OR previous_hash = %s LIMIT 1",
+            [token_hash, token_hash],
+        )
+        cred = cur.fetchone()
+    if cred is None:
+        return None
+    touched = touch(cred[0], now=now)
+    if touched is None:
+        return None
+    return (cred[0], cred[1], cred[2], cred[3]), touched
 
 
 def port_key(port: Any) -> str:

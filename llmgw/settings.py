@@ -270,7 +270,8 @@ CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
 # Placement: the first HTTP port a shard gets on a node, and how often the
 # reconciler runs (it is also queued by events).
 LLMGW_SHARD_PORT_BASE = env_int("LLMGW_SHARD_PORT_BASE", 18000, minimum=1)
-# Unique shard ports across the whole cluster, for simulated fleets sharing one host.
+# Unique shard ports across the whole cluster. Nodes at one management
+# address (a simulated fleet on one host) share their ports without it.
 LLMGW_SHARD_PORTS_UNIQUE = env_bool("LLMGW_SHARD_PORTS_UNIQUE", False)
 LLMGW_RECONCILE_INTERVAL = env_seconds("LLMGW_RECONCILE_INTERVAL", 10.0)
 CELERY_BEAT_SCHEDULE["placement-reconcile"] = {

@@ -215,8 +215,13 @@ class Snapshot:
     budget_used: dict[tuple[str, str], float] = field(default_factory=dict)
     port_base: int = 18000
     # Ports in use anywhere, when shard ports must be unique across the
-    # cluster (a simulated fleet on one host); None: per node.
+    # cluster; None: per host.
     cluster_ports: set[int] | None = None
+    # Management address -> ports in use by the shards of every node at it.
+    # Nodes at one address are one host (a simulated fleet, `make demo`):
+    # counting each node's ports from the same base, their shards collided
+    # ("Address already in use") and were placed again every few seconds.
+    host_ports: dict[str, set[int]] = field(default_factory=dict)
     # (gpu class or "*", group) -> free-GPU count -> node ids, sorted; schedulable nodes only.
     _index: dict[tuple[str, str], dict[int, SortedList]] = field(default_factory=dict, repr=False)
     _budget_keys: frozenset[str] = field(default_factory=frozenset, repr=False)
@@ -225,6 +230,8 @@ class Snapshot:
         object.__setattr__(self, "_budget_keys", frozenset(k for k, _ in self.budgets))
         for n in self.nodes.values():
             self._add(n)
+            if n.mgmt_addr:
+                self.host_ports.setdefault(n.mgmt_addr, set()).update(n.ports)
 
     # The index ---------------------------------------------------------
     def _slots(self, n: NodeInfo) -> Iterator[tuple[tuple[str, str], int]]:
@@ -295,6 +302,8 @@ class Snapshot:
                 ports.add(s.leader_port)
             if self.cluster_ports is not None:
                 self.cluster_ports.update(p for p in (s.http_port, s.leader_port) if p)
+            if n.mgmt_addr:
+                self.host_ports.setdefault(n.mgmt_addr, set()).update(p for p in (s.http_port, s.leader_port) if p)
             self.replace(
                 dataclasses.replace(
                     n,
@@ -312,8 +321,10 @@ class Snapshot:
             self.budget_used[bk] = self.budget_used.get(bk, 0.0) + watts
 
     def free_port(self, n: NodeInfo, *, skip: Iterable[int] = ()) -> int:
-        """The lowest port from the base that no shard on the node uses."""
+        """The lowest port from the base that no shard on the node's host (its management address) uses."""
         used = set(n.ports) | set(skip)
+        if n.mgmt_addr:
+            used |= self.host_ports.get(n.mgmt_addr, set())
         if self.cluster_ports is not None:
             used |= self.cluster_ports
         p = self.port_base

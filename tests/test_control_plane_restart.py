@@ -33,7 +33,7 @@ from inventory import liveness
 from inventory.models import Allocation, Node, NodeEvent
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 REPO = Path(__file__).resolve().parents[1]
 JOIN = "llmgw-join-control-plane-restart-test"
@@ -63,6 +63,8 @@ def _wait(cond, *, timeout: float, what: str, each=None):
 def _database_url() -> str:
     """The test database (the one pytest-django created) as a DATABASE_URL."""
     s = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{s['NAME']}"
     auth = quote(s["USER"] or "", safe="")
     if s.get("PASSWORD"):
         auth += ":" + quote(s["PASSWORD"], safe="")
@@ -290,8 +292,8 @@ def chat(endpoint: str, model: str) -> str:
 
 
 def test_control_plane_restart_keeps_shards_and_fences_unknown_ones(plane, agents, settings):
-    # The reconciler runs in this process: three nodes share this host, so shard ports are unique.
-    settings.LLMGW_SHARD_PORTS_UNIQUE = True
+    # The reconciler runs in this process. Three nodes share this host's address: their shard
+    # ports are kept apart without LLMGW_SHARD_PORTS_UNIQUE, as in `make demo`.
     settings.LLMGW_SHARD_PORT_BASE = _free_port()
     plane.start()
     agents.start()

@@ -15,7 +15,7 @@ from placement.models import Shard
 from tests.agents.conftest import JOIN, heartbeat_payload, make_shard
 from tests.factories import register_payload
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 def test_agent_conversation_over_http(live_server, settings):

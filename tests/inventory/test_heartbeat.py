@@ -202,6 +202,7 @@ def _credential(node_id: str, *, now: dt.datetime, token_hash: str, previous_has
     )
 
 
+@pytest.mark.e2e
 def test_touch_by_credential_renews_only_its_holder_and_brings_it_back(now):
     make_node("node-a", now=now)
     make_node("node-b", now=now)

@@ -27,7 +27,7 @@ from inventory.nodes import change_state
 from placement.models import Deployment, EngineProfile, Replica, Shard
 from placement.reconciler import reconcile
 
-pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 JOIN = "e2e-join-token-for-placement"
 
@@ -120,8 +120,8 @@ def ready_count() -> int:
 def cluster(live_server, tmp_path, settings):
     pytest.importorskip("agents.node.simulate")
     settings.LLMGW_JOIN_TOKEN = JOIN
-    # Four simulated nodes share this host's loopback: shard ports unique across them.
-    settings.LLMGW_SHARD_PORTS_UNIQUE = True
+    # Four simulated nodes share this host's loopback, as `make demo`'s do: the
+    # control plane keeps their shard ports apart by itself (no LLMGW_SHARD_PORTS_UNIQUE).
     settings.LLMGW_SHARD_PORT_BASE = _port_base()
     c = Cluster(live_server.url, tmp_path / "fleet", 4)
     try:

@@ -20,7 +20,9 @@ def node(node_id: str, count: int = 8, *, free: int | None = None, **kw) -> Node
     f = kw.pop("free_set", None)
     if f is None:
         f = frozenset(g_.index for g_ in g[: (count if free is None else free)])
-    return NodeInfo(id=node_id, gpus=g, free=frozenset(f), mgmt_addr=f"10.0.0.{len(node_id)}", **kw)
+    # Each node a host of its own: nodes at one address share their shard ports.
+    kw.setdefault("mgmt_addr", f"{node_id}.nodes.example")
+    return NodeInfo(id=node_id, gpus=g, free=frozenset(f), **kw)
 
 
 def snap(*nodes: NodeInfo, **kw) -> Snapshot:
@@ -162,6 +164,28 @@ def test_equal_nodes_break_ties_by_id():
     s = snap(node("b"), node("a"), node("c"))
     assert plan(req(), s).node_ids == ["a"]
     assert plan(req(), s, policy="spread").node_ids == ["a"]
+
+
+def test_nodes_at_one_address_share_their_shard_ports_in_a_pass():
+    # A simulated fleet on one host: each node counting from the base collided.
+    s = snap(node("a", mgmt_addr="127.0.0.1"), node("b", mgmt_addr="127.0.0.1"), node("c"))
+    placed = []
+    for _ in range(4):
+        p = plan(req(gpus_per_node=8), s)
+        if not isinstance(p, Plan):
+            break
+        s.reserve(p)
+        placed.append((p.node_ids[0], p.shards[0].http_port))
+    assert placed == [("a", 18000), ("b", 18001), ("c", 18000)]
+    assert s.host_ports == {"127.0.0.1": {18000, 18001}, "c.nodes.example": {18000}}
+
+
+def test_ports_already_used_at_an_address_count_for_every_node_there():
+    s = snap(node("a", mgmt_addr="127.0.0.1", ports=frozenset({18000, 18002})), node("b", mgmt_addr="127.0.0.1"))
+    assert s.free_port(s.nodes["b"]) == 18001
+    assert s.free_port(s.nodes["b"], skip=[18001]) == 18003
+    # Another address is another host: its ports are its own.
+    assert snap(node("c", mgmt_addr="10.0.0.3")).free_port(node("c", mgmt_addr="10.0.0.3")) == 18000
 
 
 def test_reserve_keeps_a_run_of_plans_consistent():

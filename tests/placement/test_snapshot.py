@@ -170,6 +170,25 @@ def test_a_domain_whose_imex_is_down_takes_no_multi_node_replica(now):
     )
 
 
+def test_nodes_sharing_a_management_address_get_distinct_ports_without_any_setting(now, settings):
+    # `make demo`: every simulated node registers from 127.0.0.1 and nothing sets LLMGW_SHARD_PORTS_UNIQUE.
+    assert settings.LLMGW_SHARD_PORTS_UNIQUE is False
+    for n in ("a", "b", "c"):
+        make_node(n, now=now, mgmt_addr="127.0.0.1")
+    make_node("d", now=now, mgmt_addr="10.0.0.4")
+    prof = EngineProfile.objects.create(name="full", engine="echo", gpus_per_node=8)
+    Deployment.objects.create(name="d", served_model="d", profile=prof, replicas=4)
+    reconcile(now=now)
+    # One port space at 127.0.0.1; another address is another host, counting from the base.
+    assert sorted(Shard.objects.values_list("node_id", "http_port")) == [
+        ("a", 18000),
+        ("b", 18001),
+        ("c", 18002),
+        ("d", 18000),
+    ]
+    assert snapshots.build().host_ports == {"127.0.0.1": {18000, 18001, 18002}, "10.0.0.4": {18000}}
+
+
 def test_ports_unique_across_the_cluster_for_a_fleet_on_one_host(now, settings):
     settings.LLMGW_SHARD_PORTS_UNIQUE = True
     make_node("a", now=now)
