@@ -145,22 +145,28 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def kill_processes_under(folder: Path) -> list[int]:
-    """SIGKILL every process whose command line or working directory lies in folder; return their pids.
+def processes_under(folder: Path) -> dict[int, str]:
+    """{pid: command line} of every process whose command line or working directory lies in folder."""
+    marker = str(folder)
+    found = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError):
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            cwd = os.readlink(proc / "cwd")
+            if (marker in cmdline or cwd.startswith(marker)) and int(proc.name) != os.getpid():
+                found[int(proc.name)] = cmdline
+    return found
+
+
+def kill_processes_under(folder: Path) -> dict[int, str]:
+    """SIGKILL every process processes_under(folder) finds; return them.
 
     The folder is a test's own temporary one, so these are processes the test
     started: engines that run in sessions of their own, on purpose, to outlive
     their agent.
     """
-    marker = str(folder)
-    killed = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        with contextlib.suppress(OSError):
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            cwd = os.readlink(proc / "cwd")
-            if marker in cmdline or cwd.startswith(marker):
-                pid = int(proc.name)
-                if pid != os.getpid():
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
-    return killed
+    found = processes_under(folder)
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return found
