@@ -72,7 +72,11 @@ def test_pip_install_gives_a_control_plane_that_imports_every_module(checkout, t
     assert (site / "llmgw/templates/admin/nvlink.html").is_file()
     assert (site / "agents/node/profiles/hgx-h100").is_dir()
     assert (bin_dir / "llmgw-agent").exists()
-    # Nothing was written into site-packages or the checkout by the settings.
+    # The README's way to run an installed copy: its state goes to ./var where it runs, not site-packages.
+    env = {k: v for k, v in clean_env().items() if k not in ("DATABASE_URL", "REDIS_URL", "LLMGW_VAR_DIR")}
+    env |= {"DJANGO_SETTINGS_MODULE": "llmgw.settings", "DEBUG": "1"}
+    run([str(bin_dir / "django-admin"), "migrate", "--noinput"], cwd=elsewhere, env=env)
+    assert (elsewhere / "var/llmgw.sqlite3").is_file()
     assert not (site / "var").exists()
 
 
