@@ -12,8 +12,12 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-$(VENV)/.installed: requirements.txt pyproject.toml | $(PY)
+# The stamp is touched only once every module imports: an install missing a
+# run-time dependency fails here, every time, instead of being marked done and
+# failing later at `migrate` (where running `make run` again could not help).
+$(VENV)/.installed: requirements.txt pyproject.toml scripts/check_imports.py | $(PY)
 	$(PY) -m pip install --quiet -r requirements.txt
+	PYTHONPATH=. $(PY) scripts/check_imports.py
 	touch $@
 
 $(VENV)/.installed-dev: requirements-dev.txt $(VENV)/.installed

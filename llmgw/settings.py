@@ -14,7 +14,10 @@ import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
-VAR_DIR = Path(os.environ.get("LLMGW_VAR_DIR", BASE_DIR / "var"))
+# A checkout keeps its state in ./var; an installed copy (pip install .) must
+# not write into site-packages, so it uses var/ under the working directory.
+_DEFAULT_VAR_DIR = BASE_DIR / "var" if (BASE_DIR / "manage.py").exists() else Path.cwd() / "var"
+VAR_DIR = Path(os.environ.get("LLMGW_VAR_DIR", _DEFAULT_VAR_DIR))
 
 
 def env_bool(name: str, default: bool = False) -> bool:
@@ -83,6 +86,7 @@ INSTALLED_APPS = [
     "rest_framework.authtoken",
     "django_filters",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "django_prometheus",
     "llmgw",
     "inventory",
@@ -108,7 +112,8 @@ ROOT_URLCONF = "llmgw.urls"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        # templates/ in a checkout; llmgw/templates/ where pip installed it (pyproject.toml maps it).
+        "DIRS": [BASE_DIR / "templates", Path(__file__).resolve().parent / "templates"],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -220,6 +225,11 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "OAS_VERSION": "3.1.0",
+    # Swagger UI and Redoc from drf-spectacular-sidecar's static files, never a CDN:
+    # GPU clusters are often air-gapped, and a CDN's "latest" changes under us.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
     # Several models have a `state`: each enum keeps its model's name.
     "ENUM_NAME_OVERRIDES": {
         "NodeStateEnum": "inventory.models.NodeState",

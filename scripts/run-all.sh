@@ -26,6 +26,23 @@ if [ "${DEBUG:-0}" = "1" ]; then
 else
     ./scripts/serve.sh "$ADDR" &
 fi
-pids+=($!)
+web=$!
+pids+=("$web")
+
+# "Up" means the web server answers, not that it was started: runserver takes
+# seconds to import everything, and a port already taken kills it outright.
+deadline=$((SECONDS + ${LLMGW_START_TIMEOUT:-120}))
+until $BIN/python -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=5)' \
+    "http://$ADDR/admin/login/" 2>/dev/null; do
+    if ! kill -0 "$web" 2>/dev/null; then
+        echo "llmgw: the web server on $ADDR exited before it answered (see above)" >&2
+        exit 1
+    fi
+    if [ "$SECONDS" -ge "$deadline" ]; then
+        echo "llmgw: the web server on $ADDR did not answer within ${LLMGW_START_TIMEOUT:-120} s" >&2
+        exit 1
+    fi
+    sleep 0.5
+done
 echo "llmgw is up: http://$ADDR/admin/  (Ctrl-C stops web, worker and beat)"
 wait -n "${pids[@]}"

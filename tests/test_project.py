@@ -54,3 +54,25 @@ def test_ensure_admin_creates_once(tmp_path, settings, capsys, django_user_model
     call_command("ensure_admin")
     assert "admin login exists" in capsys.readouterr().out
     assert django_user_model.objects.filter(is_superuser=True).count() == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("page", ["/api/docs/", "/api/redoc/"])
+def test_api_docs_come_from_our_own_static_files(client, operator, page):
+    """Swagger UI and Redoc load from drf-spectacular-sidecar's files, never a CDN (air-gapped clusters)."""
+    import re
+
+    client.force_login(operator)
+    resp = client.get(page)
+    assert resp.status_code == 200
+    html = resp.content.decode()
+    assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", html)
+    assert assets, html
+    assert [a for a in assets if "//" in a] == [], "a page asset comes from another host"
+    scripts = [a for a in assets if a.endswith(".js")]
+    assert scripts and all(a.startswith("/static/drf_spectacular_sidecar/") for a in scripts), scripts
+    for asset in assets:
+        if asset.startswith("/static/"):
+            served = client.get(asset)
+            assert served.status_code == 200, asset
+            assert b"".join(served.streaming_content if served.streaming else [served.content])

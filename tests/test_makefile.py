@@ -1,0 +1,75 @@
+"""The Makefile's install stamp: redone when the requirements change, and
+never left behind by an install whose modules do not import."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.cleanenv import REPO, clean_env, make_venv
+
+STAMP = ".venv/.installed"
+
+
+def make(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["make", *args], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=300, check=False
+    )
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """The Makefile and what its install step reads, without the project's packages."""
+    for rel in ("Makefile", "pyproject.toml", "scripts/check_imports.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, tmp_path / rel)
+    return tmp_path
+
+
+def set_mtime(path: Path, when: float) -> None:
+    os.utime(path, (when, when))
+
+
+def test_the_stamp_is_redone_when_requirements_change(project):
+    (project / "requirements.txt").write_text("Django==5.2.19\n")
+    (project / ".venv/bin").mkdir(parents=True)
+    (project / ".venv/bin/python").touch(mode=0o755)
+    (project / STAMP).touch()
+    now = time.time()
+    for rel in ("Makefile", "pyproject.toml", "scripts/check_imports.py"):
+        set_mtime(project / rel, now - 100)
+    set_mtime(project / "requirements.txt", now - 100)
+    set_mtime(project / STAMP, now - 50)
+    dry = make(project, "-n", STAMP)
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.strip() == f"make: '{STAMP}' is up to date."
+    # A pull that adds a requirement makes the next `make run` install again, then check.
+    set_mtime(project / "requirements.txt", now)
+    recipe = make(project, "-n", STAMP).stdout.splitlines()
+    assert recipe == [
+        ".venv/bin/python -m pip install --quiet -r requirements.txt",
+        "PYTHONPATH=. .venv/bin/python scripts/check_imports.py",
+        f"touch {STAMP}",
+    ]
+
+
+@pytest.mark.slow
+def test_an_install_whose_modules_do_not_import_is_not_marked_done(project):
+    # A real virtualenv and a requirements file that forgets Django: pip succeeds,
+    # the import check fails, and the stamp must not claim the install worked.
+    make_venv(project / ".venv")
+    (project / "requirements.txt").write_text("# forgot everything\n")
+    (project / "llmgw").mkdir()
+    (project / "llmgw/__init__.py").write_text("")
+    first = make(project, STAMP)
+    assert first.returncode != 0
+    assert "import check" in first.stderr or "No module named 'django'" in first.stderr, first.stderr
+    assert not (project / STAMP).exists()
+    # Running it again tries again, rather than trusting a stamp.
+    second = make(project, "-n", STAMP)
+    assert "pip install --quiet -r requirements.txt" in second.stdout

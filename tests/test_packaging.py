@@ -1,0 +1,97 @@
+"""The package installs and imports on a clean machine: the control plane with
+`pip install .`, the agent alone from deploy/agent, each in a virtualenv that
+holds nothing but what it declares (scripts/check_imports.py imports every
+module there)."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.cleanenv import REPO, clean_env, copy_tracked_files, make_venv, run
+
+PROJECT_PACKAGES = ("llmgw", "inventory", "placement", "agents")
+
+
+def pins(lines: list[str]) -> dict[str, str]:
+    """{lower-case name: version} of `name==version` requirement lines."""
+    found = {}
+    for line in lines:
+        m = re.match(r"^\s*([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^\s;#]+)", line)
+        if m:
+            found[m.group(1).lower()] = m.group(2)
+    return found
+
+
+def test_pyproject_lists_every_package_on_disk():
+    declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for top in PROJECT_PACKAGES
+        for p in (REPO / top).rglob("__init__.py")
+    }
+    assert on_disk - declared == set(), "packages missing from pyproject.toml [tool.setuptools] packages"
+    assert declared - on_disk == {"llmgw.templates"}
+
+
+def test_pyproject_reads_its_dependencies_from_requirements_txt():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["project"]["dynamic"] == ["dependencies"]
+    assert project["tool"]["setuptools"]["dynamic"]["dependencies"] == {"file": ["requirements.txt"]}
+
+
+def test_agent_distribution_pins_what_the_control_plane_pins():
+    agent = tomllib.loads((REPO / "deploy/agent/pyproject.toml").read_text())["project"]
+    run_pins = pins((REPO / "requirements.txt").read_text().splitlines())
+    agent_pins = pins(agent["dependencies"])
+    assert sorted(agent_pins) == ["httpx", "nvidia-ml-py", "pydantic", "pyyaml"]
+    assert agent_pins == {name: run_pins[name] for name in agent_pins}
+    assert agent["scripts"] == {"llmgw-agent": "agents.node.__main__:main"}
+    assert (REPO / "deploy/agent/agents").resolve() == REPO / "agents"
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    return copy_tracked_files(tmp_path_factory.mktemp("checkout"))
+
+
+@pytest.mark.slow
+def test_pip_install_gives_a_control_plane_that_imports_every_module(checkout, tmp_path):
+    bin_dir = make_venv(tmp_path / "venv")
+    run([str(bin_dir / "pip"), "install", "--quiet", str(checkout)], cwd=tmp_path)
+    # Run from elsewhere, so that the installed copy is imported, not the checkout's.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = run([str(bin_dir / "python"), str(checkout / "scripts/check_imports.py")], cwd=elsewhere)
+    count = int(re.search(r"import check: (\d+) modules imported", out).group(1))
+    assert count > 100
+    site = next((tmp_path / "venv/lib").glob("python3.*/site-packages"))
+    assert (site / "llmgw/templates/admin/nvlink.html").is_file()
+    assert (site / "agents/node/profiles/hgx-h100").is_dir()
+    assert (bin_dir / "llmgw-agent").exists()
+    # The README's way to run an installed copy: its state goes to ./var where it runs, not site-packages.
+    env = {k: v for k, v in clean_env().items() if k not in ("DATABASE_URL", "REDIS_URL", "LLMGW_VAR_DIR")}
+    env |= {"DJANGO_SETTINGS_MODULE": "llmgw.settings", "DEBUG": "1"}
+    run([str(bin_dir / "django-admin"), "migrate", "--noinput"], cwd=elsewhere, env=env)
+    assert (elsewhere / "var/llmgw.sqlite3").is_file()
+    assert not (site / "var").exists()
+
+
+@pytest.mark.slow
+def test_the_agent_installs_alone_without_django(checkout, tmp_path):
+    bin_dir = make_venv(tmp_path / "venv")
+    # The README's node install, step 2.
+    run([str(bin_dir / "pip"), "install", "--quiet", str(checkout / "deploy/agent")], cwd=tmp_path)
+    helped = run([str(bin_dir / "llmgw-agent"), "--help"], cwd=tmp_path)
+    assert helped.startswith("usage: llmgw-agent ")
+    out = run([str(bin_dir / "python"), str(checkout / "scripts/check_imports.py"), "--agent"], cwd=tmp_path)
+    assert re.search(r"import check: \d+ modules imported", out)
+    installed = run([str(bin_dir / "pip"), "list", "--format=freeze"], cwd=tmp_path, env=clean_env())
+    names = {line.split("==")[0].lower() for line in installed.splitlines() if "==" in line}
+    assert {"httpx", "pydantic", "pyyaml", "nvidia-ml-py", "llmgw-agent"} <= names
+    assert not names & {"django", "celery", "djangorestframework", "psycopg"}
+    site = next((tmp_path / "venv/lib").glob("python3.*/site-packages"))
+    assert sorted(p.name for p in (site / "agents").glob("*.py")) == ["__init__.py", "wire.py"]
