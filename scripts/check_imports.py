@@ -30,7 +30,7 @@ AGENT_PACKAGES = ("agents.node",)
 AGENT_MODULES = ("agents.wire",)
 # Modules that run-time code reaches by name, never by an import statement:
 # the Celery transports the settings name, the web servers scripts/serve.sh
-# runs with `python -m`. kombu's Redis transport imports `packaging`.
+# runs with `python -m`, the connection pool the settings name. kombu's Redis transport imports `packaging`.
 CONTROL_PLANE_NAMED = (
     "kombu.transport.redis",
     "kombu.transport.filesystem",
@@ -40,6 +40,7 @@ CONTROL_PLANE_NAMED = (
     "granian",
     "gunicorn.app.wsgiapp",
     "psycopg",
+    "psycopg_pool",
     "whitenoise.middleware",
     "drf_spectacular_sidecar",
 )
