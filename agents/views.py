@@ -88,7 +88,11 @@ def _responses(ok: type[BaseModel]) -> dict:
         200: ok,
         400: OpenApiResponse(Problem, description="A field is missing, malformed or out of range: each is named."),
         401: OpenApiResponse(Problem, description="Missing or invalid credentials."),
-        403: OpenApiResponse(Problem, description="The credential does not authorise the node the body names."),
+        403: OpenApiResponse(
+            Problem,
+            description="The credential does not authorise the node the body names, "
+            "or (scans) no unanswered scan command of this node asked for it.",
+        ),
         409: OpenApiResponse(Problem, description="A concurrent registration of the same new node won."),
         413: OpenApiResponse(Problem, description="The body is larger than this endpoint accepts."),
         415: OpenApiResponse(Problem, description="The body is not application/json."),

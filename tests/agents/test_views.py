@@ -329,8 +329,45 @@ def test_scan_upload_keeps_the_text_and_acknowledges(client, joined, now):
     scan = FabricScan.objects.get(key="sm:0x1")
     assert (scan.node_id, scan.port, scan.output, scan.took_s) == ("node-a", "mlx5_0/1", "Switch 36 ...", 2.5)
     assert Command.objects.get(id=cmd.id).acked_at is not None
-    failed = post(client, "scans", {"node_id": "node-a", "key": "sm:0x1", "error": "timeout"}, joined).json()
+    again = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    body = {"node_id": "node-a", "command_id": str(again.id), "key": "sm:0x1", "error": "timeout"}
+    failed = post(client, "scans", body, joined).json()
     assert failed["error"] == "timeout" and failed["has_output"] is True
+
+
+def _scan(cmd_id, key="sm:0x1", **extra) -> dict:
+    return {"node_id": "node-a", "command_id": str(cmd_id), "key": key, "hca": "mlx5_0", "port": 1, **extra}
+
+
+def test_scan_upload_without_a_command_of_this_node_is_403_and_writes_nothing(client, join_token, joined, now):
+    post(client, "register", register_payload("node-b"), join_token)
+    theirs = commands.enqueue("node-b", wire.ScanFabric(key="sm:0x2", hca="mlx5_0"), now=now)
+    mine = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    FabricScan.objects.create(key="sm:0x2", at=now, node_id="node-b", output="the real map")
+    cases = [
+        ({"node_id": "node-a", "key": "sm:0x2", "output": "# forged"}, "must name the scan command"),
+        (_scan(theirs.id, key="sm:0x2", output="# forged"), "no scan was asked of this node"),
+        (_scan(mine.id, key="sm:0x2", output="# forged"), "another fabric key"),
+        (_scan(mine.id, key="sm:junk", output="# forged"), "another fabric key"),
+        ({**_scan(mine.id, output="# forged"), "hca": "mlx5_9"}, "another port"),
+    ]
+    for body, why in cases:
+        resp = post(client, "scans", body, joined)
+        assert resp.status_code == 403, body
+        assert why in resp.json()["detail"]
+    assert FabricScan.objects.get(key="sm:0x2").output == "the real map"
+    assert not FabricScan.objects.filter(key__in=["sm:junk", "sm:0x1"]).exists()
+    assert Command.objects.get(id=mine.id).acked_at is None
+    assert Command.objects.get(id=theirs.id).acked_at is None
+
+
+def test_a_scan_command_is_answered_once(client, joined, now):
+    cmd = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    assert post(client, "scans", _scan(cmd.id, output="first"), joined).status_code == 200
+    resp = post(client, "scans", _scan(cmd.id, output="# replayed"), joined)
+    assert resp.status_code == 403
+    assert resp.json()["detail"] == "this scan command was already answered"
+    assert FabricScan.objects.get(key="sm:0x1").output == "first"
 
 
 def test_rotation_keeps_the_old_secret_until_the_new_one_is_used(client, joined):
