@@ -30,6 +30,7 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.views import APIView
 
 from agents import credentials, limits, protocol, wire
+from llmgw import validation
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -174,7 +175,7 @@ class AgentEndpoint(APIView):
             msg = self.message.model_validate_json(body)
         except ValidationError as exc:
             raise protocol.Refused(400, "invalid request body", field_errors(exc)) from None
-        too_big = self.problems(msg) if self.problems else None
+        too_big = (self.problems(msg) if self.problems else None) or validation.nul_problems(body)
         if too_big:
             raise protocol.Refused(400, "invalid request body", too_big[:MAX_ERRORS])
         return msg

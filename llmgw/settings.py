@@ -190,7 +190,9 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["llmgw.permissions.ModelPermissions"],
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    "DEFAULT_PAGINATION_CLASS": "rest_framework.pagination.LimitOffsetPagination",
+    # JSON only, bounded in depth, holding only strings PostgreSQL can store (llmgw/validation.py).
+    "DEFAULT_PARSER_CLASSES": ["llmgw.validation.BoundedJSONParser"],
+    "DEFAULT_PAGINATION_CLASS": "llmgw.validation.BoundedPagination",
     "PAGE_SIZE": 100,
 }
 

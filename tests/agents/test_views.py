@@ -419,3 +419,36 @@ def test_wire_schemas_are_in_the_openapi_document(client, operator):
         "$ref": "#/components/schemas/HeartbeatRequest"
     }
     assert schemas["ShardStatus"]["properties"]["state"]["$ref"] == "#/components/schemas/ShardState"
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "field"),
+    [
+        ("register", {"hostname": "h\x00"}, "hostname"),
+        ("register", {"labels": {"rack": "r\x00"}}, "labels.rack"),
+        ("register", {"engine_installs": [{"engine": "vllm\x00", "state": "ready"}]}, "engine_installs.0.engine"),
+        ("heartbeat", {"shards": [{"shard_id": "s\x00", "state": "ready"}]}, "shards.0.shard_id"),
+        (
+            "heartbeat",
+            {"engine_installs": [{"engine": "vllm", "state": "ready", "detail": "\x00"}]},
+            "engine_installs.0.detail",
+        ),
+    ],
+)
+def test_nul_characters_from_an_agent_are_400_naming_the_field(client, joined, path, change, field):
+    base = register_payload("node-a") if path == "register" else heartbeat_payload()
+    before = Node.objects.filter(id="node-a").values().first()
+    resp = post(client, path, {**base, **change}, joined)
+    assert resp.status_code == 400
+    assert resp.json()["errors"] == [{"field": field, "problem": "Null characters are not allowed."}]
+    assert Node.objects.filter(id="node-a").values().first() == before
+
+
+def test_nul_in_scan_text_is_400(client, joined, now):
+    cmd = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    body = {"node_id": "node-a", "command_id": str(cmd.id), "key": "sm:0x1", "output": "Switch\x00"}
+    resp = post(client, "scans", body, joined)
+    assert resp.status_code == 400
+    assert resp.json()["errors"] == [{"field": "output", "problem": "Null characters are not allowed."}]
+    assert not FabricScan.objects.exists()
+    assert Command.objects.get(id=cmd.id).acked_at is None
