@@ -275,10 +275,10 @@ class RegisterResponse(Message):
     node_id: NodeId
     # Only present when a credential was issued (first join, or after a reset):
     # the agent keeps it in its state directory, mode 0600.
-    credential: str | None = None
+    credential: Short | None = None
     heartbeat_interval_s: float = 5.0
-    adopted: list[str] = empty_list()
-    commands: list[Command] = empty_list()
+    adopted: Annotated[list[Short], Field(max_length=MAX_SHARDS)] = empty_list()
+    commands: Annotated[list[Command], Field(max_length=MAX_COMMANDS)] = empty_list()
 
 
 # --- heartbeat --------------------------------------------------------------
@@ -490,7 +490,8 @@ Command = Annotated[StartShard | StopShard | ScanFabric | InstallEngine, Field(d
 class HeartbeatResponse(Message):
     """The answer to a heartbeat: the commands pending for this node, each with an id."""
 
-    commands: list[Command] = empty_list()
+    # Bounded like every list: an agent refuses an answer with more (nothing of it is applied).
+    commands: Annotated[list[Command], Field(max_length=MAX_COMMANDS)] = empty_list()
     server_time: float | None = None
     heartbeat_interval_s: float = 5.0
     # An operator asked for a new credential: the agent calls the rotate endpoint.
