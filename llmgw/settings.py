@@ -7,6 +7,7 @@ Celery broker on the filesystem, so `make run` needs nothing but Python.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
@@ -42,6 +43,18 @@ def env_seconds(name: str, default: float) -> float:
     if value <= 0:
         raise ImproperlyConfigured(f"{name}={raw!r} must be positive")
     return value
+
+
+def env_networks(name: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """Read a comma-separated list of addresses or networks (CIDR) from the environment."""
+    out = []
+    for part in os.environ.get(name, "").split(","):
+        if part.strip():
+            try:
+                out.append(ipaddress.ip_network(part.strip(), strict=False))
+            except ValueError as exc:
+                raise ImproperlyConfigured(f"{name}: {part.strip()!r} is not an address or network") from exc
+    return out
 
 
 def env_int(name: str, default: int, *, minimum: int = 0) -> int:
@@ -235,6 +248,11 @@ CELERY_BEAT_SCHEDULE: dict = {}
 
 # llmgw's own knobs.
 LLMGW_JOIN_TOKEN = os.environ.get("LLMGW_JOIN_TOKEN", "")
+# Who may scrape /metrics (it names every node, its state and allocations):
+# a bearer token, and/or peers in these networks (0.0.0.0/0,::/0 opens it to
+# all). Neither set: only a signed-in user who may view nodes.
+LLMGW_METRICS_TOKEN = os.environ.get("LLMGW_METRICS_TOKEN", "")
+LLMGW_METRICS_ALLOW = env_networks("LLMGW_METRICS_ALLOW")
 LLMGW_UNREACHABLE_AFTER = env_seconds("LLMGW_UNREACHABLE_AFTER", 30.0)
 LLMGW_LOST_AFTER = env_seconds("LLMGW_LOST_AFTER", 300.0)
 LLMGW_HEARTBEAT_INTERVAL = env_seconds("LLMGW_HEARTBEAT_INTERVAL", 5.0)

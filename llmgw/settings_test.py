@@ -11,6 +11,8 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
 os.environ.setdefault("CELERY_BROKER_URL", "memory://")
 os.environ.setdefault("SECRET_KEY", "llmgw-test-key")
 os.environ.setdefault("LLMGW_CACHE_PREFIX", "llmgw-test")
+# The test client and the test servers scrape from loopback (tests/inventory/test_metrics.py checks the refusals).
+os.environ.setdefault("LLMGW_METRICS_ALLOW", "127.0.0.1/32,::1/128")
 
 from llmgw.settings import *  # noqa: F403
 
