@@ -7,6 +7,7 @@ Celery broker on the filesystem, so `make run` needs nothing but Python.
 
 from __future__ import annotations
 
+import datetime as dt
 import ipaddress
 import os
 from pathlib import Path
@@ -93,7 +94,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
+    "knox",
     "django_filters",
     "drf_spectacular",
     "django_prometheus",
@@ -198,8 +199,10 @@ WHITENOISE_USE_FINDERS = True
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_AUTHENTICATION_CLASSES": [
+        # Operator API tokens, stored hashed, with an expiry and a name (llmgw.models.OperatorToken).
+        # First, so a request without credentials is a 401 saying which scheme to use.
+        "knox.auth.TokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.TokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["llmgw.permissions.ModelPermissions"],
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
@@ -207,6 +210,15 @@ REST_FRAMEWORK = {
     "DEFAULT_PARSER_CLASSES": ["llmgw.validation.BoundedJSONParser"],
     "DEFAULT_PAGINATION_CLASS": "llmgw.validation.BoundedPagination",
     "PAGE_SIZE": 100,
+}
+
+KNOX_TOKEN_MODEL = "llmgw.OperatorToken"
+REST_KNOX = {
+    # "Authorization: Token llmgw-op-…"; the prefix tells an operator token from a node credential.
+    "AUTH_HEADER_PREFIX": "Token",
+    "TOKEN_PREFIX": "llmgw-op-",
+    "TOKEN_TTL": dt.timedelta(days=env_int("LLMGW_API_TOKEN_DAYS", 90, minimum=1)),
+    "AUTO_REFRESH": False,
 }
 
 SPECTACULAR_SETTINGS = {
