@@ -89,6 +89,13 @@ class DeploymentAdmin(admin.ModelAdmin):
         super().save_model(request, obj, form, change)
         deployment_actions.record(obj, "changed", "saved in the admin", now=timezone.now(), actor=request.user)
 
+    def delete_model(self, request, obj):
+        deployment_actions.delete(obj, now=timezone.now(), actor=request.user)
+
+    def delete_queryset(self, request, queryset):
+        for dep in queryset:
+            deployment_actions.delete(dep, now=timezone.now(), actor=request.user)
+
     def has_delete_permission(self, request, obj=None) -> bool:
         # Deleting would orphan running shards: scale to 0 first.
         if obj is not None and deployment_actions.deletable(obj):

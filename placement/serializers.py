@@ -266,6 +266,7 @@ class EventOut(serializers.ModelSerializer):
             "id",
             "at",
             "deployment",
+            "deployment_name",
             "replica",
             "shard",
             "kind",
