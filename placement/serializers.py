@@ -16,6 +16,7 @@ from typing import Any
 from rest_framework import serializers
 
 from agents import wire
+from placement import secrets
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.planner import BINPACK, SPREAD
 
@@ -126,6 +127,13 @@ class ProfileOut(serializers.ModelSerializer):
         """The hash whose change rolls the deployment's replicas."""
         return obj.fingerprint()
 
+    def to_representation(self, instance: EngineProfile) -> dict:
+        """The profile with its secret env and flag values masked (placement/secrets.py)."""
+        data = super().to_representation(instance)
+        data["env"] = secrets.shown_env(data["env"])
+        data["args"] = secrets.shown_args(data["args"])
+        return data
+
 
 class ProfileIn(serializers.ModelSerializer):
     """An engine profile as written: args an argv list, env a map of strings, each bounded as on the wire."""
@@ -147,6 +155,17 @@ class ProfileIn(serializers.ModelSerializer):
     class Meta:
         model = EngineProfile
         fields = [f for f in ProfileOut.Meta.fields if f not in ("id", "fingerprint", "created_at", "updated_at")]
+
+    def validate(self, attrs: dict) -> dict:
+        """A secret sent back masked keeps its stored value; one masked with nothing stored is a 400."""
+        stored = self.instance
+        for field, keep in (("env", secrets.kept_env), ("args", secrets.kept_args)):
+            if field in attrs:
+                try:
+                    attrs[field] = keep(attrs[field], getattr(stored, field) if stored else None)
+                except secrets.HiddenWithoutValue as e:
+                    raise serializers.ValidationError({field: [str(e)]}) from None
+        return attrs
 
 
 class DeploymentOut(serializers.ModelSerializer):
