@@ -231,6 +231,8 @@ SPECTACULAR_SETTINGS = {
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
     "OAS_VERSION": "3.1.0",
+    # The refusals DRF answers with, declared on every operator operation (llmgw/schema.py).
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "llmgw.schema.declare_refusals"],
     # Several models have a `state`: each enum keeps its model's name.
     "ENUM_NAME_OVERRIDES": {
         "NodeStateEnum": "inventory.models.NodeState",
