@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from django.conf import settings
+from django.http import HttpResponse, JsonResponse
 from rest_framework.exceptions import ParseError, ValidationError
 from rest_framework.pagination import LimitOffsetPagination
 from rest_framework.parsers import JSONParser
@@ -140,3 +141,34 @@ class BoundedPagination(LimitOffsetPagination):
     def get_offset(self, request) -> int:
         """The offset asked for, no further than MAX_OFFSET (a page past the end is empty either way)."""
         return min(super().get_offset(request), MAX_OFFSET)
+
+
+class UnstorableRequestMiddleware:
+    """Refuse a URL holding a character PostgreSQL cannot store, before any view looks it up.
+
+    A NUL in a filter (`?name=%00`) or an id (`/api/v1/nodes/%00/`) reached a
+    query and failed in the database driver: a 500. No row can have such an
+    id, so the path is a 404; a query parameter is a 400 naming it.
+    """
+
+    def __init__(self, get_response) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request):
+        """Answer 404 or 400 for an unstorable path or query; otherwise pass the request on."""
+        if unstorable(request.path_info):
+            return self._refuse(request, 404, {"detail": "Not found."})
+        errors: dict[str, list[str]] = {}
+        for key, values in request.GET.lists():
+            why = unstorable(key) or next((w for v in values if (w := unstorable(v))), "")
+            if why:
+                errors[key if not unstorable(key) else "(query)"] = [why]
+        if errors:
+            return self._refuse(request, 400, errors)
+        return self.get_response(request)
+
+    @staticmethod
+    def _refuse(request, status: int, body: dict) -> HttpResponse:
+        if request.path_info.startswith("/api/"):
+            return JsonResponse(body, status=status)
+        return HttpResponse(status=status)

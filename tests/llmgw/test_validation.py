@@ -89,3 +89,18 @@ def test_only_json_bodies_are_parsed(operator):
     )
     assert r.status_code == 415
     assert json.loads(r.content)["detail"].startswith("Unsupported media type")
+
+
+def test_nul_in_an_id_is_404_and_in_a_filter_400(operator):
+    c = client(operator)
+    assert c.get("/api/v1/nodes/a%00b/").status_code == 404
+    r = c.get("/api/v1/profiles/?name=x%00")
+    assert r.status_code == 400
+    assert r.json() == {"name": ["Null characters are not allowed."]}
+    r = c.get("/api/v1/nodes/?search=%ED%A0%80")
+    assert r.status_code in (200, 400)
+
+
+def test_nul_in_an_admin_url_is_404(client, admin_user):
+    client.force_login(admin_user)
+    assert client.get("/admin/inventory/node/a%00b/change/").status_code == 404
