@@ -203,7 +203,7 @@ REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         # Operator API tokens, stored hashed, with an expiry and a name (llmgw.models.OperatorToken).
         # First, so a request without credentials is a 401 saying which scheme to use.
-        "knox.auth.TokenAuthentication",
+        "llmgw.auth.OperatorTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["llmgw.permissions.ModelPermissions"],

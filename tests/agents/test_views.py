@@ -452,3 +452,13 @@ def test_nul_in_scan_text_is_400(client, joined, now):
     assert resp.json()["errors"] == [{"field": "output", "problem": "Null characters are not allowed."}]
     assert not FabricScan.objects.exists()
     assert Command.objects.get(id=cmd.id).acked_at is None
+
+
+def test_a_heartbeat_answer_carries_at_most_the_commands_an_agent_accepts(client, joined, now):
+    Command.objects.bulk_create(
+        Command(node_id="node-a", kind="install_engine", payload={"engine": f"e{i}"}, created_at=now)
+        for i in range(wire.MAX_COMMANDS + 10)
+    )
+    body = post(client, "heartbeat", heartbeat_payload(), joined).content
+    answer = wire.HeartbeatResponse.model_validate_json(body)
+    assert len(answer.commands) == wire.MAX_COMMANDS

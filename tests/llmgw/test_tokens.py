@@ -9,6 +9,7 @@ import pytest
 from django.contrib.messages import get_messages
 from django.core.management import CommandError, call_command
 from django.db import connection
+from django.test import Client
 from django.utils import timezone
 from knox.crypto import hash_token
 from rest_framework.test import APIClient
@@ -110,3 +111,11 @@ def test_admin_creates_a_token_shown_once_and_revokes_it(client, admin_user, ope
     assert secret.encode() not in page.content
     client.post(f"/admin/llmgw/operatortoken/{row.pk}/delete/", {"post": "yes"})
     assert get_nodes(secret).status_code == 401
+
+
+@pytest.mark.parametrize("token", ["llmgw-op-\xff\xfe", "llmgw-op-abc\x00def0123456789abcdef", "short", "x" * 300])
+def test_a_malformed_token_is_401(operator, token):
+    # WSGI hands headers over as latin-1 text: \xff is not UTF-8 once knox encodes it back.
+    resp = Client().get("/api/v1/nodes/", HTTP_AUTHORIZATION="Token " + token)
+    assert resp.status_code == 401
+    assert resp.json() == {"detail": "Invalid token."}

@@ -98,7 +98,8 @@ def test_nul_in_an_id_is_404_and_in_a_filter_400(operator):
     assert r.status_code == 400
     assert r.json() == {"name": ["Null characters are not allowed."]}
     r = c.get("/api/v1/nodes/?search=%ED%A0%80")
-    assert r.status_code in (200, 400)
+    # Bytes that are not UTF-8 arrive replaced (U+FFFD), which PostgreSQL stores: an ordinary search.
+    assert r.status_code == 200
 
 
 def test_nul_in_an_admin_url_is_404(client, admin_user):
