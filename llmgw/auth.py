@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from drf_spectacular.contrib.knox_auth_token import KnoxTokenScheme
 from knox.auth import TokenAuthentication
 from rest_framework import exceptions
 
@@ -23,3 +24,9 @@ class OperatorTokenAuthentication(TokenAuthentication):
         if not _TOKEN.match(token):
             raise exceptions.AuthenticationFailed("Invalid token.")
         return super().authenticate_credentials(token)
+
+
+class OperatorTokenScheme(KnoxTokenScheme):
+    """The OpenAPI document's security scheme for operator tokens (knox's, for this subclass)."""
+
+    target_class = "llmgw.auth.OperatorTokenAuthentication"
