@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import io
 
 import pytest
@@ -119,3 +120,12 @@ def test_a_malformed_token_is_401(operator, token):
     resp = Client().get("/api/v1/nodes/", HTTP_AUTHORIZATION="Token " + token)
     assert resp.status_code == 401
     assert resp.json() == {"detail": "Invalid token."}
+
+
+def test_the_plaintext_token_table_of_the_old_scheme_is_dropped():
+    migration = importlib.import_module("llmgw.migrations.0002_drop_plaintext_api_tokens")
+    with connection.cursor() as cur:
+        cur.execute("CREATE TABLE authtoken_token (key varchar(40) PRIMARY KEY)")
+        cur.execute("INSERT INTO authtoken_token VALUES ('0123456789abcdef0123456789abcdef01234567')")
+        cur.execute(migration.DROP)
+    assert "authtoken_token" not in connection.introspection.table_names()
