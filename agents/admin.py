@@ -13,7 +13,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.utils import timezone
 
-from agents import credentials
+from agents import credentials, wire
 from agents.models import Command, JoinToken, NodeCredential
 
 
@@ -116,7 +116,7 @@ class CommandAdmin(admin.ModelAdmin):
         "id",
         "node",
         "kind",
-        "payload",
+        "shown_payload",
         "shard_id",
         "created_at",
         "first_delivered_at",
@@ -124,6 +124,11 @@ class CommandAdmin(admin.ModelAdmin):
         "acked_at",
     ]
     fields = readonly_fields
+
+    @admin.display(description="payload")
+    def shown_payload(self, obj: Command) -> dict:
+        """The command as sent, with a StartShard profile's secrets masked."""
+        return wire.masked_command(obj.payload)
 
     def has_add_permission(self, request):
         return False

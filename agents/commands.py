@@ -16,7 +16,7 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
 from agents import wire
-from agents.models import Command
+from agents.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 
 # Command.shard_id's width: the key a command is found by (a shard id of ours is a UUID).
@@ -96,6 +96,32 @@ def acknowledge(node_id: str, ids: Iterable[str], *, now: dt.datetime) -> int:
     if not valid:
         return 0
     return Command.objects.filter(node_id=node_id, id__in=valid, acked_at__isnull=True).update(acked_at=now)
+
+
+def claim_scan(node_id: str, command_id: str, key: str, *, hca: str, port: int, now: dt.datetime) -> str:
+    """Use up the ScanFabric command a scan upload answers; returns why it may not, or "" when it may.
+
+    A node credential may write a fabric's map only when this node was asked
+    to scan that fabric, on that port, and only once: otherwise any node could
+    replace any fabric's map, or fill the table with keys nobody asked about.
+    """
+    try:
+        cid = uuid.UUID(str(command_id))
+    except ValueError:
+        return "a scan upload must name the scan command it answers (command_id)"
+    cmd = Command.objects.select_for_update().filter(id=cid, node_id=node_id, kind=CommandKind.SCAN_FABRIC).first()
+    if cmd is None:
+        return "no scan was asked of this node under that command id"
+    if cmd.acked_at is not None:
+        return "this scan command was already answered"
+    asked = cmd.payload
+    if asked.get("key") != key:
+        return "the scan command was for another fabric key"
+    if hca and (asked.get("hca") != hca or int(asked.get("port", 1)) != port):
+        return "the scan command was for another port"
+    cmd.acked_at = now
+    cmd.save(update_fields=["acked_at"])
+    return ""
 
 
 def cancel_for_shard(shard_id: str) -> int:

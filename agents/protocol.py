@@ -218,9 +218,16 @@ def _answer(
 
 
 def upload_scan(caller: Caller, scan: wire.ScanUpload, *, now: dt.datetime) -> dict:
-    """Keep a fabric scan's text (or its error beside the last good text)."""
+    """Keep a fabric scan's text (or its error beside the last good text).
+
+    Only the node a ScanFabric was sent to may answer it, for that command's
+    fabric and port, and once (403 naming why otherwise).
+    """
     _own(caller, scan.node_id)
     with transaction.atomic():
+        why = commands.claim_scan(scan.node_id, scan.command_id, scan.key, hca=scan.hca, port=scan.port, now=now)
+        if why:
+            raise Refused(403, why)
         row = fabric_rules.set_scan(
             key=scan.key,
             at=now,
@@ -230,8 +237,6 @@ def upload_scan(caller: Caller, scan: wire.ScanUpload, *, now: dt.datetime) -> d
             error=scan.error,
             took_s=scan.took_s,
         )
-        if scan.command_id:
-            commands.acknowledge(scan.node_id, [scan.command_id], now=now)
     return {"key": row.key, "at": row.at.timestamp(), "error": row.error, "has_output": bool(row.output)}
 
 

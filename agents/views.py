@@ -30,6 +30,7 @@ from rest_framework.renderers import JSONRenderer
 from rest_framework.views import APIView
 
 from agents import credentials, limits, protocol, wire
+from llmgw import validation
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -88,7 +89,11 @@ def _responses(ok: type[BaseModel]) -> dict:
         200: ok,
         400: OpenApiResponse(Problem, description="A field is missing, malformed or out of range: each is named."),
         401: OpenApiResponse(Problem, description="Missing or invalid credentials."),
-        403: OpenApiResponse(Problem, description="The credential does not authorise the node the body names."),
+        403: OpenApiResponse(
+            Problem,
+            description="The credential does not authorise the node the body names, "
+            "or (scans) no unanswered scan command of this node asked for it.",
+        ),
         409: OpenApiResponse(Problem, description="A concurrent registration of the same new node won."),
         413: OpenApiResponse(Problem, description="The body is larger than this endpoint accepts."),
         415: OpenApiResponse(Problem, description="The body is not application/json."),
@@ -170,7 +175,7 @@ class AgentEndpoint(APIView):
             msg = self.message.model_validate_json(body)
         except ValidationError as exc:
             raise protocol.Refused(400, "invalid request body", field_errors(exc)) from None
-        too_big = self.problems(msg) if self.problems else None
+        too_big = (self.problems(msg) if self.problems else None) or validation.nul_problems(body)
         if too_big:
             raise protocol.Refused(400, "invalid request body", too_big[:MAX_ERRORS])
         return msg

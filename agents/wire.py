@@ -11,6 +11,8 @@ with a field path (pydantic's error locations) before anything is written.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable, Mapping
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -47,6 +49,55 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 # Wear counters: -1 is "not reported for this card" (a card before Ampere has
 # no remapped rows, one after no retired pages).
 WearCount = Annotated[int, Field(ge=-1, le=2**53)]
+
+
+# Secrets in a profile, decided by name on both ends of the wire: the agent
+# masks them in shard logs, the control plane shows them to nobody. A flag or
+# an environment variable whose name ends in one of these words carries one
+# (`--api-key`, `--hf-token`, `--db-password`, HF_TOKEN, OPENAI_API_KEY).
+# "tokens" is not one: it counts tokens in every engine's flags
+# (`--max-num-batched-tokens`), and nor is `--tokenizer` or `--ssl-keyfile`.
+_SECRET_WORD = r"(key|token|secret|password|passwd)"
+SECRET_FLAG = re.compile(rf"^--?[\w-]*?{_SECRET_WORD}$", re.I)
+SECRET_ENV = re.compile(rf"^\w*?{_SECRET_WORD}$", re.I)
+MASK = "***"
+
+
+def mask_args(argv: Iterable[str]) -> list[str]:
+    """`argv` with the value of each secret-carrying flag masked (`--api-key X` and `--api-key=X` alike)."""
+    out: list[str] = []
+    mask_next = False
+    for arg in argv:
+        if mask_next:
+            out.append(MASK)
+            mask_next = False
+            continue
+        flag, eq, _value = arg.partition("=")
+        if SECRET_FLAG.match(flag):
+            out.append(f"{flag}={MASK}" if eq else arg)
+            mask_next = not eq
+        else:
+            out.append(arg)
+    return out
+
+
+def mask_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with the value of each secret-named variable masked."""
+    return {k: (MASK if SECRET_ENV.match(k) else v) for k, v in env.items()}
+
+
+def masked_command(payload: Mapping[str, Any]) -> dict[str, Any]:
+    """A queued command's payload for showing: a StartShard's profile env and args masked."""
+    out = dict(payload)
+    profile = out.get("profile")
+    if isinstance(profile, Mapping):
+        profile = dict(profile)
+        if isinstance(profile.get("env"), Mapping):
+            profile["env"] = mask_env(profile["env"])
+        if isinstance(profile.get("args"), list):
+            profile["args"] = mask_args(profile["args"])
+        out["profile"] = profile
+    return out
 
 
 def empty_list() -> Any:
@@ -278,10 +329,10 @@ class RegisterResponse(Message):
     node_id: NodeId
     # Only present when a credential was issued (first join, or after a reset):
     # the agent keeps it in its state directory, mode 0600.
-    credential: str | None = None
+    credential: Short | None = None
     heartbeat_interval_s: float = 5.0
-    adopted: list[str] = empty_list()
-    commands: list[Command] = empty_list()
+    adopted: Annotated[list[Short], Field(max_length=MAX_SHARDS)] = empty_list()
+    commands: Annotated[list[Command], Field(max_length=MAX_COMMANDS)] = empty_list()
 
 
 # --- heartbeat --------------------------------------------------------------
@@ -493,7 +544,8 @@ Command = Annotated[StartShard | StopShard | ScanFabric | InstallEngine, Field(d
 class HeartbeatResponse(Message):
     """The answer to a heartbeat: the commands pending for this node, each with an id."""
 
-    commands: list[Command] = empty_list()
+    # Bounded like every list: an agent refuses an answer with more (nothing of it is applied).
+    commands: Annotated[list[Command], Field(max_length=MAX_COMMANDS)] = empty_list()
     server_time: float | None = None
     heartbeat_interval_s: float = 5.0
     # An operator asked for a new credential: the agent calls the rotate endpoint.

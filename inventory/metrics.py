@@ -19,11 +19,14 @@ settings.LLMGW_DOCTOR_CACHE seconds of another reuses its checks.
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
 from django.db.models import Count
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
@@ -230,8 +233,40 @@ class LlmgwCollector(Collector):
             yield family.metric()
 
 
+def may_scrape(*, authorization: str | None, remote_addr: str | None, user: Any = None) -> bool:
+    """Whether a /metrics request may read the metrics (settings.LLMGW_METRICS_TOKEN, LLMGW_METRICS_ALLOW).
+
+    The way Prometheus is usually given access: its bearer token (compared in
+    constant time), or its address in an allowlist; an operator signed in
+    with the view permission on nodes sees what the node API shows them anyway.
+    """
+    token = settings.LLMGW_METRICS_TOKEN
+    if token and authorization:
+        scheme, _, given = authorization.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
+            return True
+    if settings.LLMGW_METRICS_ALLOW and remote_addr:
+        try:
+            addr = ipaddress.ip_address(remote_addr)
+        except ValueError:
+            addr = None
+        if addr is not None and any(addr in net for net in settings.LLMGW_METRICS_ALLOW):
+            return True
+    return bool(user is not None and user.is_authenticated and user.has_perm("inventory.view_node"))
+
+
 def export(request: HttpRequest) -> HttpResponse:
-    """/metrics: django-prometheus' metrics, as its own view serves them, then llmgw's."""
+    """/metrics: django-prometheus' metrics, as its own view serves them, then llmgw's; 401 to whoever may not."""
+    if not may_scrape(
+        authorization=request.META.get("HTTP_AUTHORIZATION"),
+        remote_addr=request.META.get("REMOTE_ADDR"),
+        user=getattr(request, "user", None),
+    ):
+        resp = HttpResponse(
+            "metrics need a bearer token or an allowed address\n", status=401, content_type="text/plain"
+        )
+        resp["WWW-Authenticate"] = 'Bearer realm="llmgw-metrics"'
+        return resp
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ or "prometheus_multiproc_dir" in os.environ:
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)

@@ -7,6 +7,8 @@ Celery broker on the filesystem, so `make run` needs nothing but Python.
 
 from __future__ import annotations
 
+import datetime as dt
+import ipaddress
 import os
 from pathlib import Path
 
@@ -47,6 +49,18 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
+def env_networks(name: str) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """Read a comma-separated list of addresses or networks (CIDR) from the environment."""
+    out = []
+    for part in os.environ.get(name, "").split(","):
+        if part.strip():
+            try:
+                out.append(ipaddress.ip_network(part.strip(), strict=False))
+            except ValueError as exc:
+                raise ImproperlyConfigured(f"{name}: {part.strip()!r} is not an address or network") from exc
+    return out
+
+
 def env_int(name: str, default: int, *, minimum: int = 0) -> int:
     """Read a whole number from the environment, at least `minimum`."""
     raw = os.environ.get(name)
@@ -83,7 +97,7 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
-    "rest_framework.authtoken",
+    "knox",
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
@@ -97,6 +111,8 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django_prometheus.middleware.PrometheusBeforeMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # A NUL in a URL is refused before a view takes it to the database (llmgw/validation.py).
+    "llmgw.validation.UnstorableRequestMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -209,13 +225,29 @@ WHITENOISE_USE_FINDERS = True
 REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "DEFAULT_AUTHENTICATION_CLASSES": [
+        # Operator API tokens, stored hashed, with an expiry and a name (llmgw.models.OperatorToken).
+        # First, so a request without credentials is a 401 saying which scheme to use.
+        "llmgw.auth.OperatorTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
-        "rest_framework.authentication.TokenAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["llmgw.permissions.ModelPermissions"],
     "DEFAULT_FILTER_BACKENDS": ["django_filters.rest_framework.DjangoFilterBackend"],
-    "DEFAULT_PAGINATION_CLASS": "llmgw.pagination.LimitOffsetPagination",
+    # JSON only, bounded in depth, holding only strings PostgreSQL can store (llmgw/validation.py).
+    "DEFAULT_PARSER_CLASSES": ["llmgw.validation.BoundedJSONParser"],
+    "DEFAULT_PAGINATION_CLASS": "llmgw.validation.BoundedPagination",
     "PAGE_SIZE": 100,
+}
+
+KNOX_TOKEN_MODEL = "llmgw.OperatorToken"
+# knox's migrations create its own token table even when the model is swapped
+# out, and that orphan (referencing auth_user) breaks flushing the database.
+MIGRATION_MODULES = {"knox": None}
+REST_KNOX = {
+    # "Authorization: Token llmgw-op-…"; the prefix tells an operator token from a node credential.
+    "AUTH_HEADER_PREFIX": "Token",
+    "TOKEN_PREFIX": "llmgw-op-",
+    "TOKEN_TTL": dt.timedelta(days=env_int("LLMGW_API_TOKEN_DAYS", 90, minimum=1)),
+    "AUTO_REFRESH": False,
 }
 
 SPECTACULAR_SETTINGS = {
@@ -230,6 +262,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_DIST": "SIDECAR",
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
+    # The refusals DRF answers with, declared on every operator operation (llmgw/schema.py).
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "llmgw.schema.declare_refusals"],
     # Several models have a `state`: each enum keeps its model's name.
     "ENUM_NAME_OVERRIDES": {
         "NodeStateEnum": "inventory.models.NodeState",
@@ -262,6 +296,11 @@ CELERY_BEAT_SCHEDULE: dict = {}
 
 # llmgw's own knobs.
 LLMGW_JOIN_TOKEN = os.environ.get("LLMGW_JOIN_TOKEN", "")
+# Who may scrape /metrics (it names every node, its state and allocations):
+# a bearer token, and/or peers in these networks (0.0.0.0/0,::/0 opens it to
+# all). Neither set: only a signed-in user who may view nodes.
+LLMGW_METRICS_TOKEN = os.environ.get("LLMGW_METRICS_TOKEN", "")
+LLMGW_METRICS_ALLOW = env_networks("LLMGW_METRICS_ALLOW")
 LLMGW_UNREACHABLE_AFTER = env_seconds("LLMGW_UNREACHABLE_AFTER", 30.0)
 LLMGW_LOST_AFTER = env_seconds("LLMGW_LOST_AFTER", 300.0)
 LLMGW_HEARTBEAT_INTERVAL = env_seconds("LLMGW_HEARTBEAT_INTERVAL", 5.0)

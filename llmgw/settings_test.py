@@ -14,6 +14,8 @@ os.environ.setdefault("LLMGW_CACHE_PREFIX", "llmgw-test")
 # A pool waits this long for a database that is not there (`make test`'s
 # makemigrations check runs where only the test database exists).
 os.environ.setdefault("DATABASE_POOL_TIMEOUT", "10")
+# The test client and the test servers scrape from loopback (tests/inventory/test_metrics.py checks the refusals).
+os.environ.setdefault("LLMGW_METRICS_ALLOW", "127.0.0.1/32,::1/128")
 
 from llmgw.settings import *  # noqa: F403
 

@@ -1,53 +1,59 @@
-"""Operator API tokens: how a person or a script gets one without the admin.
+"""Operator API tokens: created with a name and an expiry, stored as a digest, revoked by name.
 
-Backed by DRF's authtoken for now, which keeps one token per user; the
-command line in front of it (`manage.py api_token create --user U --name N`)
-stays as it is when the storage changes.
+django-rest-knox does the hashing and the authentication
+(knox.auth.TokenAuthentication); these are the rules the admin and
+`manage.py api_token` share.
 """
 
 from __future__ import annotations
 
-from django.contrib.admin.models import CHANGE, LogEntry
-from django.contrib.auth import get_user_model
-from django.contrib.contenttypes.models import ContentType
-from django.db import transaction
-from rest_framework.authtoken.models import Token
+import datetime as dt
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import IntegrityError, transaction
+from knox.models import get_digest_token
+from knox.settings import CONSTANTS, knox_settings
+
+from llmgw.models import OperatorToken
+
+MAX_DAYS = 3650
 
 
 class TokenError(ValueError):
-    """A token cannot be created as asked; the message says why and what to do."""
+    """A token that cannot be created or revoked as asked; the message says why."""
 
 
-def create_api_token(username: str, name: str) -> str:
-    """Create an API token for `username`, record who and what in the user's history, return its secret.
+def create(
+    user: AbstractBaseUser, name: str, *, now: dt.datetime, days: int | None = None
+) -> tuple[OperatorToken, str]:
+    """A new token for `user` named `name`, expiring after `days` (the configured TTL by default).
 
-    The token is for `Authorization: Token <secret>`; it carries the user's
-    permissions. The name is what the operator calls it ("ci", "grafana") and
-    is kept in the user's admin history, never the secret.
+    Returns the row and the secret; the secret is not kept anywhere, so the
+    caller shows it once.
     """
     name = name.strip()
-    if not name:
-        raise TokenError("name: give the token a name, e.g. --name ci")
-    user_model = get_user_model()
-    with transaction.atomic():
-        try:
-            user = user_model.objects.select_for_update().get(**{user_model.USERNAME_FIELD: username})
-        except user_model.DoesNotExist:
-            raise TokenError(f"user: no user {username!r} (see /admin/auth/user/ or manage.py ensure_admin)") from None
-        if not user.is_active:
-            raise TokenError(f"user: {username!r} is inactive")
-        if Token.objects.filter(user=user).exists():
-            raise TokenError(
-                f"user: {username!r} already has an API token (one per user); "
-                "delete it in Admin -> Auth Token -> Tokens to create another"
+    if not name or len(name) > OperatorToken._meta.get_field("name").max_length or "\x00" in name:
+        raise TokenError("a token needs a name of 1 to 128 characters")
+    ttl = knox_settings.TOKEN_TTL if days is None else dt.timedelta(days=days)
+    if days is not None and not 1 <= days <= MAX_DAYS:
+        raise TokenError(f"a token lives 1 to {MAX_DAYS} days")
+    digest, secret = get_digest_token()
+    try:
+        with transaction.atomic():
+            row = OperatorToken.objects.model(
+                digest=digest,
+                token_key=secret[: CONSTANTS.TOKEN_KEY_LENGTH],
+                user=user,
+                name=name,
+                expiry=now + ttl,
             )
-        token = Token.objects.create(user=user)
-        LogEntry.objects.create(
-            user=user,
-            content_type=ContentType.objects.get_for_model(user_model),
-            object_id=str(user.pk),
-            object_repr=str(user)[:200],
-            action_flag=CHANGE,
-            change_message=f"API token {name!r} created (manage.py api_token)",
-        )
-    return token.key
+            row.save(force_insert=True)
+    except IntegrityError:
+        raise TokenError(f"{user} already has a token named {name!r}: revoke it first") from None
+    return row, secret
+
+
+def revoke(user: AbstractBaseUser, name: str) -> int:
+    """Delete `user`'s token named `name`; how many were deleted (0 or 1)."""
+    deleted, _ = OperatorToken.objects.filter(user=user, name=name).delete()
+    return deleted

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from django import forms
 from django.contrib import admin, messages
 from django.core.exceptions import PermissionDenied
 from django.db.models import Count, Q, Sum
@@ -18,7 +19,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
-from placement import audit, planner, reconciler, replicas, tasks
+from placement import audit, planner, reconciler, replicas, secrets, tasks
 from placement import deployments as deployment_actions
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, ReplicaState, Shard
@@ -37,8 +38,40 @@ class AuditedAdmin(admin.ModelAdmin):
         audit.delete(queryset, now=timezone.now(), actor=request.user)
 
 
+class EngineProfileForm(forms.ModelForm):
+    """A profile's form with its secrets masked: left masked they keep their stored values."""
+
+    class Meta:
+        model = EngineProfile
+        exclude: list[str] = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for name, shown in (("env", secrets.shown_env), ("args", secrets.shown_args)):
+            if name in self.fields:
+                self.initial[name] = shown(self.initial.get(name))
+
+    def _kept(self, name: str, keep):
+        value = self.cleaned_data.get(name)
+        if not isinstance(value, dict | list):
+            return value  # the model's own validation says what is wrong
+        try:
+            return keep(value, getattr(self.instance, name) if self.instance.pk else None)
+        except secrets.HiddenWithoutValue as e:
+            raise forms.ValidationError(str(e)) from None
+
+    def clean_env(self):
+        """The env to store, masked secrets keeping their stored values."""
+        return self._kept("env", secrets.kept_env)
+
+    def clean_args(self):
+        """The args to store, masked secret flag values keeping their stored values."""
+        return self._kept("args", secrets.kept_args)
+
+
 @admin.register(EngineProfile)
 class EngineProfileAdmin(AuditedAdmin):
+    form = EngineProfileForm
     list_display = ["name", "engine", "gpu_class", "tp", "pp", "gpus_per_node", "nodes", "memory_gb", "power_w"]
     list_filter = ["engine", "gpu_class"]
     search_fields = ["name", "model_path", "served_model_name"]
@@ -90,6 +123,13 @@ class DeploymentAdmin(admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
         deployment_actions.record(obj, "changed", "saved in the admin", now=timezone.now(), actor=request.user)
+
+    def delete_model(self, request, obj):
+        deployment_actions.delete(obj, now=timezone.now(), actor=request.user)
+
+    def delete_queryset(self, request, queryset):
+        for dep in queryset:
+            deployment_actions.delete(dep, now=timezone.now(), actor=request.user)
 
     def has_delete_permission(self, request, obj=None) -> bool:
         # Deleting would orphan running shards: scale to 0 first.

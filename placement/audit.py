@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from django.db import models, transaction
 
-from placement import replicas
+from placement import replicas, secrets
 from placement.models import EngineProfile, Hold, PlacementEvent, PowerBudget
 
 if TYPE_CHECKING:
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 Audited = EngineProfile | Hold | PowerBudget
 
 KINDS: dict[type[models.Model], str] = {EngineProfile: "profile", Hold: "hold", PowerBudget: "power_budget"}
+# Fields shown masked in events (placement/secrets.py).
+SHOWN = {(EngineProfile, "env"): secrets.shown_env, (EngineProfile, "args"): secrets.shown_args}
 
 
 def subject(obj: Audited) -> str:
@@ -51,8 +53,16 @@ def changes(before: Audited, after: Audited) -> list[str]:
     out = []
     for f in _fields(type(after)):
         old, new = f.to_python(getattr(before, f.attname)), f.to_python(getattr(after, f.attname))
-        if old != new:
-            out.append(f"{f.name} {old!r} -> {new!r}")
+        if old == new:
+            continue
+        shown = SHOWN.get((type(after), f.name))
+        if shown is not None:
+            # Events are read by every viewer: a secret never appears in one.
+            old, new = shown(old), shown(new)
+            if old == new:
+                out.append(f"{f.name}: a secret value replaced")
+                continue
+        out.append(f"{f.name} {old!r} -> {new!r}")
     return out
 
 

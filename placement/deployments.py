@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from django.db import transaction
 
 from placement import replicas
-from placement.models import Deployment
+from placement.models import Deployment, PlacementEvent
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -60,3 +60,30 @@ def set_paused(dep: Deployment, paused: bool, *, now: dt.datetime, actor: Abstra
         if changed:
             record(dep, "paused" if paused else "resumed", "", now=now, actor=actor)
     return dep
+
+
+def delete(dep: Deployment, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> str:
+    """Delete a deployment whose replicas are all stopped, recording who and when; returns why not, or "".
+
+    Its events and its replicas' events stay, naming it: an incident review
+    looks for exactly the history of what was deleted.
+    """
+    with transaction.atomic():
+        locked = Deployment.objects.select_for_update().filter(id=dep.id).first()
+        if locked is None:
+            return "already deleted"
+        why = deletable(locked)
+        if why:
+            return why
+        PlacementEvent.objects.filter(deployment_id=dep.id).update(deployment_name=locked.name)
+        PlacementEvent.objects.filter(replica__deployment_id=dep.id).update(deployment_name=locked.name)
+        gone = replicas.event(
+            "deleted",
+            now=now,
+            reason=f"deleted: deployment {locked.name} (model {locked.served_model}, profile {locked.profile})",
+            actor=actor,
+        )
+        gone.deployment_name = locked.name
+        gone.save(force_insert=True)
+        locked.delete()
+    return ""

@@ -216,8 +216,11 @@ class PlacementEvent(models.Model):
     """A replica's or shard's change of state, with time and reason: the "why" an operator reads."""
 
     at = models.DateTimeField(db_index=True)
-    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
-    replica = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.CASCADE, related_name="events")
+    # History outlives its subject: deleting a deployment (and with it its
+    # replicas) keeps their events, which then name it by deployment_name.
+    deployment = models.ForeignKey(Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
+    deployment_name = models.CharField(max_length=128, blank=True)
+    replica = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
     shard = models.ForeignKey(Shard, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
     kind = models.CharField(max_length=32)
     from_state = models.CharField(max_length=16, blank=True)

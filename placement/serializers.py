@@ -1,17 +1,95 @@
-"""Placement's API shapes: input validators apart from output serializers."""
+"""Placement's API shapes: input validators apart from output serializers.
+
+Every bound an input enforces is read from the wire schema (agents/wire.py),
+the one place the protocol's limits live: a profile, a deployment, a hold or
+a budget the API accepts always becomes a StartShard the agent accepts, and
+a value the database's checks would refuse is a 400 naming its field
+instead of a 500.
+"""
 
 from __future__ import annotations
 
+import re
+from functools import cache
+from typing import Any
+
 from rest_framework import serializers
 
+from agents import wire
+from placement import secrets
 from placement.models import Deployment, Engine, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.planner import BINPACK, SPREAD
 
+# A profile's power claim, per shard (W): more than any rack draws, less than a float's surprises.
+MAX_POWER_W = 1_000_000.0
+# A budget's power (W): a whole building's.
+MAX_BUDGET_W = 1_000_000_000.0
 
-def _string_map(value, field: str) -> dict:
-    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise serializers.ValidationError(f"{field} must be an object of strings")
-    return value
+
+@cache
+def wire_rules(message: type[wire.Message], field: str) -> dict[str, Any]:
+    """The JSON-schema rules the wire schema gives one field of a message (bounds, lengths, patterns)."""
+    return message.model_json_schema()["properties"][field]
+
+
+def wire_int(message: type[wire.Message], field: str, **kwargs: Any) -> serializers.IntegerField:
+    """An integer input bounded exactly as the wire bounds the same field."""
+    r = wire_rules(message, field)
+    low = r.get("minimum", r["exclusiveMinimum"] + 1 if "exclusiveMinimum" in r else None)
+    high = r.get("maximum", r["exclusiveMaximum"] - 1 if "exclusiveMaximum" in r else None)
+    return serializers.IntegerField(min_value=int(low), max_value=int(high), **kwargs)
+
+
+def wire_text(message: type[wire.Message], field: str, *, db_max: int | None = None, **kwargs: Any):
+    """A string input no longer than the wire allows (nor its column, when narrower)."""
+    limit = wire_rules(message, field)["maxLength"]
+    if db_max is not None:
+        limit = min(limit, db_max)
+    return serializers.CharField(max_length=limit, allow_blank=True, trim_whitespace=False, **kwargs)
+
+
+class WireMap(serializers.DictField):
+    """A map of strings with the wire's bounds: entries, key length, key pattern, value length."""
+
+    def __init__(self, *, entries: int, key_max: int, value_max: int, key_pattern: str | None = None, **kwargs):
+        super().__init__(
+            child=serializers.CharField(max_length=value_max, allow_blank=True, trim_whitespace=False), **kwargs
+        )
+        self.entries, self.key_max = entries, key_max
+        self.key_pattern = re.compile(key_pattern) if key_pattern else None
+
+    @classmethod
+    def of(cls, message: type[wire.Message], field: str, **kwargs: Any) -> WireMap:
+        """The map field bounded as `message.field` is on the wire."""
+        r = wire_rules(message, field)
+        pattern = next(iter(r.get("patternProperties", {})), None)
+        value = r["patternProperties"][pattern] if pattern else r["additionalProperties"]
+        return cls(
+            entries=r["maxProperties"],
+            key_max=r["propertyNames"]["maxLength"],
+            value_max=value["maxLength"],
+            key_pattern=pattern,
+            **kwargs,
+        )
+
+    def to_internal_value(self, data: Any) -> dict:
+        """The map, each key checked before its value."""
+        if isinstance(data, dict):
+            if len(data) > self.entries:
+                raise serializers.ValidationError(f"at most {self.entries} entries")
+            for k in data:
+                if not isinstance(k, str) or not k or len(k) > self.key_max:
+                    raise serializers.ValidationError(f"each key must be 1 to {self.key_max} characters")
+                if self.key_pattern and not self.key_pattern.match(k):
+                    raise serializers.ValidationError(f"key {k!r} must match {self.key_pattern.pattern}")
+        return super().to_internal_value(data)
+
+
+def wire_list(message: type[wire.Message], field: str, **kwargs: Any) -> serializers.ListField:
+    """A list of strings bounded as the wire bounds it (items, and each item's length)."""
+    r = wire_rules(message, field)
+    child = serializers.CharField(max_length=r["items"]["maxLength"], allow_blank=True, trim_whitespace=False)
+    return serializers.ListField(child=child, max_length=r["maxItems"], **kwargs)
 
 
 class ProfileOut(serializers.ModelSerializer):
@@ -49,25 +127,48 @@ class ProfileOut(serializers.ModelSerializer):
         """The hash whose change rolls the deployment's replicas."""
         return obj.fingerprint()
 
+    def to_representation(self, instance: EngineProfile) -> dict:
+        """The profile with its secret env and flag values masked (placement/secrets.py)."""
+        data = super().to_representation(instance)
+        data["env"] = secrets.shown_env(data["env"])
+        data["args"] = secrets.shown_args(data["args"])
+        return data
+
 
 class ProfileIn(serializers.ModelSerializer):
-    """An engine profile as written: args an argv list, env a map of strings."""
+    """An engine profile as written: args an argv list, env a map of strings, each bounded as on the wire."""
+
+    tp = wire_int(wire.EngineProfile, "tp", default=1)
+    pp = wire_int(wire.EngineProfile, "pp", default=1)
+    gpus_per_node = wire_int(wire.EngineProfile, "gpus_per_node", default=0)
+    nodes = wire_int(wire.EngineProfile, "nodes", default=1)
+    startup_timeout_s = wire_int(wire.StartShard, "startup_timeout_s", default=1800)
+    power_w = serializers.FloatField(min_value=0, max_value=MAX_POWER_W, default=0.0)
+    # An argv list, never a shell string.
+    args = wire_list(wire.EngineProfile, "args", default=list)
+    env = WireMap.of(wire.EngineProfile, "env", default=dict)
+    engine_version = wire_text(wire.InstallEngine, "version", db_max=64, required=False)
+    gpu_class = wire_text(wire.EngineProfile, "gpu_class", db_max=64, required=False)
+    model_path = wire_text(wire.EngineProfile, "model_path", db_max=1024, required=False)
+    served_model_name = wire_text(wire.EngineProfile, "served_model_name", db_max=128, required=False)
 
     class Meta:
         model = EngineProfile
         fields = [f for f in ProfileOut.Meta.fields if f not in ("id", "fingerprint", "created_at", "updated_at")]
 
-    def validate_args(self, value):
-        if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
-            raise serializers.ValidationError("args must be a list of strings (an argv list, never a shell string)")
-        return value
+    def validate(self, attrs: dict) -> dict:
+        """A secret sent back masked keeps its stored value (one masked with nothing stored is a 400);
+        a served name llama.cpp would split is refused."""
+        stored = self.instance
+        for field, keep in (("env", secrets.kept_env), ("args", secrets.kept_args)):
+            if field in attrs:
+                try:
+                    attrs[field] = keep(attrs[field], getattr(stored, field) if stored else None)
+                except secrets.HiddenWithoutValue as e:
+                    raise serializers.ValidationError({field: [str(e)]}) from None
 
-    def validate_env(self, value):
-        return _string_map(value, "env")
-
-    def validate(self, attrs):
         def current(key: str) -> str:
-            return attrs.get(key, getattr(self.instance, key, "")) or ""
+            return attrs.get(key, getattr(stored, key, "")) or ""
 
         # llama-server's --alias splits on commas: the model would be served under other names.
         if current("engine") == Engine.LLAMACPP:
@@ -109,16 +210,17 @@ class DeploymentOut(serializers.ModelSerializer):
 
 
 class DeploymentIn(serializers.ModelSerializer):
-    """A deployment as written."""
+    """A deployment as written; its node selector bounded as the wire bounds labels."""
 
     policy = serializers.ChoiceField(choices=[BINPACK, SPREAD], default=BINPACK)
+    node_selector = WireMap.of(wire.Register, "labels", default=dict)
+    pool = wire_text(wire.StartShard, "pool", db_max=64, required=False)
+    served_model = serializers.CharField(max_length=wire_rules(wire.EngineProfile, "served_model_name")["maxLength"])
 
     class Meta:
         model = Deployment
         fields = ["name", "served_model", "profile", "replicas", "pool", "node_selector", "policy", "paused"]
-
-    def validate_node_selector(self, value):
-        return _string_map(value, "node_selector")
+        extra_kwargs = {"replicas": {"max_value": 10_000}}
 
 
 class ScaleIn(serializers.Serializer):
@@ -203,6 +305,7 @@ class EventOut(serializers.ModelSerializer):
             "id",
             "at",
             "deployment",
+            "deployment_name",
             "replica",
             "shard",
             "kind",
@@ -223,8 +326,18 @@ class HoldOut(serializers.ModelSerializer):
         fields = ["id", "scope", "node", "label_key", "label_value", "fabric", "reason", "created_by", "created_at"]
 
 
+def label_key(**kwargs: Any) -> serializers.RegexField:
+    """A label key as the wire spells one (what selectors, holds and budgets match)."""
+    return serializers.RegexField(wire.LABEL_KEY_PATTERN, max_length=wire.LABEL_MAX, **kwargs)
+
+
 class HoldIn(serializers.ModelSerializer):
     """A hold as written: it must name what it holds."""
+
+    label_key = label_key(required=False, allow_blank=True)
+    label_value = serializers.CharField(max_length=wire.LABEL_MAX, required=False, allow_blank=True)
+    fabric = wire_text(wire.StartShard, "fabric", db_max=128, required=False)
+    reason = wire_text(wire.StopShard, "reason", required=False)
 
     class Meta:
         model = Hold
@@ -249,6 +362,10 @@ class PowerBudgetOut(serializers.ModelSerializer):
 class PowerBudgetIn(serializers.ModelSerializer):
     """A power budget as written."""
 
+    label_key = label_key()
+    label_value = serializers.CharField(max_length=wire.LABEL_MAX)
+    budget_w = serializers.FloatField(min_value=0, max_value=MAX_BUDGET_W)
+
     class Meta:
         model = PowerBudget
         fields = ["label_key", "label_value", "budget_w"]
@@ -259,7 +376,7 @@ class DryRunIn(serializers.Serializer):
 
     profile = serializers.PrimaryKeyRelatedField(queryset=EngineProfile.objects.all(), required=False)
     deployment = serializers.PrimaryKeyRelatedField(queryset=Deployment.objects.all(), required=False)
-    node_selector = serializers.DictField(child=serializers.CharField(), required=False)
+    node_selector = WireMap.of(wire.Register, "labels", required=False)
     policy = serializers.ChoiceField(choices=[BINPACK, SPREAD], required=False)
     replicas = serializers.IntegerField(min_value=1, max_value=1000, default=1)
 

@@ -119,11 +119,10 @@ class DeploymentViewSet(InOutViewSet):
         return dep
 
     def destroy(self, request, *args, **kwargs):
-        dep = self.get_object()
-        why = deployment_actions.deletable(dep)
+        why = deployment_actions.delete(self.get_object(), now=timezone.now(), actor=request.user)
         if why:
             return Response({"replicas": [why]}, status=status.HTTP_409_CONFLICT)
-        return super().destroy(request, *args, **kwargs)
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(request=ScaleIn, responses={200: DeploymentOut, 400: ScaleInErrors})
     @action(detail=True, methods=["post"], permission_classes=[CanChange])

@@ -32,12 +32,9 @@ PLACEMENT_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_IB_HCA")
 
 BIND_HOST = "0.0.0.0"
 
-# A flag whose name ends in one of these words carries a secret (`--api-key`,
-# `--hf-token`, `--admin-api-key`, `--db-password`): its value is masked in
-# what the agent logs. "tokens" is not one: it counts tokens in every engine's
-# flags (`--max-num-batched-tokens`), and nor is `--tokenizer` or `--ssl-keyfile`.
-_SECRET_FLAG = re.compile(r"^--?[\w-]*?(key|token|secret|password|passwd)$", re.I)
-MASK = "***"
+# Secret-carrying flags are decided by name in the wire module, which the
+# control plane shares: what the agent masks in its log, the API never shows.
+MASK = wire.MASK
 
 
 class EngineError(ValueError):
@@ -55,25 +52,8 @@ class Launch:
 
 
 def loggable_argv(argv: list[str]) -> list[str]:
-    """`argv` with the value of each secret-carrying flag masked, for the shard log (never for running).
-
-    Both forms: `--api-key X` masks the argument after the flag, `--api-key=X`
-    what follows the "=".
-    """
-    out: list[str] = []
-    mask_next = False
-    for arg in argv:
-        if mask_next:
-            out.append(MASK)
-            mask_next = False
-            continue
-        flag, eq, _value = arg.partition("=")
-        if _SECRET_FLAG.match(flag):
-            out.append(f"{flag}={MASK}" if eq else arg)
-            mask_next = not eq
-        else:
-            out.append(arg)
-    return out
+    """`argv` with the value of each secret-carrying flag masked, for the shard log (never for running)."""
+    return wire.mask_args(argv)
 
 
 def engine_name(profile: wire.EngineProfile) -> str:

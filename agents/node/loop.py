@@ -48,6 +48,10 @@ FABRIC_EVERY_S = 60.0
 BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 60.0
 APPLIED_KEEP = 2000
+# Shards started per answer of the control plane; the rest wait (unacknowledged, so
+# repeated) for the next heartbeat. A control plane gone wrong then starts a
+# handful of engines a heartbeat, not hundreds in seconds.
+MAX_STARTS_PER_ANSWER = 8
 
 _Answer = TypeVar("_Answer", bound=pydantic.BaseModel)
 
@@ -148,6 +152,8 @@ class Agent:
         self._previous_sample: Any = None
         self._shard_meter = ShardMeter()
         self._problems: set[str] = set()
+        self._declared_hcas: frozenset[str] = frozenset()
+        self._seen_hcas: frozenset[str] = frozenset()
         self.stop_event = threading.Event()
 
     # --- credential -------------------------------------------------------
@@ -282,6 +288,10 @@ class Agent:
         self.engine_versions = dict(getattr(d, "engine_versions", {}) or {})
         self.supervisor.engine_versions = dict(self.engine_versions)
         c = self.config
+        # What the supervisor checks every StartShard against: this node's own cards and adapters.
+        self.supervisor.gpus = frozenset(g.index for g in getattr(d, "gpus", []) or [])
+        self._declared_hcas = frozenset(h for f in c.fabrics for h in f.hcas)
+        self.supervisor.hcas = self._declared_hcas | self._seen_hcas
         mgmt_addr = (interface_addr(c.mgmt_interface) if c.mgmt_interface else "") or route_addr(c.control_plane)
         return wire.Register(
             node_id=c.node_id,
@@ -345,8 +355,7 @@ class Agent:
         self.interval = max(self.config.heartbeat_interval, min(600.0, resp.heartbeat_interval_s or 0))
         self.registered = True
         self._last_fabrics = self.clock()  # the registration carried them
-        for cmd in resp.commands:
-            self.apply(cmd)
+        self.apply_all(resp.commands)
         return resp
 
     # --- heartbeat --------------------------------------------------------
@@ -363,6 +372,10 @@ class Agent:
         for p in sorted(problems - self._problems):
             log.warning("sensors: %s", p)
         self._problems = problems
+        seen = frozenset(p.hca for p in getattr(sample, "ib_ports", None) or [])
+        if seen - self._seen_hcas:
+            self._seen_hcas |= seen
+            self.supervisor.hcas = self._declared_hcas | self._seen_hcas
         load = getattr(sample, "load", None)
         if load is not None:
             load = load.model_copy(update={"shards": self._shard_loads()})
@@ -393,8 +406,7 @@ class Agent:
         with self._lock:
             for a in body.acks:
                 self._acks.pop(a, None)
-        for cmd in resp.commands:
-            self.apply(cmd)
+        self.apply_all(resp.commands)
         if resp.rotate_credential:
             try:
                 self.rotate_credential()
@@ -404,6 +416,28 @@ class Agent:
         return resp
 
     # --- commands ---------------------------------------------------------
+
+    def apply_all(self, cmds: list[wire.StartShard | wire.StopShard | wire.ScanFabric | wire.InstallEngine]) -> int:
+        """Apply an answer's commands in order, starting at most MAX_STARTS_PER_ANSWER new shards; returns how many
+        StartShards were put off (left unacknowledged, so the control plane sends them again)."""
+        starts = deferred = 0
+        for cmd in cmds:
+            if isinstance(cmd, wire.StartShard) and self._new_start(cmd):
+                if starts >= MAX_STARTS_PER_ANSWER:
+                    deferred += 1
+                    continue
+                starts += 1
+            self.apply(cmd)
+        if deferred:
+            log.warning("%d shard starts put off to the next heartbeat (at most %d a heartbeat)", deferred, starts)
+        return deferred
+
+    def _new_start(self, cmd: wire.StartShard) -> bool:
+        with self._lock:
+            if cmd.id and (cmd.id in self._applied or cmd.id in self._inflight):
+                return False
+        existing = self.supervisor.shards.get(cmd.shard_id)
+        return existing is None or existing.st in (wire.ShardState.STOPPED, wire.ShardState.FAILED)
 
     def apply(self, cmd: wire.StartShard | wire.StopShard | wire.ScanFabric | wire.InstallEngine) -> None:
         """Apply one command once: a command id seen before is acknowledged again, not re-applied."""

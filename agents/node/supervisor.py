@@ -139,6 +139,9 @@ class Supervisor:
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.clock = clock
         self.shards: dict[str, Shard] = {}
+        # What this node has (set by the agent from its own discovery); None: not known yet, not checked.
+        self.gpus: frozenset[int] | None = None
+        self.hcas: frozenset[str] | None = None
         self._procs: dict[str, subprocess.Popen] = {}
         self._lock = threading.RLock()
         self._http = httpx.Client(timeout=health_timeout_s, trust_env=False)
@@ -307,7 +310,7 @@ class Supervisor:
                 started_at=self.clock(),
             )
             self.shards[cmd.shard_id] = shard
-            conflict = self._conflict(shard)
+            conflict = self._unfit(shard) or self._conflict(shard)
             if conflict:
                 self._move(shard, S.FAILED, reason=conflict)
                 return shard
@@ -358,6 +361,29 @@ class Supervisor:
             )
             self._move(shard, S.STARTING)
             return shard
+
+    def _unfit(self, new: Shard) -> str:
+        """Why a shard cannot run on this node's own hardware ("" when it can).
+
+        The control plane is trusted to place, not to be right: a StartShard
+        for GPU 63 on an 8-GPU node would run with CUDA_VISIBLE_DEVICES=63
+        and fail somewhere far from its cause, and one for an adapter the
+        node lacks would hand NCCL a device that is not there.
+        """
+        if len(set(new.gpu_indices)) != len(new.gpu_indices):
+            return f"GPU indices {new.gpu_indices} name a card twice"
+        if self.gpus is not None:
+            missing = sorted(set(new.gpu_indices) - self.gpus)
+            if missing:
+                return f"this node has no GPU {','.join(map(str, missing))} (it has {sorted(self.gpus)})"
+        if self.hcas is not None:
+            missing_hcas = sorted(set(new.hcas) - self.hcas)
+            if missing_hcas:
+                return f"this node has no adapter {','.join(missing_hcas)} (it has {sorted(self.hcas)})"
+        live = sum(1 for o in self.shards.values() if o.shard_id != new.shard_id and o.st not in TERMINAL)
+        if live >= wire.MAX_SHARDS:
+            return f"this node already runs {live} shards, the most a heartbeat can report"
+        return ""
 
     def _conflict(self, new: Shard) -> str:
         for other in self.shards.values():
@@ -460,7 +486,9 @@ class Supervisor:
         """Every shard's state for a heartbeat; a failed one carries the end of its log."""
         with self._lock:
             out = []
-            for s in self.shards.values():
+            # Live shards first: a heartbeat reports at most MAX_SHARDS, and those matter most.
+            ordered = sorted(self.shards.values(), key=lambda s: s.st in TERMINAL)[: wire.MAX_SHARDS]
+            for s in ordered:
                 tail = self.log_tail(s.shard_id) if s.st == S.FAILED else []
                 out.append(
                     wire.ShardStatus(

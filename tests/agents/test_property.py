@@ -17,6 +17,9 @@ from tests.factories import register_payload
 
 pytestmark = pytest.mark.django_db
 
+# The scan command the valid scan upload answers (re-armed before each example).
+SCAN_COMMAND = "00000000-0000-0000-0000-00000000005c"
+
 json_values = st.recursive(
     st.none()
     | st.booleans()
@@ -43,7 +46,15 @@ VALID = {
         engine_installs=[{"engine": "vllm", "state": "ready"}],
         imex={"state": "UP", "channels": 1},
     ),
-    "scans": {"node_id": "node-a", "key": "sm:0x1", "hca": "mlx5_0", "port": 1, "output": "text", "took_s": 1.0},
+    "scans": {
+        "node_id": "node-a",
+        "command_id": SCAN_COMMAND,
+        "key": "sm:0x1",
+        "hca": "mlx5_0",
+        "port": 1,
+        "output": "text",
+        "took_s": 1.0,
+    },
     "rotate": {"node_id": "node-a"},
 }
 
@@ -70,8 +81,11 @@ def mutated(draw, endpoint):
         parent = doc
         for step in target[:-1]:
             parent = parent[step]
-        action = draw(st.sampled_from(["replace", "delete", "grow"]))
-        if action == "delete":
+        action = draw(st.sampled_from(["replace", "delete", "grow", "nul"]))
+        if action == "nul" and isinstance(parent[target[-1]], str):
+            # PostgreSQL stores no NUL: it must be a 400, never a 500 halfway through.
+            parent[target[-1]] += "\x00"
+        elif action == "delete":
             del parent[target[-1]]
         elif action == "grow" and isinstance(parent[target[-1]], str):
             parent[target[-1]] = parent[target[-1]] * draw(st.integers(min_value=2, max_value=300))
@@ -126,7 +140,18 @@ HYPOTHESIS = settings(
 @pytest.mark.parametrize("endpoint", ["register", "heartbeat", "scans", "rotate"])
 @HYPOTHESIS
 @given(data=st.data())
-def test_mutated_payloads(client, joined, endpoint, data):
+def test_mutated_payloads(client, joined, endpoint, data, now):
+    if endpoint == "scans":
+        Command.objects.update_or_create(
+            id=SCAN_COMMAND,
+            defaults={
+                "node_id": "node-a",
+                "kind": "scan_fabric",
+                "payload": {"key": "sm:0x1", "hca": "mlx5_0", "port": 1},
+                "created_at": now,
+                "acked_at": None,
+            },
+        )
     body = data.draw(mutated(endpoint))
     check(client, endpoint, body, joined)
 

@@ -329,8 +329,45 @@ def test_scan_upload_keeps_the_text_and_acknowledges(client, joined, now):
     scan = FabricScan.objects.get(key="sm:0x1")
     assert (scan.node_id, scan.port, scan.output, scan.took_s) == ("node-a", "mlx5_0/1", "Switch 36 ...", 2.5)
     assert Command.objects.get(id=cmd.id).acked_at is not None
-    failed = post(client, "scans", {"node_id": "node-a", "key": "sm:0x1", "error": "timeout"}, joined).json()
+    again = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    body = {"node_id": "node-a", "command_id": str(again.id), "key": "sm:0x1", "error": "timeout"}
+    failed = post(client, "scans", body, joined).json()
     assert failed["error"] == "timeout" and failed["has_output"] is True
+
+
+def _scan(cmd_id, key="sm:0x1", **extra) -> dict:
+    return {"node_id": "node-a", "command_id": str(cmd_id), "key": key, "hca": "mlx5_0", "port": 1, **extra}
+
+
+def test_scan_upload_without_a_command_of_this_node_is_403_and_writes_nothing(client, join_token, joined, now):
+    post(client, "register", register_payload("node-b"), join_token)
+    theirs = commands.enqueue("node-b", wire.ScanFabric(key="sm:0x2", hca="mlx5_0"), now=now)
+    mine = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    FabricScan.objects.create(key="sm:0x2", at=now, node_id="node-b", output="the real map")
+    cases = [
+        ({"node_id": "node-a", "key": "sm:0x2", "output": "# forged"}, "must name the scan command"),
+        (_scan(theirs.id, key="sm:0x2", output="# forged"), "no scan was asked of this node"),
+        (_scan(mine.id, key="sm:0x2", output="# forged"), "another fabric key"),
+        (_scan(mine.id, key="sm:junk", output="# forged"), "another fabric key"),
+        ({**_scan(mine.id, output="# forged"), "hca": "mlx5_9"}, "another port"),
+    ]
+    for body, why in cases:
+        resp = post(client, "scans", body, joined)
+        assert resp.status_code == 403, body
+        assert why in resp.json()["detail"]
+    assert FabricScan.objects.get(key="sm:0x2").output == "the real map"
+    assert not FabricScan.objects.filter(key__in=["sm:junk", "sm:0x1"]).exists()
+    assert Command.objects.get(id=mine.id).acked_at is None
+    assert Command.objects.get(id=theirs.id).acked_at is None
+
+
+def test_a_scan_command_is_answered_once(client, joined, now):
+    cmd = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    assert post(client, "scans", _scan(cmd.id, output="first"), joined).status_code == 200
+    resp = post(client, "scans", _scan(cmd.id, output="# replayed"), joined)
+    assert resp.status_code == 403
+    assert resp.json()["detail"] == "this scan command was already answered"
+    assert FabricScan.objects.get(key="sm:0x1").output == "first"
 
 
 def test_rotation_keeps_the_old_secret_until_the_new_one_is_used(client, joined):
@@ -382,3 +419,46 @@ def test_wire_schemas_are_in_the_openapi_document(client, operator):
         "$ref": "#/components/schemas/HeartbeatRequest"
     }
     assert schemas["ShardStatus"]["properties"]["state"]["$ref"] == "#/components/schemas/ShardState"
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "field"),
+    [
+        ("register", {"hostname": "h\x00"}, "hostname"),
+        ("register", {"labels": {"rack": "r\x00"}}, "labels.rack"),
+        ("register", {"engine_installs": [{"engine": "vllm\x00", "state": "ready"}]}, "engine_installs.0.engine"),
+        ("heartbeat", {"shards": [{"shard_id": "s\x00", "state": "ready"}]}, "shards.0.shard_id"),
+        (
+            "heartbeat",
+            {"engine_installs": [{"engine": "vllm", "state": "ready", "detail": "\x00"}]},
+            "engine_installs.0.detail",
+        ),
+    ],
+)
+def test_nul_characters_from_an_agent_are_400_naming_the_field(client, joined, path, change, field):
+    base = register_payload("node-a") if path == "register" else heartbeat_payload()
+    before = Node.objects.filter(id="node-a").values().first()
+    resp = post(client, path, {**base, **change}, joined)
+    assert resp.status_code == 400
+    assert resp.json()["errors"] == [{"field": field, "problem": "Null characters are not allowed."}]
+    assert Node.objects.filter(id="node-a").values().first() == before
+
+
+def test_nul_in_scan_text_is_400(client, joined, now):
+    cmd = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    body = {"node_id": "node-a", "command_id": str(cmd.id), "key": "sm:0x1", "output": "Switch\x00"}
+    resp = post(client, "scans", body, joined)
+    assert resp.status_code == 400
+    assert resp.json()["errors"] == [{"field": "output", "problem": "Null characters are not allowed."}]
+    assert not FabricScan.objects.exists()
+    assert Command.objects.get(id=cmd.id).acked_at is None
+
+
+def test_a_heartbeat_answer_carries_at_most_the_commands_an_agent_accepts(client, joined, now):
+    Command.objects.bulk_create(
+        Command(node_id="node-a", kind="install_engine", payload={"engine": f"e{i}"}, created_at=now)
+        for i in range(wire.MAX_COMMANDS + 10)
+    )
+    body = post(client, "heartbeat", heartbeat_payload(), joined).content
+    answer = wire.HeartbeatResponse.model_validate_json(body)
+    assert len(answer.commands) == wire.MAX_COMMANDS

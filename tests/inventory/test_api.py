@@ -241,7 +241,10 @@ ACTIONS = [
 
 @pytest.mark.parametrize("url", READS)
 def test_anonymous_cannot_read(cluster, url):
-    assert client_for().get(url).status_code == 403
+    resp = client_for().get(url)
+    # 401 saying how to authenticate: an operator token.
+    assert resp.status_code == 401
+    assert resp["WWW-Authenticate"] == "Token"
 
 
 @pytest.mark.parametrize("url", READS)
@@ -252,7 +255,7 @@ def test_viewer_and_operator_can_read(cluster, viewer, operator, url):
 
 @pytest.mark.parametrize(("method", "url", "body"), ACTIONS)
 def test_anonymous_and_viewer_cannot_act(cluster, viewer, method, url, body):
-    assert getattr(client_for(), method)(url, body, format="json").status_code == 403
+    assert getattr(client_for(), method)(url, body, format="json").status_code == 401
     assert getattr(client_for(viewer), method)(url, body, format="json").status_code == 403
     node = Node.objects.get(id="node-a")
     assert (node.state, node.operator_labels) == ("ready", {})
@@ -273,8 +276,8 @@ def test_an_agent_credential_is_no_operator(cluster):
     # A node's agent authenticates with a bearer credential the operator API does not accept.
     c = APIClient()
     c.credentials(HTTP_AUTHORIZATION="Bearer not-an-operator-token")
-    assert c.get("/api/v1/nodes/").status_code == 403
-    assert c.post("/api/v1/nodes/node-a/cordon/", {}, format="json").status_code == 403
+    assert c.get("/api/v1/nodes/").status_code == 401
+    assert c.post("/api/v1/nodes/node-a/cordon/", {}, format="json").status_code == 401
 
 
 def test_gpu_api_carries_the_fabric_health_summary(operator, now):

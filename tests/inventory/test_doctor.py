@@ -433,8 +433,8 @@ def test_command_exit_status_and_json(now):
 
 def test_api_auth_matrix(client, viewer, operator, django_user_model):
     url = "/api/v1/doctor"
-    assert client.get(url).status_code == 403
-    assert client.get(url, HTTP_AUTHORIZATION="Bearer some-node-credential").status_code == 403
+    assert client.get(url).status_code == 401
+    assert client.get(url, HTTP_AUTHORIZATION="Bearer some-node-credential").status_code == 401
     nobody = django_user_model.objects.create_user("nobody", password="pw-nobody-1")
     client.force_login(nobody)
     assert client.get(url).status_code == 403

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import ipaddress
 import uuid
 
 import pytest
@@ -302,3 +303,43 @@ def test_port_rates_from_heartbeat_counters_are_bytes_a_second(client, now):
     rates = scrape(client)["llmgw_ib_port_rate_bytes_per_second"]
     assert rates[lbl(node="node-a", hca="mlx5_0", port="1", direction="tx")] == 1_000_000.0
     assert rates[lbl(node="node-a", hca="mlx5_0", port="1", direction="rx")] == 2_000_000.0
+
+
+@pytest.fixture
+def closed(settings):
+    settings.LLMGW_METRICS_TOKEN = ""
+    settings.LLMGW_METRICS_ALLOW = []
+    return settings
+
+
+def test_metrics_are_refused_to_anyone_by_default(client, closed, viewer_without_node_view):
+    for c_user in (None, viewer_without_node_view):
+        if c_user:
+            client.force_login(c_user)
+        resp = client.get("/metrics")
+        assert resp.status_code == 401
+        assert resp["WWW-Authenticate"] == 'Bearer realm="llmgw-metrics"'
+        assert b"llmgw_" not in resp.content
+
+
+def test_metrics_with_the_bearer_token(client, closed):
+    closed.LLMGW_METRICS_TOKEN = "scrape-secret"
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Basic scrape-secret").status_code == 401
+    assert client.get("/metrics", HTTP_AUTHORIZATION="Bearer scrape-secret").status_code == 200
+
+
+def test_metrics_from_an_allowed_network_only(client, closed):
+    closed.LLMGW_METRICS_ALLOW = [ipaddress.ip_network("10.1.0.0/16")]
+    assert client.get("/metrics", REMOTE_ADDR="10.2.0.5").status_code == 401
+    assert client.get("/metrics", REMOTE_ADDR="10.1.7.9").status_code == 200
+
+
+def test_metrics_for_a_signed_in_viewer(client, closed, viewer):
+    client.force_login(viewer)
+    assert client.get("/metrics").status_code == 200
+
+
+@pytest.fixture
+def viewer_without_node_view(django_user_model):
+    return django_user_model.objects.create_user("nobody", password="x")

@@ -25,7 +25,7 @@ import httpx
 import psycopg
 import pytest
 from django.db import connection
-from rest_framework.authtoken.models import Token
+from llmgw import tokens
 
 from tests.factories import make_node
 
@@ -60,7 +60,7 @@ def _held(watch: psycopg.Connection) -> int:
 def test_concurrent_requests_never_hold_more_connections_than_the_pool(tmp_path, operator, now):
     for i in range(3):
         make_node(f"node-{i}", now=now)
-    token = Token.objects.create(user=operator).key
+    _, token = tokens.create(operator, "pool-test", now=now)
     port = _free_port()
     env = {
         **os.environ,

@@ -56,6 +56,7 @@ def test_the_embedded_default_keeps_its_files_under_var(tmp_path):
         ({"DATABASE_POOL_MAX": "four"}, "DATABASE_POOL_MAX='four' is not a whole number"),
         ({"DATABASE_POOL_TIMEOUT": "0"}, "DATABASE_POOL_TIMEOUT='0' must be positive"),
         ({"LLMGW_SHARD_PORTS_UNIQUE": "si"}, "LLMGW_SHARD_PORTS_UNIQUE='si' is not a boolean"),
+        ({"LLMGW_METRICS_ALLOW": "10.0.0.0/8,prometheus"}, "LLMGW_METRICS_ALLOW: 'prometheus' is not an address"),
         (
             {"DEBUG": "0", "SECRET_KEY": ""},
             "SECRET_KEY must be set when DEBUG is off (or set DEBUG=1 on a laptop)",
@@ -99,3 +100,10 @@ def test_numbers_and_flags_are_read(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["20000", "True", "90.0", "False"]
+
+
+def test_metrics_access_is_read(tmp_path):
+    code = "from django.conf import settings as s; print(s.LLMGW_METRICS_TOKEN, *s.LLMGW_METRICS_ALLOW)"
+    done = load_settings(tmp_path, code, LLMGW_METRICS_TOKEN="t0k", LLMGW_METRICS_ALLOW="10.0.0.7, fd00::/8")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["t0k", "10.0.0.7/32", "fd00::/8"]

@@ -7,7 +7,8 @@ import pytest
 from django.test import Client
 from rest_framework.test import APIClient
 
-from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget
+from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Shard
+from placement.reconciler import reconcile
 from tests.factories import make_node
 
 pytestmark = pytest.mark.django_db
@@ -190,3 +191,42 @@ def test_a_profile_in_use_is_refused_through_the_api(operator):
     assert r.json() == {"deployments": ["still used by chat: delete them or move them to another profile first"]}
     assert EngineProfile.objects.exists()
     assert not PlacementEvent.objects.exists()
+
+
+def _stopped_deployment(now) -> tuple[Deployment, set[int]]:
+    """A deployment whose one replica ran and stopped: events about it and its replica exist."""
+    profile = EngineProfile.objects.create(name="echo-1", engine="echo", gpus_per_node=1)
+    dep = Deployment.objects.create(name="chat", served_model="chat-m", profile=profile, replicas=1)
+    make_node("a", now=now)
+    reconcile(now=now)
+    Deployment.objects.filter(id=dep.id).update(replicas=0)
+    reconcile(now=now)
+    Shard.objects.update(state="stopped")
+    reconcile(now=now)
+    history = set(PlacementEvent.objects.values_list("id", flat=True))
+    assert PlacementEvent.objects.filter(replica__deployment=dep).exists()
+    return dep, history
+
+
+def test_deleting_a_deployment_through_the_api_keeps_its_history_and_records_who(operator, now):
+    dep, history = _stopped_deployment(now)
+    assert api(operator).delete(f"/api/v1/deployments/{dep.id}/").status_code == 204
+    assert not Deployment.objects.exists()
+    kept = PlacementEvent.objects.filter(id__in=history)
+    assert kept.count() == len(history)
+    assert set(kept.values_list("deployment_name", flat=True)) == {"chat"}
+    gone = PlacementEvent.objects.exclude(id__in=history).get()
+    assert (gone.kind, gone.actor, gone.actor_name, gone.deployment_name) == ("deleted", operator, "operator", "chat")
+    assert gone.reason == "deleted: deployment chat (model chat-m, profile echo-1)"
+    listed = api(operator).get("/api/v1/placement-events/?kind=deleted").json()["results"]
+    assert [(e["deployment"], e["deployment_name"], e["actor_name"]) for e in listed] == [(None, "chat", "operator")]
+
+
+def test_deleting_a_deployment_in_the_admin_records_who(operator, now):
+    dep, history = _stopped_deployment(now)
+    resp = admin(operator).post(f"/admin/placement/deployment/{dep.id}/delete/", {"post": "yes"})
+    assert resp.status_code == 302
+    assert not Deployment.objects.exists()
+    gone = PlacementEvent.objects.exclude(id__in=history).get()
+    assert (gone.kind, gone.actor, gone.deployment_name) == ("deleted", operator, "chat")
+    assert PlacementEvent.objects.filter(id__in=history).count() == len(history)

@@ -8,6 +8,7 @@ import pytest
 from django.urls import reverse
 from rest_framework.test import APIClient
 
+from agents import wire
 from placement import planner
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.reconciler import reconcile
@@ -306,3 +307,97 @@ def test_dry_run_renders_every_part_of_a_plan():
             }
         ],
     }
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"power_w": -1}, "power_w"),
+        ({"tp": 4097}, "tp"),
+        ({"pp": 0}, "pp"),
+        ({"gpus_per_node": 65}, "gpus_per_node"),
+        ({"nodes": 1025}, "nodes"),
+        ({"startup_timeout_s": 86_401}, "startup_timeout_s"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s"),
+        ({"args": ["x" * 4097]}, "args"),
+        ({"args": ["--a"] * 257}, "args"),
+        ({"env": {"K" * 129: "v"}}, "env"),
+        ({"env": {f"K{i}": "v" for i in range(257)}}, "env"),
+        ({"env": {"K": "v" * 4097}}, "env"),
+        ({"served_model_name": "m" * 129}, "served_model_name"),
+    ],
+)
+def test_profile_input_has_the_wire_bounds(operator, change, field):
+    r = client(operator).post("/api/v1/profiles/", {"name": "p", "engine": "echo", **change}, format="json")
+    assert r.status_code == 400
+    assert list(r.json()) == [field]
+    assert not EngineProfile.objects.exists()
+
+
+def test_profile_at_the_wire_bounds_becomes_a_valid_start_shard(operator):
+    body = {
+        "name": "p",
+        "engine": "echo",
+        "tp": 4096,
+        "pp": 1024,
+        "gpus_per_node": 64,
+        "nodes": 1024,
+        "startup_timeout_s": 86_400,
+        "args": ["a" * 4096] * 256,
+        "env": {f"{i:0128}": "v" * 4096 for i in range(256)},
+    }
+    r = client(operator).post("/api/v1/profiles/", body, format="json")
+    assert r.status_code == 201, r.json()
+    p = EngineProfile.objects.get()
+    wire.EngineProfile(
+        name=p.name,
+        engine=p.engine,
+        tp=p.tp,
+        pp=p.pp,
+        gpus_per_node=p.gpus_per_node,
+        nodes=p.nodes,
+        args=p.args,
+        env=p.env,
+    )
+    wire.StartShard(
+        replica_id="r",
+        shard_id="s",
+        http_port=8000,
+        profile=wire.EngineProfile(engine="echo"),
+        startup_timeout_s=p.startup_timeout_s,
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"node_selector": {"bad key!": "x"}}, "node_selector"),
+        ({"node_selector": {"rack": "v" * 64}}, "node_selector"),
+        ({"node_selector": {f"k{i}": "v" for i in range(65)}}, "node_selector"),
+        ({"replicas": 10_001}, "replicas"),
+        ({"pool": "p" * 65}, "pool"),
+    ],
+)
+def test_deployment_input_has_the_wire_bounds(operator, profile, body, field):
+    base = {"name": "d", "served_model": "m", "profile": profile.id}
+    r = client(operator).post("/api/v1/deployments/", {**base, **body}, format="json")
+    assert r.status_code == 400
+    assert list(r.json()) == [field]
+    assert not Deployment.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("holds", {"scope": "label", "label_key": "rack!", "label_value": "r1"}, "label_key"),
+        ("holds", {"scope": "label", "label_key": "rack", "label_value": "r" * 64}, "label_value"),
+        ("power-budgets", {"label_key": "rack", "label_value": "r1", "budget_w": -1}, "budget_w"),
+        ("power-budgets", {"label_key": "rack", "label_value": "r1", "budget_w": 1e300}, "budget_w"),
+        ("power-budgets", {"label_key": "-rack", "label_value": "r1", "budget_w": 1}, "label_key"),
+    ],
+)
+def test_hold_and_budget_inputs_have_the_wire_bounds(operator, path, body, field):
+    r = client(operator).post(f"/api/v1/{path}/", body, format="json")
+    assert r.status_code == 400
+    assert list(r.json()) == [field]
+    assert not Hold.objects.exists() and not PowerBudget.objects.exists()

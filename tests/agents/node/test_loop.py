@@ -17,6 +17,7 @@ import pytest
 
 from agents import wire
 from agents.node import config as config_mod
+from agents.node import loop as loop_mod
 from agents.node.loop import Agent, NeedsRegister, Refused, Unreachable, backoff_delay
 from tests.agents.node.helpers import echo_start, wait_for
 
@@ -504,3 +505,47 @@ def test_heartbeat_answers_decide_what_the_loop_does_next(make_agent, status, bo
     assert agent.registered is (raised is not NeedsRegister)
     if raised is Refused:
         assert str(exc.value) == "heartbeat refused: HTTP 400: bad heartbeat"  # the control plane's words, not its JSON
+
+
+def test_an_answer_with_more_commands_than_the_wire_allows_is_refused_whole(make_agent, cp):
+    agent = make_agent()
+    agent.step()
+    one = echo_start("s0", load=0).model_dump()
+    cp.pending = [{**one, "id": f"c-{i}", "shard_id": f"s{i}"} for i in range(wire.MAX_COMMANDS + 1)]
+    with pytest.raises(Unreachable, match="unreadable heartbeat answer"):
+        agent.heartbeat()
+    assert agent.supervisor.shards == {}
+
+
+def test_starts_are_capped_per_heartbeat_and_the_rest_come_again(make_agent, cp, monkeypatch):
+    monkeypatch.setattr(loop_mod, "MAX_STARTS_PER_ANSWER", 3)
+    agent = make_agent()
+    agent.step()
+    cp.pending = [echo_start(f"s{i}", load=30, id=f"c-{i}").model_dump() for i in range(7)]
+    agent.heartbeat()
+    assert sorted(agent.supervisor.shards) == ["s0", "s1", "s2"]
+    agent.heartbeat()
+    assert sorted(agent.supervisor.shards) == ["s0", "s1", "s2", "s3", "s4", "s5"]
+    assert sorted(cp.requests[-1][2]["acks"]) == ["c-0", "c-1", "c-2"]
+    agent.heartbeat()
+    assert len(agent.supervisor.shards) == 7
+    assert all(s.pid for s in agent.supervisor.shards.values())
+
+
+def test_a_start_for_hardware_this_node_lacks_is_refused_and_said_in_the_next_heartbeat(make_agent, cp):
+    agent = make_agent()
+    agent.step()
+    assert agent.supervisor.gpus == frozenset({0}) and agent.supervisor.hcas == frozenset({"mlx5_0"})
+    cp.pending = [
+        echo_start("s-gpu", load=0, id="c-1", gpu_indices=[63]).model_dump(),
+        echo_start("s-hca", load=0, id="c-2", gpu_indices=[0], hcas=["mlx5_9"]).model_dump(),
+    ]
+    agent.heartbeat()
+    agent.heartbeat()
+    body = cp.requests[-1][2]
+    assert sorted(body["acks"]) == ["c-1", "c-2"]
+    assert {s["shard_id"]: (s["state"], s["reason"]) for s in body["shards"]} == {
+        "s-gpu": ("failed", "this node has no GPU 63 (it has [0])"),
+        "s-hca": ("failed", "this node has no adapter mlx5_9 (it has ['mlx5_0'])"),
+    }
+    assert all(s.pid is None for s in agent.supervisor.shards.values())

@@ -254,3 +254,40 @@ def test_invalid_transition_refused(sup):
     wait_for(lambda: _state(s, "s1") == S.READY)
     with pytest.raises(TransitionError):
         s._move(shard, S.LOADING)
+
+
+@pytest.mark.parametrize(
+    ("kw", "reason"),
+    [
+        ({"gpu_indices": [63]}, "this node has no GPU 63 (it has [0, 1, 2, 3, 4, 5, 6, 7])"),
+        ({"gpu_indices": [1, 8, 9]}, "this node has no GPU 8,9 (it has [0, 1, 2, 3, 4, 5, 6, 7])"),
+        ({"gpu_indices": [2, 2]}, "GPU indices [2, 2] name a card twice"),
+        ({"gpu_indices": [0], "hcas": ["mlx5_0", "mlx5_7"]}, "this node has no adapter mlx5_7 (it has ['mlx5_0'])"),
+    ],
+)
+def test_a_start_that_does_not_fit_this_node_is_refused_without_starting(sup, kw, reason):
+    s = sup()
+    s.gpus, s.hcas = frozenset(range(8)), frozenset({"mlx5_0"})
+    shard = s.start(echo_start("s1", **kw))
+    assert (shard.st, shard.reason, shard.pid) == (S.FAILED, reason, None)
+    # Said in the next heartbeat.
+    [status] = s.statuses()
+    assert (status.shard_id, status.state, status.reason) == ("s1", S.FAILED, reason)
+
+
+def test_unknown_hardware_is_not_checked(sup):
+    s = sup()
+    assert s.gpus is None and s.hcas is None
+    shard = s.start(echo_start("s1", load=0, gpu_indices=[5], hcas=["mlx5_3"]))
+    assert shard.st == S.STARTING and shard.pid
+
+
+def test_no_more_live_shards_than_a_heartbeat_reports(sup, monkeypatch):
+    monkeypatch.setattr(wire, "MAX_SHARDS", 2)
+    s = sup()
+    s.start(echo_start("s1", load=30))
+    s.start(echo_start("s2", load=30))
+    third = s.start(echo_start("s3", load=30))
+    assert (third.st, third.pid) == (S.FAILED, None)
+    assert third.reason == "this node already runs 2 shards, the most a heartbeat can report"
+    assert [st.shard_id for st in s.statuses()] == ["s1", "s2"]
