@@ -19,9 +19,10 @@ from typing import Any
 from django.conf import settings
 from django.http import HttpResponse, JsonResponse
 from rest_framework.exceptions import ParseError, ValidationError
-from llmgw.pagination import LimitOffsetPagination
 from rest_framework.parsers import JSONParser
 from rest_framework.settings import api_settings
+
+from llmgw.pagination import LimitOffsetPagination
 
 # Deeper than any body of this API needs (a label map is two levels deep).
 MAX_JSON_DEPTH = 32

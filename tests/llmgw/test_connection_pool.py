@@ -25,8 +25,9 @@ import httpx
 import psycopg
 import pytest
 from django.db import connection
-from llmgw import tokens
+from django.utils import timezone
 
+from llmgw import tokens
 from tests.factories import make_node
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -60,7 +61,7 @@ def _held(watch: psycopg.Connection) -> int:
 def test_concurrent_requests_never_hold_more_connections_than_the_pool(tmp_path, operator, now):
     for i in range(3):
         make_node(f"node-{i}", now=now)
-    _, token = tokens.create(operator, "pool-test", now=now)
+    _, token = tokens.create(operator, "pool-test", now=timezone.now())
     port = _free_port()
     env = {
         **os.environ,
