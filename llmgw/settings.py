@@ -88,6 +88,7 @@ INSTALLED_APPS = [
     "inventory",
     "placement",
     "agents",
+    "gateway",
 ]
 
 MIDDLEWARE = [
@@ -145,12 +146,13 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL", "")
+LLMGW_CACHE_PREFIX = os.environ.get("LLMGW_CACHE_PREFIX", "llmgw")
 if REDIS_URL:
     CACHES = {
         "default": {
             "BACKEND": "llmgw.cache.RedisCache",
             "LOCATION": REDIS_URL,
-            "KEY_PREFIX": os.environ.get("LLMGW_CACHE_PREFIX", "llmgw"),
+            "KEY_PREFIX": LLMGW_CACHE_PREFIX,
         }
     }
 else:
@@ -268,6 +270,14 @@ CELERY_BEAT_SCHEDULE["placement-reconcile"] = {
     "schedule": LLMGW_RECONCILE_INTERVAL,
     "options": {"expires": LLMGW_RECONCILE_INTERVAL},
 }
+
+# The gateway's data plane: how often it reloads its whole routing table and
+# key list (pushes over Redis make changes visible sooner; this heals a lost
+# one), how many consecutive failures eject a replica, and for how long.
+LLMGW_GATEWAY_REFRESH = env_seconds("LLMGW_GATEWAY_REFRESH", 5.0)
+LLMGW_GATEWAY_EJECT_AFTER = env_int("LLMGW_GATEWAY_EJECT_AFTER", 3, minimum=1)
+LLMGW_GATEWAY_EJECT_FOR = env_seconds("LLMGW_GATEWAY_EJECT_FOR", 30.0)
+LLMGW_GATEWAY_UPSTREAM_TIMEOUT = env_seconds("LLMGW_GATEWAY_UPSTREAM_TIMEOUT", 600.0)
 
 LOGGING = {
     "version": 1,

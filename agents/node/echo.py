@@ -11,8 +11,10 @@ streamed as server-sent events when asked.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,11 +30,33 @@ class EchoServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], *, model: str, load_seconds: float) -> None:
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        *,
+        model: str,
+        load_seconds: float,
+        token_seconds: float = 0.0,
+        break_after_tokens: int = 0,
+    ) -> None:
         super().__init__(addr, Handler)
         self.model = model
         self.created = int(time.time())
         self.ready_at = time.monotonic() + max(0.0, load_seconds)
+        # Time between two streamed tokens (the decode rate's inverse).
+        self.token_seconds = max(0.0, token_seconds)
+        # Fault injection: drop the connection after this many streamed tokens (0: never).
+        self.break_after_tokens = break_after_tokens
+        self._lock = threading.Lock()
+        # What a test or a router can ask of it afterwards.
+        self.served = 0
+        self.cancelled = 0
+        self.in_flight = 0
+
+    def count(self, name: str, delta: int = 1) -> None:
+        """Add to one of the counters (served, cancelled, in_flight) under the lock."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + delta)
 
     def ready(self) -> bool:
         """Whether the pretend weights have finished loading."""
@@ -48,7 +72,7 @@ def _text_of(content: Any) -> str:
 
 
 class Handler(BaseHTTPRequestHandler):
-    """OpenAI-style endpoints: /health, /v1/models, /v1/chat/completions, /v1/completions."""
+    """OpenAI-style endpoints: /health, /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings."""
 
     server: EchoServer
     protocol_version = "HTTP/1.1"
@@ -100,7 +124,37 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     def do_POST(self) -> None:
-        if self.path not in ("/v1/chat/completions", "/v1/completions"):
+        self.server.count("in_flight")
+        try:
+            self._post()
+        finally:
+            self.server.count("in_flight", -1)
+
+    def _embeddings(self, body: dict) -> None:
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs) or not inputs:
+            return self._error(400, "input must be a string or a list of strings", param="input")
+        data = []
+        for i, text in enumerate(inputs):
+            digest = hashlib.sha256(text.encode()).digest()
+            data.append({"object": "embedding", "index": i, "embedding": [round(b / 255, 4) for b in digest[:8]]})
+        tokens = sum(len(t.split()) for t in inputs)
+        self.server.count("served")
+        self._json(
+            200,
+            {
+                "object": "list",
+                "data": data,
+                "model": self.server.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            },
+        )
+        return None
+
+    def _post(self) -> None:
+        if self.path not in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
             return self._error(404, f"no route {self.path}", kind="not_found")
         body = self._body()
         if body is None:
@@ -110,6 +164,8 @@ class Handler(BaseHTTPRequestHandler):
         model = body.get("model", self.server.model)
         if model != self.server.model:
             return self._error(404, f"the model {model!r} does not exist", kind="not_found", param="model")
+        if self.path == "/v1/embeddings":
+            return self._embeddings(body)
         chat = self.path == "/v1/chat/completions"
         if chat:
             messages = body.get("messages")
@@ -131,8 +187,13 @@ class Handler(BaseHTTPRequestHandler):
         finish = "length" if isinstance(max_tokens, int) and len(text.split()) > len(words) else "stop"
         prompt_tokens = len(text.split())
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if body.get("stream"):
-            return self._stream(ident, words, chat=chat, finish=finish)
+            opts = body.get("stream_options")
+            with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            return self._stream(ident, words, chat=chat, finish=finish, usage=usage if with_usage else None)
+        self.server.count("served")
         out = " ".join(words)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if chat:
@@ -140,8 +201,6 @@ class Handler(BaseHTTPRequestHandler):
         else:
             choice["text"] = out
             choice["logprobs"] = None
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words)}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         self._json(
             200,
             {
@@ -155,7 +214,7 @@ class Handler(BaseHTTPRequestHandler):
         )
         return None
 
-    def _stream(self, ident: str, words: list[str], *, chat: bool, finish: str) -> None:
+    def _stream(self, ident: str, words: list[str], *, chat: bool, finish: str, usage: dict | None) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -182,18 +241,34 @@ class Handler(BaseHTTPRequestHandler):
             if chat:
                 self.wfile.write(chunk(None, None, first=True))
             for i, w in enumerate(words):
+                if self.server.break_after_tokens and i >= self.server.break_after_tokens:
+                    # The engine dies mid-answer: the connection drops without an end.
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if self.server.token_seconds:
+                    time.sleep(self.server.token_seconds)
                 self.wfile.write(chunk(w if i == 0 else " " + w, None))
                 self.wfile.flush()
             self.wfile.write(chunk(None if chat else "", finish))
+            if usage is not None:
+                last = {"id": ident, "object": obj, "created": created, "model": self.server.model}
+                last.update({"choices": [], "usage": usage})
+                self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
+            self.server.count("served")
         except (BrokenPipeError, ConnectionResetError):
-            pass
+            # The client went away: a real engine aborts the request here.
+            self.server.count("cancelled")
 
 
-def serve(*, host: str, port: int, model: str, load_seconds: float) -> EchoServer:
-    """Start an echo server in a background thread (for tests); stop it with .shutdown()."""
-    server = EchoServer((host, port), model=model, load_seconds=load_seconds)
+def serve(*, host: str, port: int, model: str, load_seconds: float, **options: Any) -> EchoServer:
+    """Start an echo server in a background thread (for tests); stop it with .shutdown().
+
+    `options`: token_seconds, break_after_tokens (see EchoServer).
+    """
+    server = EchoServer((host, port), model=model, load_seconds=load_seconds, **options)
     threading.Thread(target=server.serve_forever, name="echo", daemon=True).start()
     return server
 
@@ -205,13 +280,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--served-model-name", default="echo")
     ap.add_argument("--load-seconds", type=float, default=0.0, help="how long /health answers 503 (loading)")
+    ap.add_argument("--token-seconds", type=float, default=0.0, help="time between two streamed tokens")
     ap.add_argument(
         "--ignore-sigterm",
         action="store_true",
         help="keep running on SIGTERM, as an engine hung in shutdown does (to exercise SIGKILL)",
     )
     args = ap.parse_args(argv)
-    server = EchoServer((args.host, args.port), model=args.served_model_name, load_seconds=args.load_seconds)
+    server = EchoServer(
+        (args.host, args.port),
+        model=args.served_model_name,
+        load_seconds=args.load_seconds,
+        token_seconds=args.token_seconds,
+    )
 
     def stop(signum, frame):
         if signum == signal.SIGTERM and args.ignore_sigterm:

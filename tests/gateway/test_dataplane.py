@@ -1,0 +1,226 @@
+"""The data plane as a real process: the API and its errors, keys, streaming, cancellation, retries, ejection.
+
+Each test creates its rows in the test database (committed: the gateway is
+another process), the push reaches the gateway over Redis, and the test
+calls the gateway over HTTP against echo replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import time
+
+import httpx
+import pytest
+from django.utils import timezone
+
+from gateway import keys, routing
+from gateway.models import ApiKey
+from gateway.table import Backend
+from tests.gateway.conftest import chat, make_deployment, make_key, url_of, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+
+def _error(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body) == {"error"}
+    assert {"message", "type", "code"} <= set(body["error"])
+    return body["error"]
+
+
+def test_models_and_completions_through_the_gateway(gateway, echoes, user):
+    a, b = echoes(), echoes()
+    make_deployment("demo", [url_of(a), url_of(b)])
+    key = make_key(user)
+    gateway.wait_ready(key, "demo", 2)
+    with gateway.client(key) as c:
+        models = c.get("/v1/models").json()
+        assert models["object"] == "list"
+        assert [(m["id"], m["ready_replicas"], m["replicas"]) for m in models["data"]] == [("demo", 2, 2)]
+
+        r = c.post("/v1/chat/completions", json=chat("hello there gateway"))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": "hello there gateway"}
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        assert r.headers["x-llmgw-replica"]
+
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": "one two", "max_tokens": 1})
+        assert r.status_code == 200
+        assert r.json()["choices"][0]["text"] == "one"
+
+        r = c.post("/v1/embeddings", json={"model": "demo", "input": ["a b", "c"]})
+        assert r.status_code == 200
+        assert [d["index"] for d in r.json()["data"]] == [0, 1]
+        assert r.json()["usage"]["prompt_tokens"] == 3
+    assert a.served + b.served == 3
+
+
+def test_errors_in_openai_format(gateway, echoes, user):
+    make_deployment("demo", [url_of(echoes())])
+    make_deployment("big", [], desired=2, pending="3 free GPUs, needs 4")
+    key = make_key(user, allowed_models=["demo", "big"])
+    narrow = make_key(user, name="narrow", allowed_models=["big"])
+    gateway.wait_ready(key, "demo", 1)
+
+    with gateway.client(None) as c:
+        r = c.post("/v1/chat/completions", json=chat("x"))
+        assert r.status_code == 401
+        assert _error(r)["code"] == "missing_api_key"
+    with gateway.client("llmgw-sk-wrong") as c:
+        r = c.post("/v1/chat/completions", json=chat("x"))
+        assert r.status_code == 401
+        assert _error(r)["code"] == "invalid_api_key"
+        assert c.get("/v1/models").status_code == 401
+    with gateway.client(narrow) as c:
+        r = c.post("/v1/chat/completions", json=chat("x"))
+        assert r.status_code == 403
+        assert _error(r) == {
+            "message": "API key 'narrow' may not use 'demo'",
+            "type": "permission_error",
+            "param": "model",
+            "code": "model_not_allowed",
+        }
+        assert list(gateway.models(narrow)) == ["big"]
+    with gateway.client(key) as c:
+        r = c.post("/v1/chat/completions", json=chat("x", model="nope"))
+        assert r.status_code == 404
+        assert _error(r)["code"] == "model_not_found"
+        assert _error(r)["param"] == "model"
+
+        r = c.post("/v1/chat/completions", json=chat("x", model="big"))
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "5"
+        assert _error(r)["message"] == "big: 0 of 2 replicas ready; pending: 3 free GPUs, needs 4"
+
+        r = c.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        r = c.post("/v1/chat/completions", json={"messages": []})
+        assert r.status_code == 400
+        assert _error(r)["param"] == "model"
+
+
+def test_revoked_and_expired_keys(gateway, echoes, user):
+    make_deployment("demo", [url_of(echoes())])
+    key = make_key(user, name="soon-revoked")
+    expired = make_key(
+        user, name="old", now=timezone.now() - dt.timedelta(hours=2), expires_at=timezone.now() - dt.timedelta(hours=1)
+    )
+    gateway.wait_ready(key, "demo", 1)
+    with gateway.client(expired) as c:
+        r = c.post("/v1/chat/completions", json=chat("x"))
+        assert r.status_code == 401
+        assert _error(r)["code"] == "expired_api_key"
+    with gateway.client(key) as c:
+        assert c.post("/v1/chat/completions", json=chat("x")).status_code == 200
+        keys.revoke(ApiKey.objects.get(name="soon-revoked").id, now=timezone.now())
+        # Revoking takes effect within a second (the push, not the 30 s refresh).
+        wait_for(
+            lambda: c.post("/v1/chat/completions", json=chat("x")).status_code == 401,
+            timeout=1.0,
+            what="revoked key refused",
+        )
+
+
+def test_streaming_passes_chunks_through_as_they_arrive(gateway, echoes, user):
+    srv = echoes(token_seconds=0.2)
+    make_deployment("demo", [url_of(srv)])
+    key = make_key(user)
+    gateway.wait_ready(key, "demo", 1)
+    with gateway.client(key) as c, c.stream("POST", "/v1/chat/completions", json=chat("a b c d e f", stream=True)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        arrivals, events = [], []
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic())
+                events.append(line[6:])
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+    assert text == "a b c d e f"
+    # The engine's usage chunk, asked for by the gateway, reaches the client too.
+    assert chunks[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    # Not buffered: the first token came about a second before the last.
+    assert arrivals[-1] - arrivals[1] >= 0.8
+
+
+def test_client_disconnect_cancels_upstream(gateway, echoes, user):
+    srv = echoes(token_seconds=0.1)
+    make_deployment("demo", [url_of(srv)])
+    key = make_key(user)
+    gateway.wait_ready(key, "demo", 1)
+    with (
+        gateway.client(key) as c,
+        c.stream("POST", "/v1/chat/completions", json=chat(" ".join(["w"] * 200), stream=True)) as r,
+    ):
+        lines = r.iter_lines()
+        next(lines)
+        next(lines)
+    # 200 tokens at 0.1 s would take 20 s: the engine is told within a couple of tokens.
+    wait_for(lambda: srv.cancelled == 1, timeout=5, what=lambda: f"cancelled={srv.cancelled} served={srv.served}")
+    assert srv.served == 0
+    wait_for(lambda: srv.in_flight == 0, timeout=5, what="engine finished with the request")
+
+
+def test_retry_once_before_first_byte_then_eject(gateway, echoes, user):
+    good = echoes()
+    loading = echoes(load_seconds=3600)  # answers 503 to every request
+    reps = make_deployment("demo", [url_of(good), url_of(loading)])
+    bad_id = str(reps[1].id)
+    key = make_key(user)
+    gateway.wait_ready(key, "demo", 2)
+    with gateway.client(key) as c:
+        # Distinct prompts spread over both replicas; none fails, the 503s are retried on the good one.
+        codes = [c.post("/v1/chat/completions", json=chat(f"prompt {i}")).status_code for i in range(12)]
+    assert codes == [200] * 12
+    assert good.served == 12
+    text = gateway.metrics()
+    # Three failures in a row eject it: after that it is not tried at all.
+    assert f'llmgw_gateway_replica_ejected{{replica="{bad_id}"}} 1.0' in text
+    assert "llmgw_gateway_retries_total 3.0" in text
+
+
+def test_connection_refused_is_retried(gateway, echoes, user):
+    good = echoes()
+    make_deployment("demo", ["http://127.0.0.1:9", url_of(good)])
+    key = make_key(user)
+    gateway.wait_ready(key, "demo", 2)
+    with gateway.client(key) as c:
+        codes = [c.post("/v1/completions", json={"model": "demo", "prompt": f"p{i}"}).status_code for i in range(6)]
+    assert codes == [200] * 6
+    assert good.served == 6
+
+
+def _prompt_for(replicas, target, body_of):
+    """A body whose routing key sends it to `target` (the gateway's own pure choice, with nothing in flight)."""
+    backends = [Backend(str(r.id), r.endpoint, "echo", "", "demo") for r in replicas]
+    for i in range(200):
+        body = body_of(i)
+        if routing.choose(backends, key=routing.prefix_key(body), load={}).id == str(target.id):
+            return body
+    raise AssertionError("no prompt maps to the target")
+
+
+def test_never_retried_after_the_first_byte(gateway, echoes, user):
+    dying = echoes(break_after_tokens=2)
+    other = echoes()
+    reps = make_deployment("demo", [url_of(dying), url_of(other)])
+    key = make_key(user)
+    gateway.wait_ready(key, "demo", 2)
+    body = _prompt_for(reps, reps[0], lambda i: chat(f"q{i} one two three four five", stream=True))
+    data = b""
+    with gateway.client(key) as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["x-llmgw-replica"] == str(reps[0].id)
+        with contextlib.suppress(httpx.HTTPError):
+            for chunk in r.iter_raw():
+                data += chunk
+    # The client got the first tokens and a broken end; no other replica was asked.
+    assert b'"content": "q' in data
+    assert b"[DONE]" not in data
+    assert other.served == 0
+    assert other.in_flight == 0
