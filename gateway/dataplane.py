@@ -261,7 +261,7 @@ class DataPlane:
     async def _flush_usage_forever(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(usage.FLUSH_S)
+            await asyncio.sleep(settings.LLMGW_GATEWAY_USAGE_FLUSH)
             await self._flush_usage(loop)
 
     async def _flush_usage(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -5,8 +5,9 @@ turn of one conversation, or one-shot prompts sharing a long preamble) hash
 to the same replica, whose KV cache most likely holds that prefix. Replicas
 are ranked for a key by rendezvous hashing, so a replica joining or leaving
 moves only its own share of keys. The first replica in that order whose load
-stays within `balance` times the mean (plus one) takes it: a replica markedly
-busier than the others is passed over, and the key spills to its next choice
+(with this request) stays within `balance` times the mean plus `slack`
+requests takes it: a replica markedly busier than the others is passed over
+(a few requests more cost less than a cold cache, since engines batch), and the key spills to its next choice
 in a stable order, where the spill's prefix will in turn be cached.
 Requests with nothing to hash go to the least-loaded replica.
 """
@@ -14,7 +15,6 @@ Requests with nothing to hash go to the least-loaded replica.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,6 +24,7 @@ from gateway.table import Backend
 # conversations apart, bounded so hashing a long prompt costs little.
 PREFIX_CHARS = 4096
 DEFAULT_BALANCE = 1.25
+DEFAULT_SLACK = 4
 
 
 def _text(content: Any) -> str:
@@ -67,6 +68,7 @@ def choose(
     load: Mapping[str, int],
     exclude: frozenset[str] | set[str] = frozenset(),
     balance: float = DEFAULT_BALANCE,
+    slack: int = DEFAULT_SLACK,
 ) -> Backend | None:
     """The replica for a request with routing key `key`, given each replica's current load; None if none is left."""
     candidates = [b for b in backends if b.id not in exclude]
@@ -75,7 +77,7 @@ def choose(
     if key is None:
         return min(candidates, key=lambda b: (load.get(b.id, 0), b.id))
     total = sum(load.get(b.id, 0) for b in candidates)
-    cap = math.ceil(balance * (total + 1) / len(candidates))
+    cap = balance * (total + 1) / len(candidates) + slack
     ranked = sorted(candidates, key=lambda b: _score(key, b.id), reverse=True)
     for b in ranked:
         if load.get(b.id, 0) + 1 <= cap:

@@ -1,7 +1,7 @@
 """Usage per key, model and minute: summed in each data plane's memory, written in batches.
 
 A data plane adds every finished request to an in-memory accumulator and
-writes what it holds every FLUSH_S seconds (and when it stops) as one
+writes what it holds every LLMGW_GATEWAY_USAGE_FLUSH seconds (and when it stops) as one
 upsert that adds to the minute's row, so several gateway processes sum into
 the same rows and no request ever costs a database write of its own.
 """
@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from django.db import connection, transaction
 
 from gateway.models import ApiKey, UsageMinute
-
-FLUSH_S = 5.0
 
 Slot = tuple[int, str, int]  # key id, model, minute (Unix seconds // 60)
 

@@ -17,7 +17,7 @@ import pytest
 from django.utils import timezone
 
 from gateway import keys, routing
-from gateway.models import ApiKey
+from gateway.models import ApiKey, UsageMinute
 from gateway.table import Backend
 from tests.gateway.conftest import chat, make_deployment, make_key, url_of, wait_for
 
@@ -224,3 +224,73 @@ def test_never_retried_after_the_first_byte(gateway, echoes, user):
     assert b"[DONE]" not in data
     assert other.served == 0
     assert other.in_flight == 0
+
+
+def test_limits_hold_across_two_gateway_processes(gateway, gateway_factory, echoes, user):
+    second = gateway_factory("second")
+    make_deployment("demo", [url_of(echoes())])
+    key = make_key(user, name="limited", rpm_limit=4)
+    tokens = make_key(user, name="tokens", tpm_limit=10)
+    for g in (gateway, second):
+        g.wait_ready(key, "demo", 1)
+    with gateway.client(key) as c1, second.client(key) as c2:
+        codes = [c.post("/v1/completions", json={"model": "demo", "prompt": "a"}).status_code for c in (c1, c2) * 3]
+        assert codes == [200, 200, 200, 200, 429, 429]
+        r = c1.post("/v1/completions", json={"model": "demo", "prompt": "a"})
+        assert r.status_code == 429
+        assert _error(r)["code"] == "rate_limit_exceeded"
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+    with gateway.client(tokens) as c1, second.client(tokens) as c2:
+        # 6 + 6 tokens: the second request is admitted (10 not yet reached), the third is not.
+        assert c1.post("/v1/completions", json={"model": "demo", "prompt": "a b c"}).status_code == 200
+        assert c2.post("/v1/completions", json={"model": "demo", "prompt": "a b c"}).status_code == 200
+        assert c1.post("/v1/completions", json={"model": "demo", "prompt": "a"}).status_code == 429
+
+
+def test_usage_counted_exactly_for_a_known_workload(gateway_factory, echoes, user):
+    g = gateway_factory("usage", extra_env={"LLMGW_GATEWAY_USAGE_FLUSH": "0.3"})
+    make_deployment("demo", [url_of(echoes()), url_of(echoes())])
+    make_deployment("other", [url_of(echoes(model="other"))])
+    key = make_key(user, name="metered")
+    g.wait_ready(key, "demo", 2)
+    with g.client(key) as c:
+        for i in range(5):  # 3 prompt + 3 completion tokens each
+            assert c.post("/v1/chat/completions", json=chat(f"x{i} y z")).status_code == 200
+        for i in range(3):  # streamed: 2 + 2 each, from the usage chunk the gateway asks for
+            with c.stream("POST", "/v1/completions", json={"model": "demo", "prompt": f"s{i} t", "stream": True}) as r:
+                assert r.status_code == 200
+                r.read()
+        assert c.post("/v1/chat/completions", json=chat("one", model="other")).status_code == 200
+        # The engine refuses it: counted as a request and an error, with no tokens.
+        assert c.post("/v1/chat/completions", json={"model": "demo", "messages": []}).status_code == 400
+        assert c.post("/v1/chat/completions", json={"messages": []}).status_code == 400  # no model: not counted
+
+    def rows():
+        return {
+            r.model: (r.requests, r.prompt_tokens, r.completion_tokens, r.errors, r.ttft_count)
+            for r in UsageMinute.objects.filter(key__name="metered")
+        }
+
+    expected = {"demo": (9, 21, 21, 1, 9), "other": (1, 1, 1, 0, 1)}
+    wait_for(
+        lambda: _merged(UsageMinute.objects.filter(key__name="metered")) == expected,
+        timeout=10,
+        what=lambda: f"usage rows {rows()}",
+    )
+    text = g.metrics()
+    assert 'llmgw_gateway_requests_total{code="200",model="demo"} 8.0' in text
+    assert 'llmgw_gateway_tokens_total{kind="prompt",model="demo"} 21.0' in text
+    assert 'llmgw_gateway_tokens_total{kind="completion",model="other"} 1.0' in text
+    assert 'llmgw_gateway_ttft_seconds_count{model="demo"} 9.0' in text
+    assert 'llmgw_gateway_requests_total{code="400",model="demo"} 1.0' in text
+    assert 'llmgw_gateway_request_seconds_count{model="demo"} 9.0' in text
+
+
+def _merged(qs) -> dict:
+    """Rows summed per model (a workload may straddle a minute boundary)."""
+    out: dict[str, list[int]] = {}
+    for r in qs:
+        acc = out.setdefault(r.model, [0, 0, 0, 0, 0])
+        for i, v in enumerate((r.requests, r.prompt_tokens, r.completion_tokens, r.errors, r.ttft_count)):
+            acc[i] += v
+    return {m: tuple(v) for m, v in out.items()}
