@@ -304,7 +304,7 @@ class DataPlane:
             await self.client.aclose()
         if self.redis is not None:
             with contextlib.suppress(Exception):
-                await placement_inflight.report_async(self.redis, self.process_id, {})
+                await placement_inflight.report_async(self.redis, self.process_id, None)
             await self.redis.aclose()
         self._db.shutdown(wait=False)
 

@@ -11,6 +11,7 @@ owns the format; the routers import it.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -26,11 +27,17 @@ def _prefix() -> str:
     return f"{settings.LLMGW_CACHE_PREFIX}:inflight:"
 
 
-async def report_async(client: Any, process_id: str, counts: Mapping[str, int]) -> None:
-    """Replace one router process's counts (replica id -> requests in flight) with `counts`."""
+async def report_async(client: Any, process_id: str, counts: Mapping[str, int] | None) -> None:
+    """Replace one router process's counts (replica id -> requests in flight) with `counts`.
+
+    None withdraws the process (it is stopping): it routes nothing any more.
+    """
     key = _prefix() + process_id
     pipe = client.pipeline(transaction=True)
     pipe.delete(key)
+    if counts is None:
+        await pipe.execute()
+        return
     if counts:
         pipe.hset(key, mapping={k: int(v) for k, v in counts.items()})
     else:
@@ -40,17 +47,25 @@ async def report_async(client: Any, process_id: str, counts: Mapping[str, int]) 
     await pipe.execute()
 
 
-def totals() -> dict[str, int] | None:
-    """Requests in flight per replica over every live router; None when there is no Redis to ask."""
+@dataclass(frozen=True)
+class Totals:
+    """What the routers said: how many are alive, and their requests in flight per replica."""
+
+    routers: int
+    per_replica: dict[str, int]
+
+
+def totals() -> Totals:
+    """Requests in flight per replica over every live router (none known without Redis)."""
     global _client
     if not settings.REDIS_URL:
-        return None
+        return Totals(0, {})
     if _client is None:
         _client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
     out: dict[str, int] = {}
     keys = list(_client.scan_iter(match=_prefix() + "*", count=100))
     if not keys:
-        return out
+        return Totals(0, out)
     pipe = _client.pipeline(transaction=False)
     for k in keys:
         pipe.hgetall(k)
@@ -59,4 +74,4 @@ def totals() -> dict[str, int] | None:
             rid = rid.decode()
             if rid != "-":
                 out[rid] = out.get(rid, 0) + int(n)
-    return out
+    return Totals(len(keys), out)
