@@ -28,7 +28,13 @@ def test_migrate_creates_both_groups_with_exactly_their_permissions():
     viewer, operator = _codenames(roles.VIEWER), _codenames(roles.OPERATOR)
     assert viewer == _all(view_only=True)
     assert operator == _all(view_only=False)
-    assert {"inventory.view_node", "inventory.view_gpu", "placement.view_deployment", "agents.view_jointoken", "gateway.view_apikey"} <= viewer
+    assert {
+        "inventory.view_node",
+        "inventory.view_gpu",
+        "placement.view_deployment",
+        "agents.view_jointoken",
+        "gateway.view_apikey",
+    } <= viewer
     assert all(p.split(".")[1].startswith("view_") for p in viewer)
     assert {
         "inventory.cordon_node",
