@@ -2,8 +2,16 @@
 
 It stands in for vLLM where there is no GPU (tests, `manage.py simulate`): it
 takes a configurable time to "load" (its /health answers 503 until then, as
-the real engines do), lists its model, and answers chat and text completions,
-streamed as server-sent events when asked.
+the real engines do), lists its model, and answers chat and text completions
+(streamed as server-sent events when asked, with the usage chunk when
+`stream_options.include_usage` is set) and embeddings.
+
+So that routing can be measured without GPUs it simulates what matters to a
+router: a prefix cache over fixed-size token blocks with an LRU capacity, a
+prefill time proportional to the prompt tokens not found in it, a decode
+rate, a bounded batch with a queue, and vLLM's metric names on /metrics
+(requests running and waiting, KV-cache usage, prefix-cache queries and
+hits). Tokens are whitespace-separated words.
 
     python -m agents.node.echo --port 8001 --served-model-name demo --load-seconds 3
 """
@@ -19,10 +27,52 @@ import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_BODY = 4 * 1024 * 1024
+
+
+class PrefixCache:
+    """A prefix cache over fixed-size token blocks with an LRU capacity, as vLLM's automatic prefix caching.
+
+    A block is identified by its tokens and everything before it (a chained
+    hash), so only a shared prefix hits: the same block after a different
+    start is a different block.
+    """
+
+    def __init__(self, block_tokens: int, capacity_blocks: int) -> None:
+        self.block_tokens = max(1, block_tokens)
+        self.capacity = max(0, capacity_blocks)
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.queries = 0
+        self.hits = 0
+
+    def usage(self) -> float:
+        """The fraction of the capacity in use (vLLM's kv_cache_usage_perc, 0 to 1)."""
+        return len(self.blocks) / self.capacity if self.capacity else 0.0
+
+    def admit(self, tokens: list[str]) -> int:
+        """Look the prompt up, then keep its full blocks; the number of its tokens found cached."""
+        n = self.block_tokens
+        chain, hashes = 0, []
+        for i in range(0, len(tokens) - len(tokens) % n, n):
+            chain = hash((chain, tuple(tokens[i : i + n])))
+            hashes.append(chain)
+        hit = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            hit += 1
+        for h in hashes:
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        self.queries += len(tokens)
+        self.hits += hit * n
+        return hit * n
 
 
 class EchoServer(ThreadingHTTPServer):
@@ -38,8 +88,20 @@ class EchoServer(ThreadingHTTPServer):
         load_seconds: float,
         token_seconds: float = 0.0,
         break_after_tokens: int = 0,
+        prefill_tokens_per_s: float = 0.0,
+        block_tokens: int = 16,
+        cache_blocks: int = 2048,
+        max_batch: int = 0,
     ) -> None:
         super().__init__(addr, Handler)
+        self.cache = PrefixCache(block_tokens, cache_blocks)
+        self.cache_lock = threading.Lock()
+        # Seconds of prefill per prompt token not found in the cache (0: instant).
+        self.prefill_seconds = 1.0 / prefill_tokens_per_s if prefill_tokens_per_s > 0 else 0.0
+        # A bounded batch: at most max_batch requests run, the rest wait (0: unbounded).
+        self.batch = threading.BoundedSemaphore(max_batch) if max_batch > 0 else None
+        self.running = 0
+        self.waiting = 0
         self.model = model
         self.created = int(time.time())
         self.ready_at = time.monotonic() + max(0.0, load_seconds)
@@ -52,6 +114,43 @@ class EchoServer(ThreadingHTTPServer):
         self.served = 0
         self.cancelled = 0
         self.in_flight = 0
+
+    def metrics(self) -> str:
+        """The engine's /metrics in vLLM's names (those of vLLM 0.12 and later)."""
+        label = f'{{model_name="{self.model}"}}'
+        with self.cache_lock:
+            usage, queries, hits = self.cache.usage(), self.cache.queries, self.cache.hits
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{label} {self.running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{label} {self.waiting}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{label} {usage}",
+            "# TYPE vllm:prefix_cache_queries counter",
+            f"vllm:prefix_cache_queries_total{label} {float(queries)}",
+            "# TYPE vllm:prefix_cache_hits counter",
+            f"vllm:prefix_cache_hits_total{label} {float(hits)}",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def prefill(self, tokens: list[str]) -> None:
+        """Wait for a place in the batch, then spend the prefill time of the tokens the cache lacks."""
+        if self.batch is not None:
+            self.count("waiting")
+            self.batch.acquire()
+            self.count("waiting", -1)
+        self.count("running")
+        with self.cache_lock:
+            hit = self.cache.admit(tokens)
+        if self.prefill_seconds:
+            time.sleep((len(tokens) - hit) * self.prefill_seconds)
+
+    def finish(self) -> None:
+        """Leave the batch."""
+        self.count("running", -1)
+        if self.batch is not None:
+            self.batch.release()
 
     def count(self, name: str, delta: int = 1) -> None:
         """Add to one of the counters (served, cancelled, in_flight) under the lock."""
@@ -69,6 +168,21 @@ def _text_of(content: Any) -> str:
     if isinstance(content, list):  # content parts
         return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
     return ""
+
+
+def _context_tokens(body: dict, *, chat: bool) -> list[str]:
+    """The whole prompt as the engine would see it (every message, with its role), as tokens."""
+    if chat:
+        out: list[str] = []
+        for m in body.get("messages") or []:
+            if isinstance(m, dict):
+                out.append(f"<{m.get('role')}>")
+                out.extend(_text_of(m.get("content")).split())
+        return out
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt else ""
+    return prompt.split() if isinstance(prompt, str) else []
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -97,6 +211,13 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(200, {"status": "ok"})
             else:
                 self._json(503, {"status": "loading"})
+        elif self.path == "/metrics":
+            data = self.server.metrics().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         elif self.path == "/v1/models":
             if not self.server.ready():
                 return self._error(503, "model is loading", kind="service_unavailable")
@@ -180,6 +301,13 @@ class Handler(BaseHTTPRequestHandler):
             if not isinstance(prompt, str):
                 return self._error(400, "prompt must be a string", param="prompt")
             text = prompt
+        self.server.prefill(_context_tokens(body, chat=chat))
+        try:
+            return self._answer(body, text, chat=chat)
+        finally:
+            self.server.finish()
+
+    def _answer(self, body: dict, text: str, *, chat: bool) -> None:
         words = text.split()
         max_tokens = body.get("max_tokens")
         if isinstance(max_tokens, int) and max_tokens >= 0:
@@ -266,7 +394,9 @@ class Handler(BaseHTTPRequestHandler):
 def serve(*, host: str, port: int, model: str, load_seconds: float, **options: Any) -> EchoServer:
     """Start an echo server in a background thread (for tests); stop it with .shutdown().
 
-    `options`: token_seconds, break_after_tokens (see EchoServer).
+    `options`: token_seconds, break_after_tokens, prefill_tokens_per_s, block_tokens,
+    cache_blocks, max_batch (see EchoServer). Unlike the command line, the
+    defaults here cost no time.
     """
     server = EchoServer((host, port), model=model, load_seconds=load_seconds, **options)
     threading.Thread(target=server.serve_forever, name="echo", daemon=True).start()
@@ -280,7 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--served-model-name", default="echo")
     ap.add_argument("--load-seconds", type=float, default=0.0, help="how long /health answers 503 (loading)")
-    ap.add_argument("--token-seconds", type=float, default=0.0, help="time between two streamed tokens")
+    # Defaults that behave like a small GPU.
+    ap.add_argument("--token-seconds", type=float, default=0.01, help="time between two streamed tokens (decode)")
+    ap.add_argument("--prefill-tokens-per-s", type=float, default=8000.0, help="prefill rate of uncached tokens")
+    ap.add_argument("--block-tokens", type=int, default=16, help="tokens in a prefix-cache block")
+    ap.add_argument("--cache-blocks", type=int, default=2048, help="prefix-cache capacity in blocks (LRU)")
+    ap.add_argument("--max-batch", type=int, default=32, help="requests running at once; the rest wait")
     ap.add_argument(
         "--ignore-sigterm",
         action="store_true",
@@ -292,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         model=args.served_model_name,
         load_seconds=args.load_seconds,
         token_seconds=args.token_seconds,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        block_tokens=args.block_tokens,
+        cache_blocks=args.cache_blocks,
+        max_batch=args.max_batch,
     )
 
     def stop(signum, frame):

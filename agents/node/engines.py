@@ -101,6 +101,7 @@ def _leader(start: wire.StartShard) -> tuple[str, int]:
 
 
 def _vllm(start: wire.StartShard, version: str) -> Launch:
+    # vLLM serves /metrics by default: nothing to turn on for the gateway.
     p = start.profile
     if not p.model_path:
         raise EngineError(f"shard {start.shard_id}: vllm needs the profile's model_path")
@@ -129,7 +130,8 @@ def _sglang(start: wire.StartShard, version: str) -> Launch:
         raise EngineError(f"shard {start.shard_id}: sglang needs the profile's model_path")
     argv = ["python3", "-m", "sglang.launch_server", "--model-path", p.model_path]
     argv += ["--host", BIND_HOST, "--port", str(start.http_port), "--served-model-name", _served_name(start)]
-    argv += ["--tp", str(p.tp)]
+    # SGLang serves /metrics only when asked; the gateway routes by its queue and cache.
+    argv += ["--tp", str(p.tp), "--enable-metrics"]
     if p.pp > 1:
         if not _newer_or_unknown(version, SGLANG_PP):
             raise EngineError(f"shard {start.shard_id}: sglang {version} has no pipeline parallelism (needs >= 0.4.8)")
@@ -153,7 +155,8 @@ def _llama_server(start: wire.StartShard) -> Launch:
     if not p.model_path:
         raise EngineError(f"shard {start.shard_id}: llama-server needs the profile's model_path (a .gguf file)")
     argv = ["llama-server", "-m", p.model_path, "--host", BIND_HOST, "--port", str(start.http_port)]
-    argv += ["--alias", _served_name(start)]
+    # llama-server serves /metrics only when asked; the gateway routes by its load.
+    argv += ["--alias", _served_name(start), "--metrics"]
     if start.gpu_indices:
         # Every layer on the GPUs it was given; llama.cpp splits across all visible ones.
         argv += ["--n-gpu-layers", "999"]
