@@ -14,8 +14,8 @@ from django.db.models import Sum
 from django.utils import timezone
 from django.utils.html import format_html_join
 
-from gateway import keys
-from gateway.models import ApiKey, KeyEvent, UsageMinute
+from gateway import figures, keys
+from gateway.models import ApiKey, KeyEvent, RoutedReplica, UsageMinute
 
 
 class ApiKeyForm(forms.ModelForm):
@@ -154,6 +154,58 @@ class UsageMinuteAdmin(admin.ModelAdmin):
     def ttft_ms(self, obj: UsageMinute) -> str:
         v = obj.mean_ttft_ms
         return "" if v is None else f"{v:.1f}"
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+@admin.register(RoutedReplica)
+class RoutedReplicaAdmin(admin.ModelAdmin):
+    """Each serving or retiring replica with what the gateways see: engine load and cache, in-flight, ejection.
+
+    The figures are read from Redis once per page, for that page's request.
+    """
+
+    list_filter = ["state", "deployment"]
+    search_fields = ["deployment__name", "deployment__served_model", "endpoint"]
+    list_select_related = ["deployment"]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).filter(state__in=["ready", "degraded", "draining"])
+
+    def get_list_display(self, request):
+        seen = figures.read()
+
+        def col(title: str, get):
+            def show(obj):
+                f = seen.get(str(obj.id))
+                return "-" if f is None else get(f)
+
+            show.short_description = title
+            return show
+
+        return [
+            "__str__",
+            "state",
+            "endpoint",
+            col("running", lambda f: _fmt(f.running, ".0f")),
+            col("waiting", lambda f: _fmt(f.waiting, ".0f")),
+            col("KV cache used", lambda f: _fmt(f.kv_usage, ".0%")),
+            col("prefix cache hits", lambda f: _fmt(f.hit_ratio, ".0%")),
+            col("in flight (one gateway)", lambda f: str(f.inflight)),
+            col("ejected", lambda f: f"for {f.ejected_for_s:.0f} s more" if f.ejected_for_s else "no"),
+            col("failures in a row", lambda f: str(f.failures)),
+        ]
 
     def has_add_permission(self, request) -> bool:
         return False

@@ -37,8 +37,9 @@ from django.conf import settings
 from django.db import close_old_connections
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from gateway import figures, notify, routing, usage
 from gateway import keys as gwkeys
-from gateway import notify, routing, usage
+from gateway.enginemetrics import EngineLoad, names_for, parse
 from gateway.table import Backend, KeyEntry, ModelRoute, load_keys, load_routes
 from placement import inflight as placement_inflight
 
@@ -182,6 +183,8 @@ class DataPlane:
         self.keys: dict[str, KeyEntry] = {}
         self.inflight: dict[str, int] = defaultdict(int)
         self.health: dict[str, _Health] = defaultdict(_Health)
+        # Each replica's engine figures and when they were read (monotonic).
+        self.engine: dict[str, tuple[EngineLoad, float]] = {}
         self.metrics = Metrics()
         self.process_id = uuid.uuid4().hex[:12]
         self.client: httpx.AsyncClient | None = None
@@ -258,6 +261,60 @@ class DataPlane:
                 log.warning("gateway: could not report in-flight requests: %s", e)
             await asyncio.sleep(INFLIGHT_REPORT_S)
 
+    async def _scrape_forever(self) -> None:
+        while True:
+            try:
+                await self.scrape_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("gateway: reading the engines' metrics failed")
+            await asyncio.sleep(settings.LLMGW_GATEWAY_SCRAPE)
+
+    async def _scrape(self, b: Backend) -> None:
+        assert self.client is not None
+        try:
+            r = await self.client.get(b.endpoint + "/metrics", timeout=max(1.0, settings.LLMGW_GATEWAY_SCRAPE))
+        except httpx.HTTPError:
+            return
+        if r.status_code == 200:
+            load = parse(r.text, names_for(b.engine, b.engine_version))
+            if load is not None:
+                self.engine[b.id] = (load, time.monotonic())
+
+    async def scrape_once(self) -> None:
+        """Read every routed replica's engine figures, and share them (with ejections) for the admin."""
+        backends = {b.id: b for route in self.routes.values() for b in route.backends}
+        await asyncio.gather(*(self._scrape(b) for b in backends.values()))
+        for rid in set(self.engine) - set(backends):
+            del self.engine[rid]
+        if self.redis is not None:
+            now = time.monotonic()
+            rows = {}
+            for rid in backends:
+                load = self.engine.get(rid, (None, 0.0))[0]
+                h = self.health.get(rid)
+                rows[rid] = figures.Figures(
+                    running=load.running if load else None,
+                    waiting=load.waiting if load else None,
+                    kv_usage=load.kv_usage if load else None,
+                    hit_ratio=load.hit_ratio if load else None,
+                    inflight=self.inflight.get(rid, 0),
+                    ejected_for_s=round(h.ejected_until - now, 1) if h and h.ejected_until > now else 0.0,
+                    failures=h.failures if h else 0,
+                )
+            await figures.publish_async(self.redis, rows)
+
+    def loads(self, backends: tuple[Backend, ...]) -> dict[str, float]:
+        """Each replica's load: this process's requests in flight, or the engine's own count when higher."""
+        fresh = time.monotonic() - 3 * settings.LLMGW_GATEWAY_SCRAPE
+        out: dict[str, float] = {}
+        for b in backends:
+            mine = self.inflight.get(b.id, 0)
+            seen = self.engine.get(b.id)
+            out[b.id] = max(mine, seen[0].load) if seen is not None and seen[1] >= fresh else mine
+        return out
+
     async def _flush_usage_forever(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -286,6 +343,7 @@ class DataPlane:
         await self.reload("all")
         self._tasks.append(asyncio.create_task(self._refresh_forever()))
         self._tasks.append(asyncio.create_task(self._flush_usage_forever()))
+        self._tasks.append(asyncio.create_task(self._scrape_forever()))
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(self._listen_forever()))
             self._tasks.append(asyncio.create_task(self._report_inflight_forever()))
@@ -550,7 +608,9 @@ class DataPlane:
         last = ""
         for _ in range(2):
             now = time.monotonic()
-            backend = routing.choose(route.backends, key=rkey, load=self.inflight, exclude=tried | self._ejected(now))
+            backend = routing.choose(
+                route.backends, key=rkey, load=self.loads(route.backends), exclude=tried | self._ejected(now)
+            )
             if backend is None:
                 break
             tried.add(backend.id)

@@ -13,6 +13,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
+from placement.models import Replica
+
 
 class ApiKey(models.Model):
     """A client's key: who owns it, until when, which models it may use, and its limits."""
@@ -102,3 +104,12 @@ class UsageMinute(models.Model):
     def mean_ttft_ms(self) -> float | None:
         """Mean time to first token in milliseconds, None when no request had one."""
         return self.ttft_seconds_sum * 1000 / self.ttft_count if self.ttft_count else None
+
+
+class RoutedReplica(Replica):
+    """A replica as the gateway sees it (its own admin page: engine figures, in-flight, ejections)."""
+
+    class Meta:
+        proxy = True
+        verbose_name = "replica at the gateway"
+        verbose_name_plural = "replicas at the gateway"

@@ -278,6 +278,8 @@ LLMGW_GATEWAY_REFRESH = env_seconds("LLMGW_GATEWAY_REFRESH", 5.0)
 LLMGW_GATEWAY_EJECT_AFTER = env_int("LLMGW_GATEWAY_EJECT_AFTER", 3, minimum=1)
 LLMGW_GATEWAY_EJECT_FOR = env_seconds("LLMGW_GATEWAY_EJECT_FOR", 30.0)
 LLMGW_GATEWAY_UPSTREAM_TIMEOUT = env_seconds("LLMGW_GATEWAY_UPSTREAM_TIMEOUT", 600.0)
+# How often each data plane reads every replica's engine /metrics (load and cache figures).
+LLMGW_GATEWAY_SCRAPE = env_seconds("LLMGW_GATEWAY_SCRAPE", 1.0)
 # How long a retiring replica's requests may run before its shards are stopped anyway.
 LLMGW_DRAIN_REQUESTS_TIMEOUT = env_seconds("LLMGW_DRAIN_REQUESTS_TIMEOUT", 300.0)
 # How often each data plane writes its usage counts (one upsert per flush).

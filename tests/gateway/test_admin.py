@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 
 import pytest
+import redis.asyncio as aioredis
+from django.conf import settings
 from django.contrib.messages import get_messages
 
-from gateway import keys, usage
+from gateway import figures, keys, usage
 from gateway.models import ApiKey, KeyEvent
+from placement.models import Deployment, EngineProfile, Replica
 
 pytestmark = pytest.mark.django_db
 
@@ -83,3 +87,28 @@ def test_viewer_cannot_revoke(client, viewer, operator, now):
     client.post("/admin/gateway/apikey/", {"action": "revoke", "_selected_action": [key.pk]})
     key.refresh_from_db()
     assert key.revoked_at is None
+
+
+def test_replicas_at_the_gateway_show_engine_figures_and_ejections(client, operator, now):
+    prof = EngineProfile.objects.create(name="p", engine="vllm")
+    dep = Deployment.objects.create(name="llama", served_model="llama", profile=prof, replicas=2)
+    a = Replica.objects.create(deployment=dep, state="ready", endpoint="http://a:1", created_at=now, updated_at=now)
+    b = Replica.objects.create(deployment=dep, state="ready", endpoint="http://b:1", created_at=now, updated_at=now)
+
+    async def share():
+        r = aioredis.Redis.from_url(settings.REDIS_URL)
+        await figures.publish_async(
+            r,
+            {
+                str(a.id): figures.Figures(7, 2, 0.4375, 0.75, 3, 0.0, 0),
+                str(b.id): figures.Figures(None, None, None, None, 0, 25.0, 4),
+            },
+        )
+        await r.aclose()
+
+    asyncio.run(share())
+    client.force_login(operator)
+    page = client.get("/admin/gateway/routedreplica/").content.decode()
+    assert "44%" in page and "75%" in page
+    assert "for 25 s more" in page
+    assert "http://a:1" in page and "http://b:1" in page

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import threading
 import time
 
 import httpx
 import pytest
 from django.utils import timezone
 
-from gateway import keys, routing
+from gateway import figures, keys, routing
 from gateway.models import ApiKey, UsageMinute
 from gateway.table import Backend
 from tests.gateway.conftest import chat, make_deployment, make_key, url_of, wait_for
@@ -182,6 +183,11 @@ def test_retry_once_before_first_byte_then_eject(gateway, echoes, user):
     # Three failures in a row eject it: after that it is not tried at all.
     assert f'llmgw_gateway_replica_ejected{{replica="{bad_id}"}} 1.0' in text
     assert "llmgw_gateway_retries_total 3.0" in text
+    # And the admin's page of replicas at the gateway says so (the figures shared after each scrape).
+    seen = wait_for(lambda: figures.read().get(bad_id), timeout=5, what="figures shared")
+    wait_for(lambda: figures.read()[bad_id].ejected_for_s > 50, timeout=5, what=lambda: f"{figures.read()}")
+    assert figures.read()[bad_id].failures == 3
+    assert seen is not None
 
 
 def test_connection_refused_is_retried(gateway, echoes, user):
@@ -294,3 +300,74 @@ def _merged(qs) -> dict:
         for i, v in enumerate((r.requests, r.prompt_tokens, r.completion_tokens, r.errors, r.ttft_count)):
             acc[i] += v
     return {m: tuple(v) for m, v in out.items()}
+
+
+def test_routing_follows_prefixes_and_backs_off_a_busy_replica(gateway, echoes, user):
+    servers = [echoes() for _ in range(4)]
+    reps = make_deployment("demo", [url_of(s) for s in servers])
+    key = make_key(user)
+    gateway.wait_ready(key, "demo", 4)
+    where: dict[int, set[str]] = {}
+    with gateway.client(key) as c:
+        for conv in range(12):
+            messages = [{"role": "system", "content": "You are a helpful assistant."}]
+            for turn in range(3):
+                messages.append({"role": "user", "content": f"conversation {conv} question {turn}"})
+                r = c.post("/v1/chat/completions", json={"model": "demo", "messages": messages})
+                assert r.status_code == 200
+                where.setdefault(conv, set()).add(r.headers["x-llmgw-replica"])
+                messages.append(r.json()["choices"][0]["message"])
+    # Every turn of a conversation went to one replica; the conversations spread over several.
+    assert all(len(v) == 1 for v in where.values())
+    assert len(set().union(*where.values())) >= 3
+
+    # Make one replica markedly busier (its engine queues 10 requests it was sent directly) ...
+    busy = echoes(model="busy", token_seconds=0.05, max_batch=1)
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+    idle = [echoes(model="busy") for _ in range(3)]
+    reps = make_deployment("busy", [url_of(busy)] + [url_of(s) for s in idle])
+    gateway.wait_ready(key, "busy", 4)
+    body = _prompt_for(reps, reps[0], lambda i: {"model": "busy", "messages": [{"role": "user", "content": f"h{i}"}]})
+    stop = threading.Event()
+
+    def hammer():
+        while not stop.is_set():
+            httpx.post(f"{url_of(busy)}/v1/completions", json={"prompt": "x " * 20, "stream": True}, timeout=30)
+
+    threads = [threading.Thread(target=hammer, daemon=True) for _ in range(10)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: busy.waiting >= 8, timeout=10, what=lambda: f"busy engine queue {busy.waiting}")
+        # The gateway has read it (its figures are what it routes by).
+        wait_for(
+            lambda: (figures.read().get(str(reps[0].id)) or figures.Figures(0, 0, 0, 0, 0, 0, 0)).waiting >= 8,
+            timeout=10,
+            what=lambda: f"gateway's figures {figures.read().get(str(reps[0].id))}",
+        )
+
+        # ... the gateway reads it from the engine's /metrics and sends that prefix elsewhere.
+        tries: list[str] = []
+
+        def routed_elsewhere():
+            t0 = time.monotonic()
+            with gateway.client(key) as c:
+                r = c.post("/v1/chat/completions", json=body)
+            tries.append(f"{r.status_code} {r.headers.get('x-llmgw-replica')} {time.monotonic() - t0:.2f}s")
+            return r.status_code == 200 and r.headers["x-llmgw-replica"] != str(reps[0].id)
+
+        wait_for(routed_elsewhere, timeout=10, what=lambda: f"the busy replica passed over: {tries} busy={reps[0].id}")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    # Idle again: the prefix goes home.
+    wait_for(lambda: busy.waiting == 0 and busy.running == 0, timeout=20, what="busy engine drained")
+
+    def routed_home():
+        with gateway.client(key) as c:
+            return c.post("/v1/chat/completions", json=body).headers.get("x-llmgw-replica") == str(reps[0].id)
+
+    wait_for(routed_home, timeout=10, what="the prefix back on its replica")
