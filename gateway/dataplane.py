@@ -466,8 +466,10 @@ class DataPlane:
         await self._raw(send, status, json.dumps(data).encode())
 
     async def _metrics(self, send: Send) -> None:
-        for rid, n in list(self.inflight.items()):
-            self.metrics.inflight.labels(rid).set(n)
+        # Every routed replica, so one whose requests all finished reads 0, not its last count.
+        routed = {b.id for route in self.routes.values() for b in route.backends}
+        for rid in routed | set(self.inflight):
+            self.metrics.inflight.labels(rid).set(self.inflight.get(rid, 0))
         now = time.monotonic()
         for rid, h in list(self.health.items()):
             self.metrics.ejected.labels(rid).set(1 if h.ejected_until > now else 0)

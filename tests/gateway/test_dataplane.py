@@ -290,6 +290,9 @@ def test_usage_counted_exactly_for_a_known_workload(gateway_factory, echoes, use
     assert 'llmgw_gateway_ttft_seconds_count{model="demo"} 9.0' in text
     assert 'llmgw_gateway_requests_total{code="400",model="demo"} 1.0' in text
     assert 'llmgw_gateway_request_seconds_count{model="demo"} 9.0' in text
+    # Nothing in flight once the workload is done: every routed replica reads 0.
+    inflight = [line for line in text.splitlines() if line.startswith("llmgw_gateway_inflight{")]
+    assert len(inflight) == 3 and all(line.endswith(" 0.0") for line in inflight)
 
 
 def _merged(qs) -> dict:
