@@ -194,6 +194,8 @@ class DataPlane:
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-db")
         self._tasks: list[asyncio.Task] = []
         self.loaded = asyncio.Event()
+        self.round_robin = settings.LLMGW_GATEWAY_POLICY == "round-robin"
+        self.turn = 0
 
     # ---- the table -------------------------------------------------------
 
@@ -610,9 +612,13 @@ class DataPlane:
         last = ""
         for _ in range(2):
             now = time.monotonic()
-            backend = routing.choose(
-                route.backends, key=rkey, load=self.loads(route.backends), exclude=tried | self._ejected(now)
-            )
+            if self.round_robin:
+                self.turn += 1
+                backend = routing.round_robin(route.backends, self.turn, exclude=tried | self._ejected(now))
+            else:
+                backend = routing.choose(
+                    route.backends, key=rkey, load=self.loads(route.backends), exclude=tried | self._ejected(now)
+                )
             if backend is None:
                 break
             tried.add(backend.id)

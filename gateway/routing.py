@@ -83,3 +83,11 @@ def choose(
         if load.get(b.id, 0) + 1 <= cap:
             return b
     return ranked[0]
+
+
+def round_robin(
+    backends: Sequence[Backend], turn: int, *, exclude: frozenset[str] | set[str] = frozenset()
+) -> Backend | None:
+    """The `turn`-th replica in rotation, skipping excluded ones (the baseline the benchmark compares with)."""
+    candidates = [b for b in backends if b.id not in exclude]
+    return candidates[turn % len(candidates)] if candidates else None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gateway.routing import choose, prefix_key
+from gateway.routing import choose, prefix_key, round_robin
 from gateway.table import Backend
 
 B = [Backend(f"r{i}", f"http://h:{i}", "echo", "", "demo") for i in range(4)]
@@ -75,3 +75,9 @@ def test_exclusions_and_no_key():
     assert choose(B, key=None, load={"r0": 2, "r1": 1, "r2": 0, "r3": 3}).id == "r2"
     got = choose(B, key=b"x", load={}, exclude={choose(B, key=b"x", load={}).id})
     assert got is not None and got.id != choose(B, key=b"x", load={}).id
+
+
+def test_round_robin_baseline():
+    assert [round_robin(B, t).id for t in range(5)] == ["r0", "r1", "r2", "r3", "r0"]
+    assert [round_robin(B, t, exclude={"r1"}).id for t in range(3)] == ["r0", "r2", "r3"]
+    assert round_robin([], 3) is None
