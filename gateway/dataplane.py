@@ -610,7 +610,7 @@ class DataPlane:
         rkey = routing.prefix_key(body)
         tried: set[str] = set()
         last = ""
-        for _ in range(2):
+        for attempt in range(2):
             now = time.monotonic()
             if self.round_robin:
                 self.turn += 1
@@ -635,13 +635,13 @@ class DataPlane:
                 except httpx.TransportError as e:
                     self._failed(backend)
                     last = f"replica {backend.id[:8]}: {type(e).__name__}"
-                    self.metrics.retries.inc()
+                    self.metrics.retries.inc(1 - attempt)
                     continue
                 if response.status_code >= 500:
                     await response.aclose()
                     self._failed(backend)
                     last = f"replica {backend.id[:8]}: HTTP {response.status_code}"
-                    self.metrics.retries.inc()
+                    self.metrics.retries.inc(1 - attempt)
                     continue
                 self._succeeded(backend)
                 return await self._relay(receive, send, response, backend, stream, started)

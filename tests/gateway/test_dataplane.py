@@ -374,3 +374,21 @@ def test_routing_follows_prefixes_and_backs_off_a_busy_replica(gateway, echoes, 
             return c.post("/v1/chat/completions", json=body).headers.get("x-llmgw-replica") == str(reps[0].id)
 
     wait_for(routed_home, timeout=10, what="the prefix back on its replica")
+
+
+def test_failing_everywhere_is_502_then_503_once_all_are_ejected(gateway, user):
+    reps = make_deployment("down", ["http://127.0.0.1:9", "http://127.0.0.1:7"])
+    key = make_key(user)
+    gateway.wait_ready(key, "down", 2)
+    with gateway.client(key) as c:
+        for _ in range(3):  # each request tries both once: three failures in a row eject both
+            r = c.post("/v1/completions", json={"model": "down", "prompt": "x"})
+            assert r.status_code == 502
+            assert _error(r)["code"] == "upstream_failed"
+        r = c.post("/v1/completions", json={"model": "down", "prompt": "x"})
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "5"
+        assert _error(r)["message"] == "down: 2 of 2 replicas ready (2 ejected after repeated failures)"
+    text = gateway.metrics()
+    for rep in reps:
+        assert f'llmgw_gateway_replica_ejected{{replica="{rep.id}"}} 1.0' in text
