@@ -68,6 +68,16 @@ class Outcome:
     completion_tokens: int = 0
     ttft: float | None = None
     error: bool = False
+    # Called once the usage is known and before the answer's end reaches the
+    # client, so a client's next request sees this one's tokens counted.
+    settle: Callable[[Outcome], Awaitable[None]] | None = None
+    settled: bool = False
+
+    async def settle_once(self) -> None:
+        """Run `settle` if it has not run yet."""
+        if self.settle is not None and not self.settled:
+            self.settled = True
+            await self.settle(self)
 
 
 @dataclass
@@ -575,7 +585,12 @@ class DataPlane:
                 [(b"retry-after", str(math.ceil(retry_after)).encode())],
             )
             return
-        out = await self._forward(receive, send, route, body, raw, path, started)
+
+        async def spend(o: Outcome) -> None:
+            await self.limiter.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
+
+        out = await self._forward(receive, send, route, body, raw, path, started, spend)
+        await out.settle_once()
         self.metrics.requests.labels(model, str(out.code)).inc()
         if out.prompt_tokens:
             self.metrics.tokens.labels(model, "prompt").inc(out.prompt_tokens)
@@ -593,10 +608,17 @@ class DataPlane:
             error=out.error,
             ttft=out.ttft,
         )
-        await self.limiter.spend(key, out.prompt_tokens + out.completion_tokens, time.time())
 
     async def _forward(
-        self, receive: Receive, send: Send, route: ModelRoute, body: dict, raw: bytes, path: str, started: float
+        self,
+        receive: Receive,
+        send: Send,
+        route: ModelRoute,
+        body: dict,
+        raw: bytes,
+        path: str,
+        started: float,
+        settle: Callable[[Outcome], Awaitable[None]] | None = None,
     ) -> Outcome:
         """Send the request to a replica, once more to another on a failure before the first byte, and relay."""
         assert self.client is not None
@@ -644,7 +666,7 @@ class DataPlane:
                     self.metrics.retries.inc(1 - attempt)
                     continue
                 self._succeeded(backend)
-                return await self._relay(receive, send, response, backend, stream, started)
+                return await self._relay(receive, send, response, backend, started, settle)
             finally:
                 self.inflight[backend.id] -= 1
                 if not self.inflight[backend.id]:
@@ -669,10 +691,16 @@ class DataPlane:
         return Outcome(code=502, error=True)
 
     async def _relay(
-        self, receive: Receive, send: Send, response: httpx.Response, backend: Backend, stream: bool, started: float
+        self,
+        receive: Receive,
+        send: Send,
+        response: httpx.Response,
+        backend: Backend,
+        started: float,
+        settle: Callable[[Outcome], Awaitable[None]] | None,
     ) -> Outcome:
         """Pass the replica's answer through as it arrives; stop at once when the client goes away."""
-        out = Outcome(code=response.status_code, error=response.status_code >= 400)
+        out = Outcome(code=response.status_code, error=response.status_code >= 400, settle=settle)
         relay = asyncio.ensure_future(self._pump(send, response, backend, out, started))
         watch = asyncio.ensure_future(self._wait_disconnect(receive))
         try:
@@ -716,10 +744,11 @@ class DataPlane:
                 tail = self._scan_sse(tail + chunk, out)
             else:
                 whole.append(chunk)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
         if not sse and whole:
             with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError, TypeError):
                 self._take_usage(json.loads(b"".join(whole)).get("usage"), out)
+        await out.settle_once()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _scan_sse(self, buf: bytes, out: Outcome) -> bytes:
         """Read usage from complete `data:` lines; return the incomplete rest."""
