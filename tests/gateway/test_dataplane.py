@@ -174,9 +174,12 @@ def test_retry_once_before_first_byte_then_eject(gateway, echoes, user):
     bad_id = str(reps[1].id)
     key = make_key(user)
     gateway.wait_ready(key, "demo", 2)
+    # Three prompts whose home is the failing replica, then nine more of any home.
+    home_bad = [_prompt_for(reps, reps[1], lambda i, n=n: chat(f"bad {n} prompt {i}")) for n in range(3)]
     with gateway.client(key) as c:
-        # Distinct prompts spread over both replicas; none fails, the 503s are retried on the good one.
-        codes = [c.post("/v1/chat/completions", json=chat(f"prompt {i}")).status_code for i in range(12)]
+        # None fails: each 503 is retried on the good replica.
+        codes = [c.post("/v1/chat/completions", json=body).status_code for body in home_bad]
+        codes += [c.post("/v1/chat/completions", json=chat(f"prompt {i}")).status_code for i in range(9)]
     assert codes == [200] * 12
     assert good.served == 12
     text = gateway.metrics()
