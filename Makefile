@@ -24,7 +24,7 @@ $(VENV)/.installed-dev: requirements-dev.txt $(VENV)/.installed
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@
 
-# The web server, a Celery worker and Celery beat in the foreground; Ctrl-C stops all three.
+# The web server, a Celery worker, Celery beat and the gateway in the foreground; Ctrl-C stops all four.
 run: $(VENV)/.installed
 	DEBUG=$${DEBUG:-1} $(PY) manage.py migrate --noinput
 	DEBUG=$${DEBUG:-1} $(PY) manage.py ensure_admin
@@ -56,6 +56,7 @@ migrations: $(VENV)/.installed-dev
 
 # Simulated GPU nodes (real agent processes in fixture mode) against `make run`'s server; Ctrl-C stops them.
 demo: $(VENV)/.installed
+	DEBUG=$${DEBUG:-1} $(PY) manage.py gateway_demo --gateway http://$${LLMGW_GATEWAY_LISTEN:-127.0.0.1:8080}
 	DEBUG=$${DEBUG:-1} $(PY) manage.py simulate --nodes $${NODES:-6} --control-plane http://$${LLMGW_LISTEN:-127.0.0.1:8000}
 
 bench: $(VENV)/.installed-dev services

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-BENCHES: list[str] = ["heartbeat", "planner", "reconcile", "metrics"]
+BENCHES: list[str] = ["heartbeat", "planner", "reconcile", "metrics", "gateway"]
 
 
 def main(argv: list[str]) -> int:

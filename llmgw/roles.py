@@ -1,7 +1,7 @@
 """The two roles of a real install: groups an administrator puts people in.
 
 "llmgw viewer" may look at everything llmgw keeps (every view_* permission of
-the inventory, placement and agents apps) and change nothing; "llmgw operator"
+the inventory, placement, agents and gateway apps) and change nothing; "llmgw operator"
 may also act: every permission of those apps, the custom ones included
 (cordon, drain, change labels, forget a node, join tokens and node
 credentials). The groups are kept after every `migrate` (post_migrate), so a
@@ -18,7 +18,7 @@ from django.db.models import Q
 
 VIEWER = "llmgw viewer"
 OPERATOR = "llmgw operator"
-APPS = ("inventory", "placement", "agents")
+APPS = ("inventory", "placement", "agents", "gateway")
 
 
 def _perms(permission_model: Any, using: str, *, view_only: bool):

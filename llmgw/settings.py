@@ -106,6 +106,7 @@ INSTALLED_APPS = [
     "inventory",
     "placement",
     "agents",
+    "gateway",
 ]
 
 MIDDLEWARE = [
@@ -185,12 +186,13 @@ if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL", "")
+LLMGW_CACHE_PREFIX = os.environ.get("LLMGW_CACHE_PREFIX", "llmgw")
 if REDIS_URL:
     CACHES = {
         "default": {
             "BACKEND": "llmgw.cache.RedisCache",
             "LOCATION": REDIS_URL,
-            "KEY_PREFIX": os.environ.get("LLMGW_CACHE_PREFIX", "llmgw"),
+            "KEY_PREFIX": LLMGW_CACHE_PREFIX,
         }
     }
 else:
@@ -337,6 +339,26 @@ CELERY_BEAT_SCHEDULE["placement-reconcile"] = {
     "schedule": LLMGW_RECONCILE_INTERVAL,
     "options": {"expires": LLMGW_RECONCILE_INTERVAL},
 }
+
+# The gateway's data plane: how often it reloads its whole routing table and
+# key list (pushes over Redis make changes visible sooner; this heals a lost
+# one), how many consecutive failures eject a replica, and for how long.
+LLMGW_GATEWAY_REFRESH = env_seconds("LLMGW_GATEWAY_REFRESH", 5.0)
+LLMGW_GATEWAY_EJECT_AFTER = env_int("LLMGW_GATEWAY_EJECT_AFTER", 3, minimum=1)
+LLMGW_GATEWAY_EJECT_FOR = env_seconds("LLMGW_GATEWAY_EJECT_FOR", 30.0)
+LLMGW_GATEWAY_UPSTREAM_TIMEOUT = env_seconds("LLMGW_GATEWAY_UPSTREAM_TIMEOUT", 600.0)
+# How the data plane picks a replica: "prefix" (bounded-load consistent hashing
+# over the conversation's start, gateway/routing.py) or "round-robin" (the
+# baseline the benchmark measures it against).
+LLMGW_GATEWAY_POLICY = os.environ.get("LLMGW_GATEWAY_POLICY", "prefix")
+if LLMGW_GATEWAY_POLICY not in ("prefix", "round-robin"):
+    raise ImproperlyConfigured(f"LLMGW_GATEWAY_POLICY={LLMGW_GATEWAY_POLICY!r}: use prefix or round-robin")
+# How often each data plane reads every replica's engine /metrics (load and cache figures).
+LLMGW_GATEWAY_SCRAPE = env_seconds("LLMGW_GATEWAY_SCRAPE", 1.0)
+# How long a retiring replica's requests may run before its shards are stopped anyway.
+LLMGW_DRAIN_REQUESTS_TIMEOUT = env_seconds("LLMGW_DRAIN_REQUESTS_TIMEOUT", 300.0)
+# How often each data plane writes its usage counts (one upsert per flush).
+LLMGW_GATEWAY_USAGE_FLUSH = env_seconds("LLMGW_GATEWAY_USAGE_FLUSH", 5.0)
 
 LOGGING = {
     "version": 1,

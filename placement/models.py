@@ -168,6 +168,9 @@ class Replica(models.Model):
     created_at = models.DateTimeField(db_index=True)
     updated_at = models.DateTimeField()
     ready_at = models.DateTimeField(null=True, blank=True)
+    # When a retiring replica's shards were told to stop: a serving replica
+    # drains its requests first (placement.reconciler.stop_when_idle).
+    stop_requested_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["deployment_id", "created_at"]

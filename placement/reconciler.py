@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import IntegrityError, OperationalError, transaction
 from django.db.models import OuterRef, Subquery
@@ -35,7 +36,7 @@ from agents import commands, wire
 from inventory import allocation
 from inventory.models import Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import record_event
-from placement import planner, replicas
+from placement import inflight, planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
 
@@ -103,13 +104,64 @@ def retire(
     replica is released at once, so it is placed again without waiting.
     """
     stopping = new_state == RS.STOPPED and not all(_gone(s) for s in rep.shards)
+    serving = rep.row.state in SERVING
     with transaction.atomic():
         target = RS.DRAINING if stopping else new_state
         if not replicas.change_state(rep.row, target, now=now, reason=reason, actor=actor):
             return False
-        _stop_shards(rep.shards, reason=reason, now=now)
+        if stopping and serving:
+            # Its requests finish first; stop_when_idle sends the stops.
+            rep.row.updated_at = now
+            stop_when_idle(rep, now=now, routers=inflight.totals())
+        else:
+            _stop_shards(rep.shards, reason=reason, now=now)
+            if stopping:
+                _mark_stop_requested(rep, now, "")
         if not stopping:
             allocation.release_replica(rep.row.id)
+    return True
+
+
+# Seconds a router may go on sending to a retired replica before it has
+# seen the change: pushes arrive within milliseconds, a lost one is healed by
+# the router's periodic refresh.
+def _route_settle_s() -> float:
+    return settings.LLMGW_GATEWAY_REFRESH + 2 * inflight.REPORT_TTL_S
+
+
+def _mark_stop_requested(rep: _Replica, now: dt.datetime, why: str) -> bool:
+    """Record (compare-and-set) that the replica's shards were told to stop, with an event when `why`."""
+    n = Replica.objects.filter(id=rep.row.id, state=RS.DRAINING, stop_requested_at__isnull=True).update(
+        stop_requested_at=now
+    )
+    rep.row.stop_requested_at = now
+    if n and why:
+        replicas.event(
+            "stopping", now=now, deployment_id=rep.row.deployment_id, replica_id=rep.row.id, reason=why
+        ).save()
+    return bool(n)
+
+
+def stop_when_idle(rep: _Replica, *, now: dt.datetime, routers: inflight.Totals) -> bool:
+    """Tell a retiring replica's shards to stop once no router sends it requests; True when told.
+
+    The routers stop choosing it as soon as they see it draining; its shards
+    are stopped only when the requests already in flight to it have finished
+    (or LLMGW_DRAIN_REQUESTS_TIMEOUT passes), so a drain, a scale-down or a
+    rolling update fails no request. With no router alive, nothing is in
+    flight and it stops at once.
+    """
+    waited = (now - rep.row.updated_at).total_seconds()
+    busy = routers.per_replica.get(str(rep.row.id), 0)
+    if routers.routers:
+        timeout = settings.LLMGW_DRAIN_REQUESTS_TIMEOUT
+        if waited < min(_route_settle_s(), timeout) or (busy and waited < timeout):
+            return False
+    why = f"{busy} requests still in flight after {waited:.0f} s" if busy else "no requests in flight"
+    with transaction.atomic():
+        if not _mark_stop_requested(rep, now, why):
+            return False
+        _stop_shards(rep.shards, reason=rep.row.reason or why, now=now)
     return True
 
 
@@ -117,7 +169,7 @@ def _drained(rep: _Replica, now: dt.datetime) -> str:
     """Why a draining replica is finished ("" while its processes may still run)."""
     if all(_gone(s) for s in rep.shards):
         return "all shards stopped"
-    if (now - rep.row.updated_at).total_seconds() > DRAIN_TIMEOUT_S:
+    if (now - (rep.row.stop_requested_at or rep.row.updated_at)).total_seconds() > DRAIN_TIMEOUT_S:
         return f"shards not reported stopped within {DRAIN_TIMEOUT_S:g} s; released"
     return ""
 
@@ -178,9 +230,14 @@ def reconcile(*, now: dt.datetime) -> Report:
 
     # 1. States follow shards.
     batches: dict[tuple[str, str, str], list[_Replica]] = defaultdict(list)
+    routers: inflight.Totals | None = None
     for dep_id, reps in by_dep.items():
         profile = deployments[dep_id].profile
         for rep in reps:
+            if rep.row.state == RS.DRAINING and rep.row.stop_requested_at is None:
+                routers = routers or inflight.totals()
+                stop_when_idle(rep, now=now, routers=routers)
+                continue
             if rep.row.state == RS.DRAINING:
                 why = _drained(rep, now)
                 if why:

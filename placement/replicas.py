@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from django.db import transaction
 
 from placement.models import REPLICA_TRANSITIONS, PlacementEvent, Replica, ReplicaState, Shard
+from placement.signals import replicas_changed
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -120,6 +121,8 @@ def move(
                 for rid, dep in rows
             ]
         )
+        # Routers stop sending to a retired replica as soon as the move is visible.
+        transaction.on_commit(lambda: replicas_changed.send(sender=Replica, replica_ids=moved))
     return moved
 
 

@@ -25,7 +25,7 @@ import shutil
 import sys
 import tempfile
 
-CONTROL_PLANE_PACKAGES = ("llmgw", "inventory", "placement", "agents")
+CONTROL_PLANE_PACKAGES = ("llmgw", "inventory", "placement", "agents", "gateway")
 AGENT_PACKAGES = ("agents.node",)
 AGENT_MODULES = ("agents.wire",)
 # Modules that run-time code reaches by name, never by an import statement:

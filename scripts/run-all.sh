@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The web server, a Celery worker and Celery beat, together in the foreground.
-# Ctrl-C (or any one of them dying) stops all three.
+# The web server, a Celery worker, Celery beat and the gateway, together in the foreground.
+# Ctrl-C (or any one of them dying) stops all four.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
 ADDR="${LLMGW_LISTEN:-127.0.0.1:8000}"
+GATEWAY="${LLMGW_GATEWAY_LISTEN:-127.0.0.1:8080}"
 VAR="${LLMGW_VAR_DIR:-var}"
 # The filesystem broker's folders (settings put them under LLMGW_VAR_DIR).
 mkdir -p "$VAR/celery/broker" "$VAR/celery/processed" "$VAR/celery/control"
@@ -28,6 +29,8 @@ else
 fi
 web=$!
 pids+=("$web")
+./scripts/gateway.sh "$GATEWAY" &
+pids+=($!)
 
 # "Up" means the web server answers, not that it was started: runserver takes
 # seconds to import everything, and a port already taken kills it outright.
@@ -44,5 +47,5 @@ until $BIN/python -c 'import sys, urllib.request; urllib.request.urlopen(sys.arg
     fi
     sleep 0.5
 done
-echo "llmgw is up: http://$ADDR/admin/  (Ctrl-C stops web, worker and beat)"
+echo "llmgw is up: http://$ADDR/admin/, the gateway at http://$GATEWAY/v1/  (Ctrl-C stops all four)"
 wait -n "${pids[@]}"

@@ -2,8 +2,16 @@
 
 It stands in for vLLM where there is no GPU (tests, `manage.py simulate`): it
 takes a configurable time to "load" (its /health answers 503 until then, as
-the real engines do), lists its model, and answers chat and text completions,
-streamed as server-sent events when asked.
+the real engines do), lists its model, and answers chat and text completions
+(streamed as server-sent events when asked, with the usage chunk when
+`stream_options.include_usage` is set) and embeddings.
+
+So that routing can be measured without GPUs it simulates what matters to a
+router: a prefix cache over fixed-size token blocks with an LRU capacity, a
+prefill time proportional to the prompt tokens not found in it, a decode
+rate, a bounded batch with a queue, and vLLM's metric names on /metrics
+(requests running and waiting, KV-cache usage, prefix-cache queries and
+hits). Tokens are whitespace-separated words.
 
     python -m agents.node.echo --port 8001 --served-model-name demo --load-seconds 3
 """
@@ -11,16 +19,60 @@ streamed as server-sent events when asked.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import signal
+import socket
 import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_BODY = 4 * 1024 * 1024
+
+
+class PrefixCache:
+    """A prefix cache over fixed-size token blocks with an LRU capacity, as vLLM's automatic prefix caching.
+
+    A block is identified by its tokens and everything before it (a chained
+    hash), so only a shared prefix hits: the same block after a different
+    start is a different block.
+    """
+
+    def __init__(self, block_tokens: int, capacity_blocks: int) -> None:
+        self.block_tokens = max(1, block_tokens)
+        self.capacity = max(0, capacity_blocks)
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+        self.queries = 0
+        self.hits = 0
+
+    def usage(self) -> float:
+        """The fraction of the capacity in use (vLLM's kv_cache_usage_perc, 0 to 1)."""
+        return len(self.blocks) / self.capacity if self.capacity else 0.0
+
+    def admit(self, tokens: list[str]) -> int:
+        """Look the prompt up, then keep its full blocks; the number of its tokens found cached."""
+        n = self.block_tokens
+        chain, hashes = 0, []
+        for i in range(0, len(tokens) - len(tokens) % n, n):
+            chain = hash((chain, tuple(tokens[i : i + n])))
+            hashes.append(chain)
+        hit = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            hit += 1
+        for h in hashes:
+            self.blocks[h] = None
+            self.blocks.move_to_end(h)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        self.queries += len(tokens)
+        self.hits += hit * n
+        return hit * n
 
 
 class EchoServer(ThreadingHTTPServer):
@@ -28,11 +80,82 @@ class EchoServer(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], *, model: str, load_seconds: float) -> None:
+    def __init__(
+        self,
+        addr: tuple[str, int],
+        *,
+        model: str,
+        load_seconds: float,
+        token_seconds: float = 0.0,
+        break_after_tokens: int = 0,
+        prefill_tokens_per_s: float = 0.0,
+        block_tokens: int = 16,
+        cache_blocks: int = 2048,
+        max_batch: int = 0,
+    ) -> None:
         super().__init__(addr, Handler)
+        self.cache = PrefixCache(block_tokens, cache_blocks)
+        self.cache_lock = threading.Lock()
+        # Seconds of prefill per prompt token not found in the cache (0: instant).
+        self.prefill_seconds = 1.0 / prefill_tokens_per_s if prefill_tokens_per_s > 0 else 0.0
+        # A bounded batch: at most max_batch requests run, the rest wait (0: unbounded).
+        self.batch = threading.BoundedSemaphore(max_batch) if max_batch > 0 else None
+        self.running = 0
+        self.waiting = 0
         self.model = model
         self.created = int(time.time())
         self.ready_at = time.monotonic() + max(0.0, load_seconds)
+        # Time between two streamed tokens (the decode rate's inverse).
+        self.token_seconds = max(0.0, token_seconds)
+        # Fault injection: drop the connection after this many streamed tokens (0: never).
+        self.break_after_tokens = break_after_tokens
+        self._lock = threading.Lock()
+        # What a test or a router can ask of it afterwards.
+        self.served = 0
+        self.cancelled = 0
+        self.in_flight = 0
+
+    def metrics(self) -> str:
+        """The engine's /metrics in vLLM's names (those of vLLM 0.12 and later)."""
+        label = f'{{model_name="{self.model}"}}'
+        with self.cache_lock:
+            usage, queries, hits = self.cache.usage(), self.cache.queries, self.cache.hits
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{label} {self.running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{label} {self.waiting}",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{label} {usage}",
+            "# TYPE vllm:prefix_cache_queries counter",
+            f"vllm:prefix_cache_queries_total{label} {float(queries)}",
+            "# TYPE vllm:prefix_cache_hits counter",
+            f"vllm:prefix_cache_hits_total{label} {float(hits)}",
+        ]
+        return "\n".join(lines) + "\n"
+
+    def prefill(self, tokens: list[str]) -> None:
+        """Wait for a place in the batch, then spend the prefill time of the tokens the cache lacks."""
+        if self.batch is not None:
+            self.count("waiting")
+            self.batch.acquire()
+            self.count("waiting", -1)
+        self.count("running")
+        with self.cache_lock:
+            hit = self.cache.admit(tokens)
+        if self.prefill_seconds:
+            time.sleep((len(tokens) - hit) * self.prefill_seconds)
+
+    def finish(self) -> None:
+        """Leave the batch."""
+        self.count("running", -1)
+        if self.batch is not None:
+            self.batch.release()
+
+    def count(self, name: str, delta: int = 1) -> None:
+        """Add to one of the counters (served, cancelled, in_flight) under the lock."""
+        with self._lock:
+            setattr(self, name, getattr(self, name) + delta)
 
     def ready(self) -> bool:
         """Whether the pretend weights have finished loading."""
@@ -47,8 +170,23 @@ def _text_of(content: Any) -> str:
     return ""
 
 
+def _context_tokens(body: dict, *, chat: bool) -> list[str]:
+    """The whole prompt as the engine would see it (every message, with its role), as tokens."""
+    if chat:
+        out: list[str] = []
+        for m in body.get("messages") or []:
+            if isinstance(m, dict):
+                out.append(f"<{m.get('role')}>")
+                out.extend(_text_of(m.get("content")).split())
+        return out
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt else ""
+    return prompt.split() if isinstance(prompt, str) else []
+
+
 class Handler(BaseHTTPRequestHandler):
-    """OpenAI-style endpoints: /health, /v1/models, /v1/chat/completions, /v1/completions."""
+    """OpenAI-style endpoints: /health, /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings."""
 
     server: EchoServer
     protocol_version = "HTTP/1.1"
@@ -73,6 +211,13 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(200, {"status": "ok"})
             else:
                 self._json(503, {"status": "loading"})
+        elif self.path == "/metrics":
+            data = self.server.metrics().encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
         elif self.path == "/v1/models":
             if not self.server.ready():
                 return self._error(503, "model is loading", kind="service_unavailable")
@@ -100,7 +245,37 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     def do_POST(self) -> None:
-        if self.path not in ("/v1/chat/completions", "/v1/completions"):
+        self.server.count("in_flight")
+        try:
+            self._post()
+        finally:
+            self.server.count("in_flight", -1)
+
+    def _embeddings(self, body: dict) -> None:
+        inputs = body.get("input")
+        if isinstance(inputs, str):
+            inputs = [inputs]
+        if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs) or not inputs:
+            return self._error(400, "input must be a string or a list of strings", param="input")
+        data = []
+        for i, text in enumerate(inputs):
+            digest = hashlib.sha256(text.encode()).digest()
+            data.append({"object": "embedding", "index": i, "embedding": [round(b / 255, 4) for b in digest[:8]]})
+        tokens = sum(len(t.split()) for t in inputs)
+        self.server.count("served")
+        self._json(
+            200,
+            {
+                "object": "list",
+                "data": data,
+                "model": self.server.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+            },
+        )
+        return None
+
+    def _post(self) -> None:
+        if self.path not in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
             return self._error(404, f"no route {self.path}", kind="not_found")
         body = self._body()
         if body is None:
@@ -110,6 +285,8 @@ class Handler(BaseHTTPRequestHandler):
         model = body.get("model", self.server.model)
         if model != self.server.model:
             return self._error(404, f"the model {model!r} does not exist", kind="not_found", param="model")
+        if self.path == "/v1/embeddings":
+            return self._embeddings(body)
         chat = self.path == "/v1/chat/completions"
         if chat:
             messages = body.get("messages")
@@ -124,6 +301,13 @@ class Handler(BaseHTTPRequestHandler):
             if not isinstance(prompt, str):
                 return self._error(400, "prompt must be a string", param="prompt")
             text = prompt
+        self.server.prefill(_context_tokens(body, chat=chat))
+        try:
+            return self._answer(body, text, chat=chat)
+        finally:
+            self.server.finish()
+
+    def _answer(self, body: dict, text: str, *, chat: bool) -> None:
         words = text.split()
         max_tokens = body.get("max_tokens")
         if isinstance(max_tokens, int) and max_tokens >= 0:
@@ -131,8 +315,13 @@ class Handler(BaseHTTPRequestHandler):
         finish = "length" if isinstance(max_tokens, int) and len(text.split()) > len(words) else "stop"
         prompt_tokens = len(text.split())
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         if body.get("stream"):
-            return self._stream(ident, words, chat=chat, finish=finish)
+            opts = body.get("stream_options")
+            with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            return self._stream(ident, words, chat=chat, finish=finish, usage=usage if with_usage else None)
+        self.server.count("served")
         out = " ".join(words)
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if chat:
@@ -140,8 +329,6 @@ class Handler(BaseHTTPRequestHandler):
         else:
             choice["text"] = out
             choice["logprobs"] = None
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(words)}
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         self._json(
             200,
             {
@@ -155,7 +342,7 @@ class Handler(BaseHTTPRequestHandler):
         )
         return None
 
-    def _stream(self, ident: str, words: list[str], *, chat: bool, finish: str) -> None:
+    def _stream(self, ident: str, words: list[str], *, chat: bool, finish: str, usage: dict | None) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -182,18 +369,36 @@ class Handler(BaseHTTPRequestHandler):
             if chat:
                 self.wfile.write(chunk(None, None, first=True))
             for i, w in enumerate(words):
+                if self.server.break_after_tokens and i >= self.server.break_after_tokens:
+                    # The engine dies mid-answer: the connection drops without an end.
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if self.server.token_seconds:
+                    time.sleep(self.server.token_seconds)
                 self.wfile.write(chunk(w if i == 0 else " " + w, None))
                 self.wfile.flush()
             self.wfile.write(chunk(None if chat else "", finish))
+            if usage is not None:
+                last = {"id": ident, "object": obj, "created": created, "model": self.server.model}
+                last.update({"choices": [], "usage": usage})
+                self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
+            self.server.count("served")
         except (BrokenPipeError, ConnectionResetError):
-            pass
+            # The client went away: a real engine aborts the request here.
+            self.server.count("cancelled")
 
 
-def serve(*, host: str, port: int, model: str, load_seconds: float) -> EchoServer:
-    """Start an echo server in a background thread (for tests); stop it with .shutdown()."""
-    server = EchoServer((host, port), model=model, load_seconds=load_seconds)
+def serve(*, host: str, port: int, model: str, load_seconds: float, **options: Any) -> EchoServer:
+    """Start an echo server in a background thread (for tests); stop it with .shutdown().
+
+    `options`: token_seconds, break_after_tokens, prefill_tokens_per_s, block_tokens,
+    cache_blocks, max_batch (see EchoServer). Unlike the command line, the
+    defaults here cost no time.
+    """
+    server = EchoServer((host, port), model=model, load_seconds=load_seconds, **options)
     threading.Thread(target=server.serve_forever, name="echo", daemon=True).start()
     return server
 
@@ -205,13 +410,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--served-model-name", default="echo")
     ap.add_argument("--load-seconds", type=float, default=0.0, help="how long /health answers 503 (loading)")
+    # Defaults that behave like a small GPU.
+    ap.add_argument("--token-seconds", type=float, default=0.01, help="time between two streamed tokens (decode)")
+    ap.add_argument("--prefill-tokens-per-s", type=float, default=8000.0, help="prefill rate of uncached tokens")
+    ap.add_argument("--block-tokens", type=int, default=16, help="tokens in a prefix-cache block")
+    ap.add_argument("--cache-blocks", type=int, default=2048, help="prefix-cache capacity in blocks (LRU)")
+    ap.add_argument("--max-batch", type=int, default=32, help="requests running at once; the rest wait")
     ap.add_argument(
         "--ignore-sigterm",
         action="store_true",
         help="keep running on SIGTERM, as an engine hung in shutdown does (to exercise SIGKILL)",
     )
     args = ap.parse_args(argv)
-    server = EchoServer((args.host, args.port), model=args.served_model_name, load_seconds=args.load_seconds)
+    server = EchoServer(
+        (args.host, args.port),
+        model=args.served_model_name,
+        load_seconds=args.load_seconds,
+        token_seconds=args.token_seconds,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        block_tokens=args.block_tokens,
+        cache_blocks=args.cache_blocks,
+        max_batch=args.max_batch,
+    )
 
     def stop(signum, frame):
         if signum == signal.SIGTERM and args.ignore_sigterm:

@@ -106,6 +106,7 @@ def _leader(start: wire.StartShard) -> tuple[str, int]:
 
 
 def _vllm(start: wire.StartShard, version: str) -> Launch:
+    # vLLM serves /metrics by default: nothing to turn on for the gateway.
     p = start.profile
     if not p.model_path:
         raise EngineError(f"shard {start.shard_id}: vllm needs the profile's model_path")
@@ -134,6 +135,8 @@ def _sglang(start: wire.StartShard, version: str) -> Launch:
         raise EngineError(f"shard {start.shard_id}: sglang needs the profile's model_path")
     argv = ["python3", "-m", "sglang.launch_server", "--model-path", p.model_path]
     argv += ["--host", BIND_HOST, "--port", str(start.http_port), "--served-model-name", _served_name(start)]
+    # SGLang serves /metrics only when asked; the gateway routes by its queue and cache.
+    argv += ["--enable-metrics"]
     # The full name: SGLang has no `--tp`, only argparse's abbreviation of
     # `--tp-size`, which breaks the day another `--tp...` flag appears.
     argv += ["--tp-size", str(p.tp)]
@@ -168,7 +171,8 @@ def _llama_server(start: wire.StartShard) -> Launch:
             f"shard {start.shard_id}: llama-server cannot serve the name {name!r}: its --alias splits on commas"
         )
     argv = ["llama-server", "-m", p.model_path, "--host", BIND_HOST, "--port", str(start.http_port)]
-    argv += ["--alias", name]
+    # llama-server serves /metrics only when asked; the gateway routes by its load.
+    argv += ["--alias", name, "--metrics"]
     if start.gpu_indices:
         # Every layer on the GPUs it was given; llama.cpp splits across all visible ones.
         argv += ["--n-gpu-layers", "999"]

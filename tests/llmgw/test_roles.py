@@ -18,7 +18,7 @@ def _codenames(group_name: str) -> set[str]:
 
 
 def _all(*, view_only: bool) -> set[str]:
-    qs = Permission.objects.filter(content_type__app_label__in=["inventory", "placement", "agents"])
+    qs = Permission.objects.filter(content_type__app_label__in=["inventory", "placement", "agents", "gateway"])
     if view_only:
         qs = qs.filter(codename__startswith="view_")
     return {f"{p.content_type.app_label}.{p.codename}" for p in qs.select_related("content_type")}
@@ -28,7 +28,13 @@ def test_migrate_creates_both_groups_with_exactly_their_permissions():
     viewer, operator = _codenames(roles.VIEWER), _codenames(roles.OPERATOR)
     assert viewer == _all(view_only=True)
     assert operator == _all(view_only=False)
-    assert {"inventory.view_node", "inventory.view_gpu", "placement.view_deployment", "agents.view_jointoken"} <= viewer
+    assert {
+        "inventory.view_node",
+        "inventory.view_gpu",
+        "placement.view_deployment",
+        "agents.view_jointoken",
+        "gateway.view_apikey",
+    } <= viewer
     assert all(p.split(".")[1].startswith("view_") for p in viewer)
     assert {
         "inventory.cordon_node",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -113,3 +114,65 @@ def test_completion_streaming(server):
         events = _events(r.read().decode())
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == "x y"
+
+
+def test_prefix_cache_hits_only_shared_prefixes_and_evicts_lru():
+    cache = echo.PrefixCache(block_tokens=2, capacity_blocks=3)
+    assert cache.admit(["a", "b", "c", "d", "e"]) == 0  # two full blocks kept; "e" is a partial block
+    assert cache.admit(["a", "b", "c", "d", "x", "y"]) == 4
+    assert cache.admit(["z", "z", "c", "d"]) == 0  # the same block after another start is another block
+    assert (cache.queries, cache.hits) == (15, 4)
+    assert cache.usage() == 1.0  # capacity 3 blocks, LRU evicted the oldest
+    assert cache.admit(["a", "b"]) == 0  # [a b] was least recently used and went
+
+
+def test_metrics_in_vllm_names_and_prefill_costs_uncached_tokens():
+    srv = echo.serve(
+        host="127.0.0.1", port=0, model="demo", load_seconds=0, prefill_tokens_per_s=200, block_tokens=4, max_batch=1
+    )
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        prompt = " ".join(f"t{i}" for i in range(40))
+        t0 = time.monotonic()
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code == 200
+        cold = time.monotonic() - t0
+        t0 = time.monotonic()
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code == 200
+        warm = time.monotonic() - t0
+        assert cold >= 0.2  # 40 uncached tokens at 200/s
+        assert warm < cold / 2  # all 40 tokens cached
+        text = httpx.get(f"{url}/metrics").text
+        assert 'vllm:num_requests_running{model_name="demo"} 0' in text
+        assert 'vllm:num_requests_waiting{model_name="demo"} 0' in text
+        assert 'vllm:prefix_cache_queries_total{model_name="demo"} 80.0' in text
+        assert 'vllm:prefix_cache_hits_total{model_name="demo"} 40.0' in text
+        assert 'vllm:kv_cache_usage_perc{model_name="demo"} 0.0048828125' in text  # 10 of 2048 blocks
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_bounded_batch_queues_the_rest():
+    srv = echo.serve(host="127.0.0.1", port=0, model="demo", load_seconds=0, token_seconds=0.1, max_batch=1)
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    body = {"prompt": "a b c d e f g h i j", "stream": True}
+    codes: list[int] = []
+    threads = [
+        threading.Thread(target=lambda: codes.append(httpx.post(f"{url}/v1/completions", json=body).status_code))
+        for _ in range(2)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while (srv.running, srv.waiting) != (1, 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (srv.running, srv.waiting) == (1, 1)
+        assert 'vllm:num_requests_waiting{model_name="demo"} 1' in httpx.get(f"{url}/metrics").text
+        for t in threads:
+            t.join(timeout=10)
+        assert codes == [200, 200]
+        assert (srv.running, srv.waiting) == (0, 0)
+    finally:
+        srv.shutdown()
+        srv.server_close()

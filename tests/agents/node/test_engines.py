@@ -102,14 +102,14 @@ def test_sglang_single_and_multinode():
     assert engines.build(_start("sglang", tp=8), version="0.5.2").argv == [
         "python3", "-m", "sglang.launch_server", "--model-path", "/models/Llama-3.3-70B-Instruct",
         "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "llama-3.3-70b",
-        "--tp-size", "8",
+        "--enable-metrics", "--tp-size", "8",
         "--max-model-len", "32768",
     ]  # fmt: skip
     worker = engines.build(_start("sglang", tp=16, pp=2, nnodes=2, rank=1, args=[]), version="0.5.2")
     assert worker.argv == [
         "python3", "-m", "sglang.launch_server", "--model-path", "/models/Llama-3.3-70B-Instruct",
         "--host", "0.0.0.0", "--port", "8001", "--served-model-name", "llama-3.3-70b",
-        "--tp-size", "16", "--pp-size", "2",
+        "--enable-metrics", "--tp-size", "16", "--pp-size", "2",
         "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.11:29500",
     ]  # fmt: skip
     assert worker.health_path is None
@@ -140,7 +140,7 @@ def test_llama_server():
     start = _start("llama.cpp", model_path="/models/qwen2.5-7b-q4_k_m.gguf", args=["-c", "8192"], gpu_indices=[3])
     assert engines.build(start, version="b6500").argv == [
         "llama-server", "-m", "/models/qwen2.5-7b-q4_k_m.gguf",
-        "--host", "0.0.0.0", "--port", "8001", "--alias", "llama-3.3-70b",
+        "--host", "0.0.0.0", "--port", "8001", "--alias", "llama-3.3-70b", "--metrics",
         "--n-gpu-layers", "999",
         "-c", "8192",
     ]  # fmt: skip
@@ -155,6 +155,7 @@ def test_llama_server():
         "8001",
         "--alias",
         "llama-3.3-70b",
+        "--metrics",
     ]
     with pytest.raises(engines.EngineError, match="llama-server runs on one node"):
         engines.build(_start("llama-server", nnodes=2), version="b6500")

@@ -1,0 +1,217 @@
+"""API keys and their usage in the admin.
+
+A key's secret is shown once, on the page after it is created; only its hash
+is kept. Revoking is an action (every data plane drops the key within a
+second). Usage is listed per key and model per minute, and summed per key
+and per model on the key's page.
+"""
+
+from __future__ import annotations
+
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import Sum
+from django.utils import timezone
+from django.utils.html import format_html_join
+
+from gateway import figures, keys
+from gateway.models import ApiKey, KeyEvent, RoutedReplica, UsageMinute
+
+
+class ApiKeyForm(forms.ModelForm):
+    """A key's owner, name, models and limits; models as a comma-separated list."""
+
+    allowed_models = forms.CharField(
+        required=False,
+        help_text="Served model names, separated by commas; empty: every model.",
+        widget=forms.TextInput(attrs={"size": 80}),
+    )
+
+    class Meta:
+        model = ApiKey
+        fields = ["name", "owner", "allowed_models", "rpm_limit", "tpm_limit", "expires_at"]
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.instance.pk:
+            self.initial["allowed_models"] = ", ".join(self.instance.allowed_models or [])
+
+    def clean_allowed_models(self) -> list[str]:
+        """A sorted list of unique names."""
+        raw = self.cleaned_data.get("allowed_models") or ""
+        return sorted({m.strip() for m in raw.split(",") if m.strip()})
+
+    def clean_expires_at(self):
+        """An expiry must lie ahead when the key is created."""
+        value = self.cleaned_data.get("expires_at")
+        if value is not None and not self.instance.pk and value <= timezone.now():
+            raise forms.ValidationError("must be in the future")
+        return value
+
+
+class KeyEventInline(admin.TabularInline):
+    model = KeyEvent
+    extra = 0
+    can_delete = False
+    fields = ["at", "kind", "detail", "actor_name"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request, obj=None) -> bool:
+        return False
+
+
+@admin.register(ApiKey)
+class ApiKeyAdmin(admin.ModelAdmin):
+    form = ApiKeyForm
+    list_display = ["name", "prefix", "owner", "models", "rpm_limit", "tpm_limit", "expires_at", "revoked_at"]
+    list_filter = ["revoked_at"]
+    search_fields = ["name", "prefix", "owner__username"]
+    autocomplete_fields = ["owner"]
+    readonly_fields = ["prefix", "revoked_at", "created_at", "created_by", "usage_by_model"]
+    inlines = [KeyEventInline]
+    actions = ["revoke"]
+
+    @admin.display(description="models")
+    def models(self, obj: ApiKey) -> str:
+        return ", ".join(obj.allowed_models) or "all"
+
+    @admin.display(description="usage by model (all time)")
+    def usage_by_model(self, obj: ApiKey) -> str:
+        rows = (
+            UsageMinute.objects.filter(key=obj)
+            .values("model")
+            .annotate(
+                requests=Sum("requests"),
+                prompt=Sum("prompt_tokens"),
+                completion=Sum("completion_tokens"),
+                errors=Sum("errors"),
+            )
+            .order_by("model")
+        )
+        return (
+            format_html_join(
+                "",
+                "<div>{}: {} requests, {} prompt + {} completion tokens, {} errors</div>",
+                ((r["model"], r["requests"], r["prompt"], r["completion"], r["errors"]) for r in rows),
+            )
+            or "none yet"
+        )
+
+    def get_fields(self, request, obj=None):
+        if obj is None:
+            return ["name", "owner", "allowed_models", "rpm_limit", "tpm_limit", "expires_at"]
+        return [
+            "name",
+            "prefix",
+            "owner",
+            "allowed_models",
+            "rpm_limit",
+            "tpm_limit",
+            "expires_at",
+            "revoked_at",
+            "created_at",
+            "created_by",
+            "usage_by_model",
+        ]
+
+    def save_model(self, request, obj, form, change):
+        now = timezone.now()
+        if change:
+            obj.save()
+            keys.changed(obj, form.changed_data, now=now, actor=request.user)
+            return
+        _, secret = keys.create_key(
+            name=obj.name,
+            owner=obj.owner,
+            allowed_models=form.cleaned_data["allowed_models"],
+            rpm_limit=obj.rpm_limit,
+            tpm_limit=obj.tpm_limit,
+            expires_at=obj.expires_at,
+            now=now,
+            actor=request.user,
+            key=obj,
+        )
+        self.message_user(
+            request, f"API key created. Copy it now, it is not shown again: {secret}", level=messages.WARNING
+        )
+
+    @admin.action(description="Revoke the selected API keys", permissions=["change"])
+    def revoke(self, request, queryset):
+        now = timezone.now()
+        n = sum(keys.revoke(k.id, now=now, actor=request.user) for k in queryset)
+        self.message_user(request, f"{n} API key(s) revoked.")
+
+
+@admin.register(UsageMinute)
+class UsageMinuteAdmin(admin.ModelAdmin):
+    list_display = ["minute", "key", "model", "requests", "prompt_tokens", "completion_tokens", "errors", "ttft_ms"]
+    list_filter = ["model"]
+    search_fields = ["key__name", "model"]
+    date_hierarchy = "minute"
+    list_select_related = ["key"]
+
+    @admin.display(description="mean TTFT (ms)")
+    def ttft_ms(self, obj: UsageMinute) -> str:
+        v = obj.mean_ttft_ms
+        return "" if v is None else f"{v:.1f}"
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+@admin.register(RoutedReplica)
+class RoutedReplicaAdmin(admin.ModelAdmin):
+    """Each serving or retiring replica with what the gateways see: engine load and cache, in-flight, ejection.
+
+    The figures are read from Redis once per page, for that page's request.
+    """
+
+    list_filter = ["state", "deployment"]
+    search_fields = ["deployment__name", "deployment__served_model", "endpoint"]
+    list_select_related = ["deployment"]
+
+    def get_queryset(self, request):
+        return super().get_queryset(request).filter(state__in=["ready", "degraded", "draining"])
+
+    def get_list_display(self, request):
+        seen = figures.read()
+
+        def col(title: str, get):
+            def show(obj):
+                f = seen.get(str(obj.id))
+                return "-" if f is None else get(f)
+
+            show.short_description = title
+            return show
+
+        return [
+            "__str__",
+            "state",
+            "endpoint",
+            col("running", lambda f: _fmt(f.running, ".0f")),
+            col("waiting", lambda f: _fmt(f.waiting, ".0f")),
+            col("KV cache used", lambda f: _fmt(f.kv_usage, ".0%")),
+            col("prefix cache hits", lambda f: _fmt(f.hit_ratio, ".0%")),
+            col("in flight (one gateway)", lambda f: str(f.inflight)),
+            col("ejected", lambda f: f"for {f.ejected_for_s:.0f} s more" if f.ejected_for_s else "no"),
+            col("failures in a row", lambda f: str(f.failures)),
+        ]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+    def has_delete_permission(self, request, obj=None) -> bool:
+        return False

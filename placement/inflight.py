@@ -1,0 +1,77 @@
+"""Requests in flight per replica, as whoever routes requests to replicas reports them.
+
+The reconciler stops a retired replica's shards only when nothing is in
+flight to it any more (or a timeout passes), so a drain, a scale-down or a
+rolling update fails no request. Each router process (the gateway's data
+planes) writes its own counts to Redis every fraction of a second under a
+short TTL, so a router that dies stops counting within seconds. Placement
+owns the format; the routers import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from django.conf import settings
+
+# A process's report lives this long unless renewed.
+REPORT_TTL_S = 3
+
+_client: redis.Redis | None = None
+
+
+def _prefix() -> str:
+    return f"{settings.LLMGW_CACHE_PREFIX}:inflight:"
+
+
+async def report_async(client: Any, process_id: str, counts: Mapping[str, int] | None) -> None:
+    """Replace one router process's counts (replica id -> requests in flight) with `counts`.
+
+    None withdraws the process (it is stopping): it routes nothing any more.
+    """
+    key = _prefix() + process_id
+    pipe = client.pipeline(transaction=True)
+    pipe.delete(key)
+    if counts is None:
+        await pipe.execute()
+        return
+    if counts:
+        pipe.hset(key, mapping={k: int(v) for k, v in counts.items()})
+    else:
+        # An empty report still says "this router is alive and has nothing in flight".
+        pipe.hset(key, mapping={"-": 0})
+    pipe.expire(key, REPORT_TTL_S)
+    await pipe.execute()
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What the routers said: how many are alive, and their requests in flight per replica."""
+
+    routers: int
+    per_replica: dict[str, int]
+
+
+def totals() -> Totals:
+    """Requests in flight per replica over every live router (none known without Redis)."""
+    global _client
+    if not settings.REDIS_URL:
+        return Totals(0, {})
+    if _client is None:
+        _client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
+    out: dict[str, int] = {}
+    keys = list(_client.scan_iter(match=_prefix() + "*", count=100))
+    if not keys:
+        return Totals(0, out)
+    pipe = _client.pipeline(transaction=False)
+    for k in keys:
+        pipe.hgetall(k)
+    for counts in pipe.execute():
+        for rid, n in counts.items():
+            rid = rid.decode()
+            if rid != "-":
+                out[rid] = out.get(rid, 0) + int(n)
+    return Totals(len(keys), out)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The gateway's data plane (ASGI, granian) on HOST:PORT, in the foreground (make run, the benchmark).
+#   LLMGW_GATEWAY_WORKERS  data plane processes (default 1; they agree through Redis)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ADDR="${1:?usage: scripts/gateway.sh HOST:PORT}"
+HOST="${ADDR%:*}"
+PORT="${ADDR##*:}"
+PY="${PYTHON:-.venv/bin/python}"
+exec "$PY" -m granian --interface asgi gateway.asgi:app --host "$HOST" --port "$PORT" \
+    --workers "${LLMGW_GATEWAY_WORKERS:-1}" --no-ws --log-level "${LLMGW_WEB_LOG_LEVEL:-info}"

@@ -1,0 +1,114 @@
+"""API keys in the admin: the secret shown once, revoking, usage per model."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+import pytest
+import redis.asyncio as aioredis
+from django.conf import settings
+from django.contrib.messages import get_messages
+
+from gateway import figures, keys, usage
+from gateway.models import ApiKey, KeyEvent
+from placement.models import Deployment, EngineProfile, Replica
+
+pytestmark = pytest.mark.django_db
+
+
+def test_operator_creates_a_key_shown_once(client, operator):
+    client.force_login(operator)
+    resp = client.post(
+        "/admin/gateway/apikey/add/",
+        {
+            "name": "team-a",
+            "owner": operator.pk,
+            "allowed_models": "llama-70b, demo",
+            "rpm_limit": 60,
+            "tpm_limit": 0,
+            "events-TOTAL_FORMS": 0,
+            "events-INITIAL_FORMS": 0,
+        },
+        follow=True,
+    )
+    assert resp.status_code == 200, resp.content
+    shown = [str(m) for m in get_messages(resp.wsgi_request)]
+    secret = next(m.split(": ")[-1] for m in shown if "not shown again" in m)
+    key = ApiKey.objects.get(name="team-a")
+    assert key.key_hash == keys.hash_secret(secret)
+    assert key.allowed_models == ["demo", "llama-70b"]
+    assert key.created_by == operator
+    page = client.get(f"/admin/gateway/apikey/{key.pk}/change/").content.decode()
+    assert secret not in page
+    assert key.prefix in page
+
+
+def test_expiry_in_the_past_is_refused_naming_the_field(client, operator):
+    client.force_login(operator)
+    resp = client.post(
+        "/admin/gateway/apikey/add/",
+        {
+            "name": "x",
+            "owner": operator.pk,
+            "rpm_limit": 0,
+            "tpm_limit": 0,
+            "expires_at_0": "2000-01-01",
+            "expires_at_1": "00:00:00",
+            "events-TOTAL_FORMS": 0,
+            "events-INITIAL_FORMS": 0,
+        },
+    )
+    assert resp.status_code == 200
+    assert resp.context["adminform"].form.errors == {"expires_at": ["must be in the future"]}
+    assert not ApiKey.objects.exists()
+
+
+def test_revoke_action_and_usage_on_the_key_page(client, operator, now):
+    key, _ = keys.create_key(name="k", owner=operator, now=now)
+    acc = usage.Accumulator()
+    t = now.timestamp()
+    acc.add(key.id, "demo", t, prompt_tokens=3, completion_tokens=4)
+    acc.add(key.id, "demo", t + 60, prompt_tokens=1, completion_tokens=1, error=True)
+    usage.write_batch(acc.take())
+    client.force_login(operator)
+    page = client.get(f"/admin/gateway/apikey/{key.pk}/change/").content.decode()
+    assert "demo: 2 requests, 4 prompt + 5 completion tokens, 1 errors" in page
+    assert client.get("/admin/gateway/usageminute/").status_code == 200
+    client.post("/admin/gateway/apikey/", {"action": "revoke", "_selected_action": [key.pk]}, follow=True)
+    key.refresh_from_db()
+    assert key.revoked_at is not None
+    assert KeyEvent.objects.filter(key=key, kind="revoked", actor=operator).count() == 1
+
+
+def test_viewer_cannot_revoke(client, viewer, operator, now):
+    key, _ = keys.create_key(name="k", owner=operator, now=now, expires_at=now + dt.timedelta(days=1))
+    client.force_login(viewer)
+    client.post("/admin/gateway/apikey/", {"action": "revoke", "_selected_action": [key.pk]})
+    key.refresh_from_db()
+    assert key.revoked_at is None
+
+
+def test_replicas_at_the_gateway_show_engine_figures_and_ejections(client, operator, now):
+    prof = EngineProfile.objects.create(name="p", engine="vllm")
+    dep = Deployment.objects.create(name="llama", served_model="llama", profile=prof, replicas=2)
+    a = Replica.objects.create(deployment=dep, state="ready", endpoint="http://a:1", created_at=now, updated_at=now)
+    b = Replica.objects.create(deployment=dep, state="ready", endpoint="http://b:1", created_at=now, updated_at=now)
+
+    async def share():
+        r = aioredis.Redis.from_url(settings.REDIS_URL)
+        await figures.publish_async(
+            r,
+            {
+                str(a.id): figures.Figures(7, 2, 0.4375, 0.75, 3, 0.0, 0),
+                str(b.id): figures.Figures(None, None, None, None, 0, 25.0, 4),
+            },
+        )
+        await r.aclose()
+
+    asyncio.run(share())
+    client.force_login(operator)
+    page = client.get("/admin/gateway/routedreplica/").content.decode()
+    assert "44%" in page and "75%" in page
+    assert "for 25 s more" in page
+    assert "http://a:1" in page and "http://b:1" in page
