@@ -372,7 +372,8 @@ def _phases(loop: Loop) -> list[str]:
         ]
         hosted = loop.sql(
             "SELECT count(DISTINCT s.replica_id) FROM placement_shard s "
-            "JOIN placement_replica r ON r.id = s.replica_id WHERE r.deployment_id = %s AND r.state = 'ready' AND s.node_id = ANY(%s)",
+            "JOIN placement_replica r ON r.id = s.replica_id "
+            "WHERE r.deployment_id = %s AND r.state = 'ready' AND s.node_id = ANY(%s)",
             [dep, victims],
         )[0][0]
         t0 = time.monotonic()
