@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+
+import pytest
+from django.utils import timezone
 
 from agents import wire
 from agents.node import discovery
@@ -184,3 +188,141 @@ def test_histogram_percentile():
     assert histogram_percentile(counts, 99) == EDGES[40]
     assert histogram_percentile(counts, 100) == EDGES[80]
     assert histogram_percentile([0] * len(EDGES), 99) == 0.0
+
+
+# --- against a real control plane -------------------------------------------------------------------------------
+
+
+def _wait(cond, *, timeout: float, what, each=None):
+    """Poll cond until it returns something truthy; fail with what() after the deadline."""
+    end = time.monotonic() + timeout
+    while True:
+        if each is not None:
+            each()
+        got = cond()
+        if got:
+            return got
+        if time.monotonic() > end:
+            pytest.fail(f"not reached in {timeout:g}s: {what()}")
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def plane(transactional_db, tmp_path):
+    from tests.test_control_plane_restart import ControlPlane, _kill_group
+
+    cp = ControlPlane(tmp_path)
+    cp.env["LLMGW_HEARTBEAT_INTERVAL"] = "1"
+    try:
+        yield cp
+    finally:
+        if cp.proc is not None:
+            _kill_group(cp.proc, grace_s=5)
+
+
+@pytest.mark.slow
+def test_fifty_virtual_nodes_against_a_real_control_plane(plane, settings):
+    from agents.models import Command
+    from inventory import liveness, telemetry
+    from inventory.models import GPU, Node
+    from placement.models import Deployment, EngineProfile, Replica
+    from placement.tasks import reconcile_task
+    from tests.test_control_plane_restart import JOIN
+
+    plane.start()
+    fleet = Fleet(control_plane=plane.url, join_token=JOIN, nodes=50, interval=1.0, load_s=0.2, ready_s=0.5, seed=3)
+    ids = {n.node_id for n in fleet.nodes}
+    by_profile = {p: sorted(n.node_id for n in fleet.nodes if n.profile.name == p) for p in fleet.profiles}
+
+    def reconcile() -> None:
+        reconcile_task(now=timezone.now())
+
+    def summary() -> str:
+        states = sorted(Node.objects.values_list("id", "state"))
+        reps = list(Replica.objects.values_list("deployment__name", "state", "shards__node_id"))
+        return f"stats {fleet.stats.as_dict() | {'latency': '', 'register_latency': ''}}; nodes {states}; {reps}"
+
+    fleet.start_in_thread()
+    try:
+        # All registered, once each, none refused; the inventory is the recorded hardware's.
+        _wait(lambda: Node.objects.filter(state="ready").count() == 50, timeout=60, what=summary)
+        assert set(Node.objects.values_list("id", flat=True)) == ids
+        assert fleet.stats.registered == 50 and not fleet.stats.register_refused
+        assert GPU.objects.count() == 13 * 4 + 12 * 8 + 12 * 1
+        assert len(set(GPU.objects.values_list("uuid", flat=True))) == 160
+        domains = set(Node.objects.filter(id__in=by_profile["gb200-nvl"]).values_list("nvlink_domain", flat=True))
+        assert len(domains) == 1 and "" not in domains
+
+        # A deployment is placed, its shards start on the simulated nodes and its replicas are ready.
+        eight = EngineProfile.objects.create(name="echo-8", engine="echo", gpus_per_node=8, startup_timeout_s=600)
+        big = Deployment.objects.create(name="big", served_model="big", profile=eight, replicas=2)
+        _wait(lambda: Replica.objects.filter(deployment=big, state="ready").count() == 2, timeout=60, what=summary,
+              each=reconcile)  # fmt: skip
+        hosts = set(Replica.objects.filter(deployment=big).values_list("shards__node_id", flat=True))
+        assert len(hosts) == 2 and hosts <= set(by_profile["hgx-h100"])
+        for r in Replica.objects.filter(deployment=big).prefetch_related("shards"):
+            (shard,) = r.shards.all()
+            sim = fleet.by_id[shard.node_id].shards[str(shard.id)]
+            assert (sim.replica_id, sim.gpu_indices, fleet.shard_state(sim, time.time())) == (
+                str(r.id), list(range(8)), S.READY
+            )  # fmt: skip
+        assert Command.objects.filter(kind="start_shard", acked_at__isnull=False).count() == 2
+
+        # Lost answers: the node stays ready (its heartbeats arrive), its StartShard is sent again and again
+        # but never reaches it, until the answers come through again.
+        lossy = by_profile["roce"][0]
+        fleet.lose_answers([lossy])
+        one = EngineProfile.objects.create(name="echo-1", engine="echo", gpus_per_node=1, startup_timeout_s=600)
+        small = Deployment.objects.create(
+            name="small", served_model="small", profile=one, replicas=12, node_selector={"profile": "roce"}
+        )
+        _wait(lambda: Replica.objects.filter(deployment=small, state="ready").count() == 11, timeout=60,
+              what=summary, each=reconcile)  # fmt: skip
+        _wait(lambda: Command.objects.filter(node_id=lossy, kind="start_shard", deliveries__gte=3).exists(),
+              timeout=30, what=summary)  # fmt: skip
+        cmd = Command.objects.get(node_id=lossy, kind="start_shard")
+        assert cmd.acked_at is None and fleet.by_id[lossy].shards == {}
+        assert Node.objects.get(id=lossy).state == "ready"
+        assert Replica.objects.get(deployment=small, shards__node_id=lossy).state != "ready"
+        fleet.lose_answers([lossy], on=False)
+        _wait(lambda: Replica.objects.filter(deployment=small, state="ready").count() == 12, timeout=60,
+              what=summary, each=reconcile)  # fmt: skip
+        cmd.refresh_from_db()
+        assert cmd.acked_at is not None
+
+        # A port goes down and a card falls off the bus on an idle node: the control plane sees both.
+        idle = next(n for n in by_profile["hgx-h100"] if n not in hosts)
+        fleet.port_down(idle, "mlx5_1")
+        fleet.card_off(idle, 3)
+
+        def port_state() -> str:
+            entry = telemetry.get(idle) or {}
+            return next((p["state"] for p in entry.get("ib_ports") or [] if p["hca"] == "mlx5_1"), "")
+
+        _wait(lambda: port_state() == "1: DOWN", timeout=30, what=lambda: str(telemetry.get(idle)))
+        off = f"XID {XID_OFF_BUS}: GPU has fallen off the bus: reboot the node"
+        _wait(lambda: GPU.objects.get(node_id=idle, index=3).problems == [off], timeout=30, what=summary)
+        assert next(g for g in (telemetry.get(idle) or {})["gpus"] if g["index"] == 3)["problems"] == [off]
+        assert not GPU.objects.filter(node_id=idle).exclude(index=3).exclude(problems=[]).exists()
+
+        # A silenced node goes unreachable, then lost, and its replica runs elsewhere; the rest stay ready.
+        settings.LLMGW_UNREACHABLE_AFTER = 4
+        settings.LLMGW_LOST_AFTER = 10
+        victim = sorted(hosts)[0]
+        fleet.silence([victim])
+        silenced = timezone.now()
+        _wait(lambda: Node.objects.get(id=victim).state == "unreachable", timeout=30, what=summary,
+              each=lambda: liveness.sweep(now=timezone.now()))  # fmt: skip
+        assert Node.objects.get(id=victim).last_seen < silenced
+        _wait(lambda: Node.objects.get(id=victim).state == "lost", timeout=30, what=summary,
+              each=lambda: liveness.sweep(now=timezone.now()))  # fmt: skip
+        _wait(
+            lambda: set(Replica.objects.filter(deployment=big, state="ready").values_list("shards__node_id", flat=True))
+            .isdisjoint({victim}) and Replica.objects.filter(deployment=big, state="ready").count() == 2,
+            timeout=60, what=summary, each=reconcile,
+        )  # fmt: skip
+        mark = timezone.now()
+        _wait(lambda: Node.objects.filter(last_seen__gt=mark, state="ready").count() == 49, timeout=30, what=summary)
+        assert Node.objects.exclude(state="ready").get().id == victim
+    finally:
+        fleet.join()
