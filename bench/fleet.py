@@ -103,6 +103,8 @@ class Loop:
         self.procs_n = int(_env("BENCH_FLEET_PROCS", max(1, -(-self.nodes // 2500))))
         self.interval = _env("BENCH_FLEET_INTERVAL", 5.0)
         self.tick = _env("BENCH_FLEET_TICK", 2.0)
+        # As `make run` starts it: a second process takes the next task while one reconcile pass runs.
+        self.concurrency = int(_env("BENCH_FLEET_WORKER_CONCURRENCY", 2))
         self.db_url = _database_url()
         self.join = secrets.token_urlsafe(24)
         self.port = _free_port()
@@ -156,7 +158,7 @@ class Loop:
         )  # fmt: skip
         wlog = open(self.work / "worker.log", "ab")  # noqa: SIM115
         self.worker = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "llmgw", "worker", "-B", "--concurrency", "1",
+            [sys.executable, "-m", "celery", "-A", "llmgw", "worker", "-B", "--concurrency", str(self.concurrency),
              "--loglevel", "WARNING", "-s", str(self.work / "var" / "celery" / "beat-schedule")],
             cwd=ROOT, env=self.env, stdout=wlog, stderr=subprocess.STDOUT,
         )  # fmt: skip
@@ -298,9 +300,10 @@ def _hist_diff(after: list[int], before: list[int]) -> list[int]:
 def _phases(loop: Loop) -> list[str]:
     n = loop.nodes
     lines = [
-        f"{n:,} virtual nodes over the shipped profiles in {len(loop.fleet)} process(es), heartbeat every "
+        f"{n:,} virtual nodes over the shipped profiles in {loop.procs_n} process(es), heartbeat every "
         f"{loop.interval:g} s +-10%; server: {loop.env.get('WEB_CONCURRENCY') or os.cpu_count()} workers x "
-        f"{loop.env.get('LLMGW_WEB_THREADS') or 4} threads (granian); worker: celery -B, concurrency 1; "
+        f"{loop.env.get('LLMGW_WEB_THREADS') or 4} threads (granian); "
+        f"worker: celery -B, concurrency {loop.concurrency}; "
         f"{os.cpu_count()} cores shared with everything else (load average at the start: {_loadavg()})"
     ]
     # 1. Join storm.
