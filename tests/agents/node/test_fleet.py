@@ -190,6 +190,55 @@ def test_histogram_percentile():
     assert histogram_percentile([0] * len(EDGES), 99) == 0.0
 
 
+def test_connection_reads_length_and_chunked_answers_and_reconnects():
+    import asyncio
+
+    from agents.node.fleet import Connection, TransportError
+
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+            seen.append(head.split(b"\r\n")[2] + b" " + await reader.readexactly(length))
+            if len(seen) == 1:
+                writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{"ok": true}')
+            elif len(seen) == 2:
+                writer.write(
+                    b'HTTP/1.1 403 Forbidden\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{"a\r\n5\r\n": 1}\r\n0\r\n\r\n'
+                )
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n[]")
+                await writer.drain()
+                writer.close()
+                break
+            await writer.drain()
+
+    async def main() -> list:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = Connection(f"http://127.0.0.1:{port}", timeout_s=5)
+        out = []
+        for body in (b"1", b"22", b"333", b"4444"):
+            a = await conn.post("/api/v1/agent/heartbeat", body, "tok")
+            out.append((a.status_code, a.json()))
+        server.close()
+        await server.wait_closed()
+        dead = Connection(f"http://127.0.0.1:{port}", timeout_s=5)
+        with pytest.raises(TransportError):
+            await dead.post("/x", b"", "tok")
+        return out
+
+    assert asyncio.run(main()) == [(200, {"ok": True}), (403, {"a": 1}), (200, []), (200, [])]
+    # Three requests on the first connection; the fourth opened a new one after "Connection: close".
+    assert seen == [b"Authorization: Bearer tok 1", b"Authorization: Bearer tok 22",
+                    b"Authorization: Bearer tok 333", b"Authorization: Bearer tok 4444"]  # fmt: skip
+
+
 # --- against a real control plane -------------------------------------------------------------------------------
 
 
