@@ -28,7 +28,7 @@ def main(argv: list[str]) -> int:
         module = importlib.import_module(f"bench.{name}")
         print(f"== {name}")
         for line in module.run():
-            print(f"   {line}")
+            print(f"   {line}", flush=True)
         print(f"   ({time.perf_counter() - started:.1f} s)")
     return 0
 

@@ -27,7 +27,6 @@ Redis's CPU is what the whole Redis server used, whoever asked.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -36,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -279,8 +279,8 @@ class Loop:
         rss = int(self._redis().info("memory").get("used_memory_rss", 0)) / 2**20
         return [*parts, f"redis {rss:,.0f} MB (the whole server's)"]
 
-    def wait(self, cond, timeout: float, what: str, poll: float = 0.2) -> float:
-        """Seconds until cond() holds; raises after `timeout`."""
+    def within(self, cond, timeout: float, poll: float = 0.25) -> float | None:
+        """Seconds until cond() holds; None when it did not within `timeout`. Raises if a process died."""
         t0 = time.monotonic()
         while True:
             for p in [self.server, self.worker, *self.fleet]:
@@ -289,35 +289,42 @@ class Loop:
             if cond():
                 return time.monotonic() - t0
             if time.monotonic() - t0 > timeout:
-                raise RuntimeError(f"{what}: not reached in {timeout:g} s")
+                return None
             time.sleep(poll)
+
+    def log_count(self, name: str, text: str) -> int:
+        """How many times `text` appears in one of the processes' logs."""
+        try:
+            return (self.work / name).read_text(errors="replace").count(text)
+        except OSError:
+            return 0
 
 
 def _hist_diff(after: list[int], before: list[int]) -> list[int]:
     return [a - b for a, b in zip(after, before, strict=True)]
 
 
-def _phases(loop: Loop) -> list[str]:
+def _phases(loop: Loop) -> Iterator[str]:
+    """Run the phases, yielding each figure as it is measured (a phase that runs out of time says how far it got)."""
     n = loop.nodes
-    lines = [
+    yield (
         f"{n:,} virtual nodes over the shipped profiles in {loop.procs_n} process(es), heartbeat every "
         f"{loop.interval:g} s +-10%; server: {loop.env.get('WEB_CONCURRENCY') or os.cpu_count()} workers x "
         f"{loop.env.get('LLMGW_WEB_THREADS') or 4} threads (granian); "
         f"worker: celery -B, concurrency {loop.concurrency}; "
         f"{os.cpu_count()} cores shared with everything else (load average at the start: {_loadavg()})"
-    ]
+    )
     # 1. Join storm.
     t0 = time.monotonic()
     loop.start_fleet()
-    storm_timeout = _env("BENCH_FLEET_JOIN_TIMEOUT", max(120, n / 10))
-    # A storm that does not finish still reports how far it got.
-    with contextlib.suppress(RuntimeError):
-        loop.wait(lambda: loop.stats()["registered"] >= n, storm_timeout, "every node registered", poll=0.5)
+    loop.within(lambda: loop.stats()["registered"] >= n, _env("BENCH_FLEET_JOIN_TIMEOUT", max(120, n / 5)), poll=0.5)
     joined = time.monotonic() - t0
     s = loop.stats()
     in_db = loop.sql("SELECT count(*) FROM inventory_node")[0][0]
-    lines.append(
+    reg = s["register_latency"]
+    yield (
         f"join storm: {s['registered']:,} of {n:,} registered in {joined:.1f} s ({in_db:,} nodes in the database); "
+        f"registration p50 {histogram_percentile(reg, 50):.2f} s, p99 {histogram_percentile(reg, 99):.2f} s; "
         f"refusals {s['register_refused'] or 'none'}; transport errors {s['unreachable']}; "
         f"never let in: {n - min(n, in_db)}"
     )
@@ -334,15 +341,18 @@ def _phases(loop: Loop) -> list[str]:
     cpu = {k: c1[k] - c0[k] for k in c0}
     per_node = {k: v / elapsed / n * 1e6 for k, v in cpu.items()}
     per_beat = {k: v / max(1, beats) * 1e3 for k, v in cpu.items()}
-    lines += [
+    yield (
         f"steady state ({elapsed:.0f} s): {beats / elapsed:,.0f} heartbeats/s (expected {n / loop.interval:,.0f}), "
         f"p50 {histogram_percentile(lat, 50) * 1e3:.1f} ms, p99 {histogram_percentile(lat, 99) * 1e3:.1f} ms "
-        f"(histogram buckets 5% wide), errors {errors or 'none'}",
-        "  CPU per node per second (us): " + ", ".join(f"{k} {v:.0f}" for k, v in per_node.items())
-        + f"; cores busy: {sum(cpu.values()) / elapsed:.2f}",
-        "  CPU per heartbeat (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in per_beat.items()),
-        "  memory: " + "; ".join(loop.memory()),
-    ]  # fmt: skip
+        f"(histogram buckets 5% wide), errors {errors or 'none'}"
+    )
+    yield (
+        "  CPU per node per second (us): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in per_node.items())
+        + (f"; cores busy: {sum(cpu.values()) / elapsed:.2f}")
+    )
+    yield "  CPU per heartbeat (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in per_beat.items())
+    yield "  memory: " + "; ".join(loop.memory())
     # 3. Scale-up.
     replicas = int(_env("BENCH_FLEET_REPLICAS", min(1000, n)))
     t0 = time.monotonic()
@@ -351,42 +361,62 @@ def _phases(loop: Loop) -> list[str]:
                           capture_output=True, text=True, check=True)  # fmt: skip
     dep = int(made.stdout.strip())
     count = "SELECT count(*) FROM placement_replica WHERE deployment_id = %s AND state = ANY(%s)"
-    timeout = _env("BENCH_FLEET_SCALE_TIMEOUT", max(180, replicas / 5))
-    placed = loop.wait(
-        lambda: loop.sql(count, [dep, ["starting", "ready"]])[0][0] >= replicas, timeout, "all placed", poll=0.25
-    )
-    loop.wait(lambda: loop.sql(count, [dep, ["ready"]])[0][0] >= replicas, timeout, "all ready", poll=0.25)
-    ready = time.monotonic() - t0
-    lines.append(
+    timeout = _env("BENCH_FLEET_SCALE_TIMEOUT", max(300, replicas / 2))
+    placed = loop.within(lambda: loop.sql(count, [dep, ["starting", "ready"]])[0][0] >= replicas, timeout)
+    ready = loop.within(lambda: loop.sql(count, [dep, ["ready"]])[0][0] >= replicas, timeout) if placed else None
+    cut_short = loop.log_count("worker.log", "SoftTimeLimitExceeded")
+    limits = f"; {cut_short} reconcile pass(es) cut at the task's soft time limit" if cut_short else ""
+    if ready is None:
+        got = loop.sql(count, [dep, ["starting", "ready"]])[0][0], loop.sql(count, [dep, ["ready"]])[0][0]
+        yield (
+            f"scale-up of {replicas:,} single-GPU replicas: after {time.monotonic() - t0:.0f} s, {got[0]:,} placed "
+            f"and {got[1]:,} ready{limits}; the phases after it are skipped"
+        )
+        yield from _scrape(loop)
+        return
+    yield (
         f"scale-up of {replicas:,} single-GPU replicas (reconcile every {loop.tick:g} s and on change): "
-        f"all placed in {placed:.1f} s ({replicas / placed:,.0f}/s), all ready {ready:.1f} s "
-        f"after the deployment was created (a simulated shard is ready 1.5 s after its StartShard arrives)"
+        f"all placed in {placed:.1f} s ({replicas / placed:,.0f}/s), all ready {placed + ready:.1f} s "
+        f"after the deployment was created (a simulated shard is ready 1.5 s after its StartShard arrives){limits}"
     )
     # 4. Nodes going silent at once.
     silent_n = int(_env("BENCH_FLEET_SILENT", 50))
     if silent_n:
-        victims = [
-            r[0]
-            for r in loop.sql(
-                "SELECT s.node_id FROM placement_shard s JOIN placement_replica r ON r.id = s.replica_id "
-                "WHERE r.deployment_id = %s AND r.state = 'ready' GROUP BY s.node_id ORDER BY s.node_id LIMIT %s",
-                [dep, silent_n],
-            )
-        ]
-        hosted = loop.sql(
-            "SELECT count(DISTINCT s.replica_id) FROM placement_shard s "
-            "JOIN placement_replica r ON r.id = s.replica_id "
-            "WHERE r.deployment_id = %s AND r.state = 'ready' AND s.node_id = ANY(%s)",
-            [dep, victims],
-        )[0][0]
-        t0 = time.monotonic()
-        loop.control.write_text(json.dumps({"silence": victims}))
-        states = "SELECT count(*) FROM inventory_node WHERE id = ANY(%s) AND state = %s"
-        lost_after = float(loop.env["LLMGW_LOST_AFTER"])
-        unreach = loop.wait(lambda: loop.sql(states, [victims, "unreachable"])[0][0] + loop.sql(
-            states, [victims, "lost"])[0][0] >= len(victims), lost_after * 3 + 60, "all unreachable")  # fmt: skip
-        lost = loop.wait(lambda: loop.sql(states, [victims, "lost"])[0][0] >= len(victims), lost_after * 3 + 60,
-                         "all lost") + unreach  # fmt: skip
+        yield _silence(loop, dep, replicas, silent_n, timeout)
+    yield from _scrape(loop)
+
+
+def _silence(loop: Loop, dep: int, replicas: int, silent_n: int, timeout: float) -> str:
+    """`silent_n` nodes hosting replicas go silent at once: the verdicts, and the replicas placed again."""
+    victims = [
+        r[0]
+        for r in loop.sql(
+            "SELECT s.node_id FROM placement_shard s JOIN placement_replica r ON r.id = s.replica_id "
+            "WHERE r.deployment_id = %s AND r.state = 'ready' GROUP BY s.node_id ORDER BY s.node_id LIMIT %s",
+            [dep, silent_n],
+        )
+    ]
+    hosted = loop.sql(
+        "SELECT count(DISTINCT s.replica_id) FROM placement_shard s "
+        "JOIN placement_replica r ON r.id = s.replica_id "
+        "WHERE r.deployment_id = %s AND r.state = 'ready' AND s.node_id = ANY(%s)",
+        [dep, victims],
+    )[0][0]
+    loop.control.write_text(json.dumps({"silence": victims}))
+    states = "SELECT count(*) FROM inventory_node WHERE id = ANY(%s) AND state = ANY(%s)"
+    wait = float(loop.env["LLMGW_LOST_AFTER"]) * 3 + 60
+    head = (
+        f"{len(victims)} nodes silent at once ({hosted} replicas on them; unreachable after "
+        f"{loop.env['LLMGW_UNREACHABLE_AFTER']} s, lost after {loop.env['LLMGW_LOST_AFTER']} s, sweep every "
+        f"{loop.tick:g} s)"
+    )
+    try:
+        unreach = loop.within(lambda: loop.sql(states, [victims, ["unreachable", "lost"]])[0][0] >= len(victims), wait)
+        if unreach is None:
+            return f"{head}: not all unreachable after {wait:g} s"
+        lost = loop.within(lambda: loop.sql(states, [victims, ["lost"]])[0][0] >= len(victims), wait)
+        if lost is None:
+            return f"{head}: not all lost after {wait:g} s"
         verdicts = loop.sql(
             "SELECT min(at), max(at) FROM inventory_nodeevent WHERE node_id = ANY(%s) AND kind = 'lost'", [victims]
         )[0]
@@ -394,17 +424,20 @@ def _phases(loop: Loop) -> list[str]:
             "SELECT count(*) FROM placement_replica r WHERE r.deployment_id = %s AND r.state = 'ready' AND NOT EXISTS "
             "(SELECT 1 FROM placement_shard s WHERE s.replica_id = r.id AND s.node_id = ANY(%s))"
         )
-        back = loop.wait(lambda: loop.sql(elsewhere, [dep, victims])[0][0] >= replicas, timeout, "replaced") + lost
+        back = loop.within(lambda: loop.sql(elsewhere, [dep, victims])[0][0] >= replicas, timeout)
         spread = (verdicts[1] - verdicts[0]).total_seconds() if verdicts[0] else 0.0
-        lines.append(
-            f"{len(victims)} nodes silent at once ({hosted} replicas on them; unreachable after "
-            f"{loop.env['LLMGW_UNREACHABLE_AFTER']} s, lost after {loop.env['LLMGW_LOST_AFTER']} s, sweep every "
-            f"{loop.tick:g} s): all unreachable {unreach:.1f} s after the silence, all lost {lost:.1f} s "
-            f"(verdicts spread over {spread:.1f} s), every replica ready elsewhere {back - lost:.1f} s after the "
-            f"last lost verdict was seen"
+        tail = f"{back:.1f} s after" if back is not None else f"not within {timeout:g} s of"
+        return (
+            f"{head}: all unreachable {unreach:.1f} s after the silence, all lost {unreach + lost:.1f} s "
+            f"(verdicts spread over {spread:.1f} s), every replica ready elsewhere {tail} the last lost verdict "
+            "was seen"
         )
+    finally:
         loop.control.write_text("{}")
-    # 5. /metrics.
+
+
+def _scrape(loop: Loop) -> Iterator[str]:
+    """/metrics, BENCH_FLEET_SCRAPES times; then the memory of every process."""
     times, size = [], 0
     for _ in range(int(_env("BENCH_FLEET_SCRAPES", 3))):
         t0 = time.perf_counter()
@@ -412,23 +445,22 @@ def _phases(loop: Loop) -> list[str]:
         times.append(time.perf_counter() - t0)
         size = len(r.content)
         if r.status_code != 200:
-            lines.append(f"/metrics: HTTP {r.status_code}")
+            yield f"/metrics: HTTP {r.status_code}"
             break
-    lines.append(
+    yield (
         f"/metrics: median {statistics.median(times):.2f} s (min {min(times):.2f}, max {max(times):.2f}, "
         f"{len(times)} scrapes), {size / 1e6:.1f} MB"
     )
-    lines.append("  memory at the end: " + "; ".join(loop.memory()))
-    return lines
+    yield "  memory at the end: " + "; ".join(loop.memory())
 
 
-def run() -> list[str]:
-    """Run the phases and return the lines to print; every process started is stopped."""
+def run() -> Iterator[str]:
+    """Run the phases, yielding the lines to print as they come; every process started is stopped."""
     with tempfile.TemporaryDirectory(prefix="llmgw-fleet-") as tmp:
         loop = Loop(Path(tmp))
         try:
             loop.start_control_plane()
-            return _phases(loop)
+            yield from _phases(loop)
         except Exception:
             for name in ("server.log", "worker.log", "fleet-0.log"):
                 path = Path(tmp) / name
