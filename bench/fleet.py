@@ -80,7 +80,7 @@ def _tree(pid: int) -> list[int]:
 
 
 _CREATE = """
-import json, sys, django
+import json, sys, time, django
 django.setup()
 from django.db import transaction
 from placement import agent_sync
@@ -90,7 +90,7 @@ with transaction.atomic():
     profile = EngineProfile.objects.create(name="fleet-echo-1", engine="echo", gpus_per_node=1, startup_timeout_s=600)
     dep = Deployment.objects.create(name="fleet", served_model="fleet", profile=profile, replicas=spec["replicas"])
     agent_sync.queue_reconcile()
-print(dep.id)
+print(dep.id, time.time())
 """
 
 
@@ -237,7 +237,8 @@ class Loop:
     def stats(self) -> dict:
         """The fleet's counters summed over its processes."""
         total: dict = {"registered": 0, "heartbeats": 0, "unreachable": 0, "register_refused": {},
-                       "heartbeat_errors": {}, "latency": [0] * len(EDGES)}  # fmt: skip
+                       "heartbeat_errors": {}, "latency": [0] * len(EDGES),
+                       "register_latency": [0] * len(EDGES)}  # fmt: skip
         for k in range(len(self.fleet)):
             try:
                 s = json.loads((self.work / f"stats-{k}.json").read_text())
@@ -248,7 +249,8 @@ class Loop:
             for key in ("register_refused", "heartbeat_errors"):
                 for code, n in s[key].items():
                     total[key][code] = total[key].get(code, 0) + n
-            total["latency"] = [a + b for a, b in zip(total["latency"], s["latency"], strict=True)]
+            for key in ("latency", "register_latency"):
+                total[key] = [a + b for a, b in zip(total[key], s[key], strict=True)]
         return total
 
     def groups(self) -> dict[str, list[int]]:
@@ -359,14 +361,19 @@ def _phases(loop: Loop) -> Iterator[str]:
     spec = json.dumps({"replicas": replicas})
     made = subprocess.run([sys.executable, "-c", _CREATE], cwd=ROOT, env=loop.env, input=spec,
                           capture_output=True, text=True, check=True)  # fmt: skip
-    dep = int(made.stdout.strip())
+    # Timed from the deployment's commit (which queues the reconcile), not from this process's start of the helper.
+    dep_id, committed = made.stdout.split()
+    dep = int(dep_id)
     count = "SELECT count(*) FROM placement_replica WHERE deployment_id = %s AND state = ANY(%s)"
     timeout = _env("BENCH_FLEET_SCALE_TIMEOUT", max(300, replicas / 2))
-    placed = loop.within(lambda: loop.sql(count, [dep, ["starting", "ready"]])[0][0] >= replicas, timeout)
-    ready = loop.within(lambda: loop.sql(count, [dep, ["ready"]])[0][0] >= replicas, timeout) if placed else None
+    placed = ready = None
+    if loop.within(lambda: loop.sql(count, [dep, ["starting", "ready"]])[0][0] >= replicas, timeout) is not None:
+        placed = time.time() - float(committed)
+        if loop.within(lambda: loop.sql(count, [dep, ["ready"]])[0][0] >= replicas, timeout) is not None:
+            ready = time.time() - float(committed)
     cut_short = loop.log_count("worker.log", "SoftTimeLimitExceeded")
     limits = f"; {cut_short} reconcile pass(es) cut at the task's soft time limit" if cut_short else ""
-    if ready is None:
+    if placed is None or ready is None:
         got = loop.sql(count, [dep, ["starting", "ready"]])[0][0], loop.sql(count, [dep, ["ready"]])[0][0]
         yield (
             f"scale-up of {replicas:,} single-GPU replicas: after {time.monotonic() - t0:.0f} s, {got[0]:,} placed "
@@ -376,7 +383,7 @@ def _phases(loop: Loop) -> Iterator[str]:
         return
     yield (
         f"scale-up of {replicas:,} single-GPU replicas (reconcile every {loop.tick:g} s and on change): "
-        f"all placed in {placed:.1f} s ({replicas / placed:,.0f}/s), all ready {placed + ready:.1f} s "
+        f"all placed in {placed:.1f} s ({replicas / placed:,.0f}/s), all ready {ready:.1f} s "
         f"after the deployment was created (a simulated shard is ready 1.5 s after its StartShard arrives){limits}"
     )
     # 4. Nodes going silent at once.
