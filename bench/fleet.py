@@ -302,6 +302,11 @@ class Loop:
             return 0
 
 
+def _ms(seconds: float) -> str:
+    """A latency from the histogram, in ms; its last bucket has no upper edge."""
+    return f"> {EDGES[-2] * 1e3:,.0f} ms" if seconds == float("inf") else f"{seconds * 1e3:,.1f} ms"
+
+
 def _hist_diff(after: list[int], before: list[int]) -> list[int]:
     return [a - b for a, b in zip(after, before, strict=True)]
 
@@ -326,7 +331,7 @@ def _phases(loop: Loop) -> Iterator[str]:
     reg = s["register_latency"]
     yield (
         f"join storm: {s['registered']:,} of {n:,} registered in {joined:.1f} s ({in_db:,} nodes in the database); "
-        f"registration p50 {histogram_percentile(reg, 50):.2f} s, p99 {histogram_percentile(reg, 99):.2f} s; "
+        f"registration p50 {_ms(histogram_percentile(reg, 50))}, p99 {_ms(histogram_percentile(reg, 99))}; "
         f"refusals {s['register_refused'] or 'none'}; transport errors {s['unreachable']}; "
         f"never let in: {n - min(n, in_db)}"
     )
@@ -345,7 +350,7 @@ def _phases(loop: Loop) -> Iterator[str]:
     per_beat = {k: v / max(1, beats) * 1e3 for k, v in cpu.items()}
     yield (
         f"steady state ({elapsed:.0f} s): {beats / elapsed:,.0f} heartbeats/s (expected {n / loop.interval:,.0f}), "
-        f"p50 {histogram_percentile(lat, 50) * 1e3:.1f} ms, p99 {histogram_percentile(lat, 99) * 1e3:.1f} ms "
+        f"p50 {_ms(histogram_percentile(lat, 50))}, p99 {_ms(histogram_percentile(lat, 99))} "
         f"(histogram buckets 5% wide), errors {errors or 'none'}"
     )
     yield (
