@@ -294,6 +294,14 @@ class Loop:
                 return None
             time.sleep(poll)
 
+    def last_error(self, name: str) -> str:
+        """The last line of a log that names an error or exception, '' when none does."""
+        try:
+            lines = (self.work / name).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return next((ln.strip()[:300] for ln in reversed(lines) if "Error" in ln or "Exception" in ln), "")
+
     def log_count(self, name: str, text: str) -> int:
         """How many times `text` appears in one of the processes' logs."""
         try:
@@ -384,6 +392,9 @@ def _phases(loop: Loop) -> Iterator[str]:
             f"scale-up of {replicas:,} single-GPU replicas: after {time.monotonic() - t0:.0f} s, {got[0]:,} placed "
             f"and {got[1]:,} ready{limits}; the phases after it are skipped"
         )
+        states = loop.sql("SELECT state, count(*) FROM placement_replica WHERE deployment_id = %s GROUP BY 1", [dep])
+        yield f"  replicas by state: {dict(states)}; reconcile tasks still queued: {loop._redis().llen('celery')}"
+        yield f"  the worker's last words: {loop.last_error('worker.log')}"
         yield from _scrape(loop)
         return
     yield (
