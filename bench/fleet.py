@@ -388,9 +388,10 @@ def _phases(loop: Loop) -> Iterator[str]:
     limits = f"; {cut_short} reconcile pass(es) cut at the task's soft time limit" if cut_short else ""
     if placed is None or ready is None:
         got = loop.sql(count, [dep, ["starting", "ready"]])[0][0], loop.sql(count, [dep, ["ready"]])[0][0]
+        reached = f"all placed {placed:.1f} s after the commit but never all ready at once; " if placed else ""
         yield (
-            f"scale-up of {replicas:,} single-GPU replicas: after {time.monotonic() - t0:.0f} s, {got[0]:,} placed "
-            f"and {got[1]:,} ready{limits}; the phases after it are skipped"
+            f"scale-up of {replicas:,} single-GPU replicas: {reached}after {time.monotonic() - t0:.0f} s, "
+            f"{got[0]:,} placed and {got[1]:,} ready{limits}; the phases after it are skipped"
         )
         states = loop.sql("SELECT state, count(*) FROM placement_replica WHERE deployment_id = %s GROUP BY 1", [dep])
         yield f"  replicas by state: {dict(states)}; reconcile tasks still queued: {loop._redis().llen('celery')}"
