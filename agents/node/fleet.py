@@ -6,8 +6,8 @@ join token at the real /api/v1/agent/register, keeps the credential it is
 given (in memory), and heartbeats at the interval the control plane asks for,
 with jitter, over a few shared keep-alive connections (`Connection`: HTTP/1.1
 on asyncio streams; httpx's AsyncClient cost the fleet about 2.5 ms of CPU a
-request, as much as the control plane spent answering it). Its registration and heartbeats are what the agent's own
-discovery reads from a recorded hardware profile (agents/node/profiles/),
+request, as much as the control plane spent answering it). Its registration
+and heartbeats are what the agent's own discovery reads from a recorded hardware profile (agents/node/profiles/),
 read once per profile and then varied per node: node id, host name,
 management address, GPU UUIDs, adapter GUIDs and, for trays joined to a
 multi-node NVLink domain, the domain (`domain_size` trays each).
@@ -24,7 +24,7 @@ it), an adapter's port going down.
 `python -m agents.node.fleet --control-plane URL --join-token-file F --nodes N`
 runs one (no Django needed); `--control FILE` (JSON, re-read every half
 second) sets the failures from outside, `--stats FILE` is rewritten every
-second with counts and a latency histogram.
+half second with counts and latency histograms.
 """
 
 from __future__ import annotations
