@@ -151,6 +151,12 @@ if REDIS_URL:
             "BACKEND": "llmgw.cache.RedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": os.environ.get("LLMGW_CACHE_PREFIX", "llmgw"),
+            # A hung Redis must fail a cache call within a second or two, not hold a
+            # heartbeat's request (and its lease transaction) open (inventory/telemetry.py).
+            "OPTIONS": {
+                "socket_connect_timeout": env_seconds("LLMGW_CACHE_TIMEOUT", 1.0),
+                "socket_timeout": env_seconds("LLMGW_CACHE_TIMEOUT", 1.0),
+            },
         }
     }
 else:
@@ -252,10 +258,22 @@ CELERY_BEAT_SCHEDULE["inventory.schedule_fabric_scans"] = {
 
 # The liveness sweep: often enough that "unreachable" is seen within seconds
 # of LLMGW_UNREACHABLE_AFTER.
+LLMGW_LIVENESS_INTERVAL = env_seconds("LLMGW_LIVENESS_INTERVAL", 10.0)
 CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
     "task": "agents.liveness_sweep",
-    "schedule": env_seconds("LLMGW_LIVENESS_INTERVAL", 10.0),
+    "schedule": LLMGW_LIVENESS_INTERVAL,
 }
+# The sweep's view of its own faults (inventory/liveness.py). Two sweeps further
+# apart than LLMGW_SWEEP_GAP mean the control plane could not listen in between;
+# more than LLMGW_MASS_SILENCE (a fraction) of the fleet, and at least
+# LLMGW_MASS_SILENCE_MIN_NODES nodes, silent at once is read as the control
+# plane's own outage, as Kubernetes' node lifecycle controller does; and no
+# more than LLMGW_LOST_RATE of the fleet (at least one node) is declared lost
+# per sweep.
+LLMGW_SWEEP_GAP = env_seconds("LLMGW_SWEEP_GAP", 2.5 * LLMGW_LIVENESS_INTERVAL)
+LLMGW_MASS_SILENCE = float(os.environ.get("LLMGW_MASS_SILENCE") or 0.55)
+LLMGW_MASS_SILENCE_MIN_NODES = env_int("LLMGW_MASS_SILENCE_MIN_NODES", 3, minimum=1)
+LLMGW_LOST_RATE = float(os.environ.get("LLMGW_LOST_RATE") or 0.1)
 
 # Placement: the first HTTP port a shard gets on a node, and how often the
 # reconciler runs (it is also queued by events).

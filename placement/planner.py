@@ -142,6 +142,8 @@ def node_reason(req: ReplicaRequest, n: NodeInfo, snap: Snapshot, *, need: int |
     """Why this node cannot take one shard of the request, "" when it can (power aside)."""
     if n.state != "ready":
         return n.state
+    if n.silent_s:
+        return f"no heartbeat for {n.silent_s} s: lease expired" if n.silent_s < 10**9 else "never heard from"
     if n.held:
         return n.held
     for k, v in req.selector.items():

@@ -298,7 +298,7 @@ def reconcile(*, now: dt.datetime) -> Report:
         key=lambda r: (r.created_at, str(r.id)),
     )
     if pending:
-        snap = snapshots.build()
+        snap = snapshots.build(now=now)
         # A deployment's refusal holds for its next replicas until the snapshot changes.
         refused: dict[int, planner.NoPlace] = {}
         for row in pending:
@@ -307,7 +307,7 @@ def reconcile(*, now: dt.datetime) -> Report:
             if outcome == "conflict":
                 report.conflicts += 1
                 # Another writer took some of these cards: look again, try once more.
-                snap = snapshots.build()
+                snap = snapshots.build(now=now)
                 refused.clear()
                 outcome = _place(row, dep, snap, refused, now=now)
             if outcome == "placed":

@@ -47,7 +47,14 @@ AGENT_VERSION = "0.1.0"
 FEATURES = ["adoption", "echo-engine", "gpu-fabrics", "fabric-scan"]
 FABRIC_EVERY_S = 60.0
 BACKOFF_BASE_S = 1.0
-BACKOFF_CAP_S = 60.0
+# Small on purpose: the control plane does not judge a node on its own outage
+# (inventory/liveness.py), but it can only hear a node that is back; an agent
+# backed off for a minute returns long after the control plane did, and its
+# silence after the outage counts. Jitter spreads the fleet's return.
+BACKOFF_CAP_S = 5.0
+# A registration carries the whole inventory and may wait on a loaded control
+# plane; giving up early only sends it again (registration is idempotent).
+REGISTER_TIMEOUT_S = 60.0
 APPLIED_KEEP = 2000
 
 _Answer = TypeVar("_Answer", bound=pydantic.BaseModel)
@@ -243,12 +250,14 @@ class Agent:
 
     # --- HTTP -------------------------------------------------------------
 
-    def _post(self, path: str, body: pydantic.BaseModel, token: str) -> httpx.Response:
+    def _post(self, path: str, body: pydantic.BaseModel, token: str, *, timeout: float | None = None) -> httpx.Response:
+        extra = {"timeout": httpx.Timeout(timeout, connect=5.0)} if timeout else {}
         try:
             r = self.http.post(
                 path,
                 content=body.model_dump_json(exclude_none=True),
                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+                **extra,
             )
         except httpx.TransportError as e:
             raise Unreachable(f"{self.config.control_plane}{path}: {type(e).__name__}: {e}") from e
@@ -322,7 +331,7 @@ class Agent:
         body = self.registration()
         own = self.credential()
         if own:
-            r = self._post("/api/v1/agent/register", body, own)
+            r = self._post("/api/v1/agent/register", body, own, timeout=REGISTER_TIMEOUT_S)
             if r.status_code in (401, 403):
                 log.warning("the control plane refused this node's credential (reset?); joining again with the token")
                 own = ""
@@ -335,7 +344,7 @@ class Agent:
                     f"this node has no credential yet and {source} gives no join token:"
                     " set join_token or join_token_file (an operator creates one)"
                 )
-            r = self._post("/api/v1/agent/register", body, token)
+            r = self._post("/api/v1/agent/register", body, token, timeout=REGISTER_TIMEOUT_S)
             if r.status_code == 401:
                 key = f"join_token_file {c.join_token_file!r}" if c.join_token_file else "join_token"
                 raise Refused(

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import datetime as dt
+import socket
 
 import pytest
 from django.utils import timezone
+from prometheus_client import REGISTRY
 
 from agents import commands, credentials, wire
 from agents.models import Command, JoinToken, NodeCredential
 from agents.views import MAX_HEARTBEAT_BODY
+from inventory import telemetry
 from inventory.models import GPU, FabricScan, Node, NodeEvent
 from tests.agents.conftest import heartbeat_payload, make_shard, post
 from tests.factories import register_payload
@@ -382,3 +385,32 @@ def test_wire_schemas_are_in_the_openapi_document(client, operator):
         "$ref": "#/components/schemas/HeartbeatRequest"
     }
     assert schemas["ShardStatus"]["properties"]["state"]["$ref"] == "#/components/schemas/ShardState"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_cache_outage_costs_no_lease(client, joined, settings):
+    """Redis down: the heartbeat renews the lease and answers 200; the telemetry is skipped and counted."""
+    before = REGISTRY.get_sample_value("llmgw_telemetry_cache_errors_total", {"op": "put"}) or 0.0
+    old = timezone.now() - dt.timedelta(hours=1)
+    Node.objects.update(last_seen=old, state="unreachable", unreachable_since=old)
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "llmgw.cache.RedisCache",
+            "LOCATION": f"redis://127.0.0.1:{_closed_port()}/0",
+            "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+        }
+    }
+    r = post(client, "heartbeat", heartbeat_payload(), joined)
+    assert r.status_code == 200, r.content
+    node = Node.objects.get(id="node-a")
+    assert (node.last_seen > old, node.state, node.unreachable_since) == (True, "ready", None)
+    assert REGISTRY.get_sample_value("llmgw_telemetry_cache_errors_total", {"op": "put"}) == before + 1
+    assert REGISTRY.get_sample_value("llmgw_telemetry_cache_errors_total", {"op": "get"}) >= 1
+    # Readers see "not reported", not an error; /metrics says how many were skipped.
+    assert telemetry.get("node-a") is None and telemetry.get_many(["node-a"]) == {}
+    assert f'llmgw_telemetry_cache_errors_total{{op="put"}} {before + 1}' in client.get("/metrics").content.decode()

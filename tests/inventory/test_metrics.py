@@ -146,9 +146,9 @@ def test_registering_does_not_touch_the_database(django_assert_num_queries):
 
 
 # The scrape's queries: the doctor's snapshot (nodes, their GPUs, their
-# fabrics, scans, recent SM changes, failed installs, pending replicas), then
+# fabrics, scans, recent SM changes, failed installs, pending replicas, the liveness clock), then
 # held GPUs, deployments and replica counts.
-SCRAPE_QUERIES = 10
+SCRAPE_QUERIES = 11
 
 
 def build_nodes(count: int, *, now: dt.datetime) -> None:

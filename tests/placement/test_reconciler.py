@@ -10,6 +10,7 @@ from django.core.cache import cache
 
 from agents.models import Command
 from inventory import allocation
+from inventory.heartbeat import touch
 from inventory.models import AllocatedGPU, Allocation, NodeEvent
 from inventory.nodes import change_state as node_state
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
@@ -147,6 +148,8 @@ def test_lost_node_fails_the_replica_and_it_comes_back_elsewhere(now):
     lost = first.shards.get().node_id
     node_state(lost, "unreachable", now=now)
     node_state(lost, "lost", now=now)
+    # The other node kept heartbeating: its lease holds.
+    touch(({"a", "b"} - {lost}).pop(), now=now + dt.timedelta(minutes=5))
     reconcile(now=now + dt.timedelta(minutes=5))
     first.refresh_from_db()
     assert (first.state, first.reason) == ("failed", f"node {lost} lost")

@@ -408,8 +408,10 @@ def test_backoff_delay_is_bounded_and_jittered():
     rng = random.Random(1)
     delays = [backoff_delay(n, rng) for n in range(1, 12)]
     for n, d in enumerate(delays, start=1):
-        ceiling = min(60.0, 2.0 ** (n - 1))
+        ceiling = min(5.0, 2.0 ** (n - 1))
         assert ceiling / 2 <= d <= ceiling
+    # Capped at a few seconds, so an agent is back within seconds of the control plane.
+    assert max(delays) <= 5.0 and delays[-1] >= 2.5
     assert len({round(backoff_delay(5, rng), 6) for _ in range(10)}) > 1
 
 
