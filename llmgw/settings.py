@@ -233,6 +233,8 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celery" / "beat-schedule")
+# One beat in the cluster: every beat takes a lock first (llmgw/beat.py).
+CELERY_BEAT_SCHEDULER = "llmgw.beat.LockedScheduler"
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Each app adds its periodic tasks here (see llmgw/celery.py).
 CELERY_BEAT_SCHEDULE: dict = {}

@@ -13,6 +13,7 @@ from django.db import models
 from django.db.models import Q
 
 from agents.wire import ShardState as WireShardState
+from placement import shard_states
 
 
 class Engine(models.TextChoices):
@@ -203,6 +204,13 @@ class Shard(models.Model):
         ordering = ["replica_id", "rank"]
         constraints = [
             models.UniqueConstraint(fields=["replica", "rank"], name="placement_shard_rank_unique"),
+            # One live shard per port on a node, as one per GPU: two racing placements
+            # that picked the same free port cannot both commit.
+            models.UniqueConstraint(
+                fields=["node", "http_port"],
+                condition=~Q(state__in=sorted(shard_states.TERMINAL)),
+                name="placement_shard_live_port_unique",
+            ),
             models.CheckConstraint(
                 condition=Q(state__in=[s.value for s in WireShardState]), name="placement_shard_state_valid"
             ),

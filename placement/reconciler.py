@@ -34,13 +34,14 @@ from agents import commands, wire
 from inventory import allocation
 from inventory.models import Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import record_event
-from placement import planner, replicas
+from placement import planner, replicas, shard_states
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
 
 log = logging.getLogger(__name__)
 
 RS = ReplicaState
+SS = shard_states.S
 SERVING = (RS.READY, RS.DEGRADED)
 
 
@@ -128,11 +129,11 @@ def _health(rep: _Replica, profile: EngineProfile, now: dt.datetime) -> tuple[st
         where = f"shard {s['rank']} on {s['node_id']}"
         if s["node__state"] == NodeState.LOST:
             return RS.FAILED, f"node {s['node_id']} lost"
-        if s["state"] == "failed":
+        if s["state"] == SS.FAILED:
             return RS.FAILED, f"{where} failed" + (f": {s['reason']}" if s["reason"] else "")
-        if s["state"] in ("stopped", "draining") and state != RS.DRAINING:
+        if s["state"] in (SS.STOPPED, SS.DRAINING) and state != RS.DRAINING:
             return RS.FAILED, f"{where} {s['state']} unasked"
-    all_ready = all(s["state"] == "ready" for s in rep.shards)
+    all_ready = all(s["state"] == SS.READY for s in rep.shards)
     if state == RS.STARTING:
         if all_ready:
             return RS.READY, "all shards ready"
@@ -140,7 +141,7 @@ def _health(rep: _Replica, profile: EngineProfile, now: dt.datetime) -> tuple[st
         if (now - started).total_seconds() > profile.startup_timeout_s:
             return RS.FAILED, f"not ready within the startup timeout ({profile.startup_timeout_s} s)"
     elif state == RS.READY and not all_ready:
-        lagging = next(s for s in rep.shards if s["state"] != "ready")
+        lagging = next(s for s in rep.shards if s["state"] != SS.READY)
         return RS.DEGRADED, f"shard {lagging['rank']} on {lagging['node_id']} {lagging['state']}"
     elif state == RS.DEGRADED and all_ready:
         return RS.READY, "all shards ready again"
@@ -172,6 +173,8 @@ def reconcile(*, now: dt.datetime) -> Report:
     report.orphans_released = release_orphans()
     deployments = {d.id: d for d in Deployment.objects.filter(paused=False).select_related("profile")}
     by_dep = _load(list(deployments))
+    # What this pass decides from: replicas created after this read belong to another pass.
+    loaded = {dep_id: {r.row.id for r in reps} for dep_id, reps in by_dep.items()}
 
     # 1. States follow shards.
     batches: dict[tuple[str, str, str], list[_Replica]] = defaultdict(list)
@@ -273,21 +276,7 @@ def reconcile(*, now: dt.datetime) -> Report:
                     report.stopped += 1
                 # What it replaced is no longer moving: it counts again next pass.
     if new_rows:
-        with transaction.atomic():
-            Replica.objects.bulk_create(new_rows)
-            PlacementEvent.objects.bulk_create(
-                [
-                    replicas.event(
-                        "created",
-                        now=now,
-                        deployment_id=r.deployment_id,
-                        replica_id=r.id,
-                        to_state=RS.PENDING,
-                        reason=r.reason,
-                    )
-                    for r in new_rows
-                ]
-            )
+        new_rows = create_replicas(new_rows, loaded, now=now)
         report.created = len(new_rows)
         for r in new_rows:
             by_dep[r.deployment_id].append(_Replica(r))
@@ -322,6 +311,48 @@ def reconcile(*, now: dt.datetime) -> Report:
     # 6. Draining nodes with nothing left.
     report.drained = finish_drains(now=now)
     return report
+
+
+def create_replicas(rows: list[Replica], loaded: dict[int, set[uuid.UUID]], *, now: dt.datetime) -> list[Replica]:
+    """Insert a pass's new replicas, per deployment under a lock on its row; returns those created.
+
+    The count was decided from the replicas read at the start of the pass. A
+    deployment whose live replicas changed since (another pass created some)
+    gets none from this pass: the next one decides again from the truth, so
+    racing passes never create more than the desired count.
+    """
+    by_dep: dict[int, list[Replica]] = defaultdict(list)
+    for r in rows:
+        by_dep[r.deployment_id].append(r)
+    created: list[Replica] = []
+    for dep_id, dep_rows in sorted(by_dep.items()):
+        with transaction.atomic():
+            if not Deployment.objects.select_for_update().filter(id=dep_id).exists():
+                continue
+            now_live = set(
+                Replica.objects.filter(deployment_id=dep_id, state__in=replicas.LIVE_STATES).values_list(
+                    "id", flat=True
+                )
+            )
+            if not now_live <= loaded.get(dep_id, set()):
+                log.info("deployment %s changed under this pass; its new replicas are left to the next", dep_id)
+                continue
+            Replica.objects.bulk_create(dep_rows)
+            PlacementEvent.objects.bulk_create(
+                [
+                    replicas.event(
+                        "created",
+                        now=now,
+                        deployment_id=r.deployment_id,
+                        replica_id=r.id,
+                        to_state=RS.PENDING,
+                        reason=r.reason,
+                    )
+                    for r in dep_rows
+                ]
+            )
+        created.extend(dep_rows)
+    return created
 
 
 def release_orphans() -> int:
@@ -423,7 +454,7 @@ def write_placement(
                 gpu_indices=list(s.gpu_indices),
                 hcas=list(s.hcas),
                 http_port=s.http_port,
-                state="pending",
+                state=SS.PENDING,
                 profile_fp=fp,
                 created_at=now,
                 updated_at=now,

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
+from placement import shard_states
+
 if TYPE_CHECKING:
     from placement.planner import Plan
 
@@ -410,7 +412,7 @@ def build(*, unique_ports: bool | None = None, now: dt.datetime | None = None) -
         elif state in ("unsupported", "failed"):
             installs[node_id][engine] = f"engine {engine} {state}" + (f": {detail}" if detail else "")
     ports: dict[str, set[int]] = defaultdict(set)
-    live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=["stopped", "failed"])
+    live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=shard_states.TERMINAL)
     for node_id, port in Shard.objects.filter(live).values_list("node_id", "http_port"):
         ports[node_id].add(port)
     holds = [

@@ -28,6 +28,7 @@ import httpx
 
 from agents import wire
 from agents.node import engines
+from placement import shard_states
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -41,7 +42,7 @@ TRANSITIONS: dict[S, frozenset[S]] = {
     S.STOPPED: frozenset(),
     S.FAILED: frozenset(),
 }
-TERMINAL = frozenset({S.STOPPED, S.FAILED})
+TERMINAL = frozenset(S(s) for s in shard_states.TERMINAL)
 LOG_TAIL_LINES = 20
 
 

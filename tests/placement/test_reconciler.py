@@ -3,20 +3,25 @@
 from __future__ import annotations
 
 import datetime as dt
+import subprocess
+import sys
 import uuid
 
+import psycopg
 import pytest
-from django.core.cache import cache
+from django.db import connection
 
+from agents import wire
 from agents.models import Command
 from inventory import allocation
 from inventory.heartbeat import touch
 from inventory.models import AllocatedGPU, Allocation, NodeEvent
 from inventory.nodes import change_state as node_state
+from llmgw import locks
+from placement import agent_sync, shard_states
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
 from placement.reconciler import reconcile, release_orphans
-from placement.replicas import set_shard_state
-from placement.tasks import LOCK_KEY, reconcile_task
+from placement.tasks import LOCK_NAME, reconcile_task
 from tests.factories import make_node
 
 pytestmark = pytest.mark.django_db
@@ -35,16 +40,22 @@ def states(dep) -> list[str]:
     return sorted(Replica.objects.filter(deployment=dep).values_list("state", flat=True))
 
 
+def report_state(shard: Shard, state: str, *, now, reason: str = "") -> None:
+    """A heartbeat from the shard's node reporting it in `state`: the path production runs."""
+    status = wire.ShardStatus(shard_id=str(shard.id), replica_id=str(shard.replica_id), state=state, reason=reason)
+    agent_sync.record_shard_states(shard.node_id, [status], now=now)
+
+
 def all_ready(now, **filters) -> None:
     """What heartbeats would report once the engines are up."""
-    for s in Shard.objects.filter(**filters).exclude(state__in=["ready", "stopped", "failed"]):
-        set_shard_state(s.id, "ready", now=now, reason="health check passed")
+    for s in Shard.objects.filter(**filters).exclude(state__in=["ready", *shard_states.TERMINAL]):
+        report_state(s, "ready", now=now, reason="health check passed")
 
 
 def stopped(now, **filters) -> None:
     """What heartbeats report once the agents have stopped what they were told to."""
-    for s in Shard.objects.filter(replica__state="draining", **filters).exclude(state__in=["stopped", "failed"]):
-        set_shard_state(s.id, "stopped", now=now, reason="stop requested")
+    for s in Shard.objects.filter(replica__state="draining", **filters).exclude(state__in=shard_states.TERMINAL):
+        report_state(s, "stopped", now=now, reason="stop requested")
 
 
 def commands(kind, node_id=None):
@@ -100,7 +111,7 @@ def test_degraded_then_ready_again(now, profile):
     all_ready(now)
     reconcile(now=now)
     shard = Shard.objects.get()
-    set_shard_state(shard.id, "loading", now=now, reason="engine restarting")
+    report_state(shard, "loading", now=now, reason="engine restarting")
     reconcile(now=now)
     rep = Replica.objects.get(deployment=dep)
     assert (rep.state, rep.reason) == ("degraded", "shard 0 on a loading")
@@ -118,7 +129,7 @@ def test_failed_shard_releases_the_replica_whole_and_places_again(now, profile):
     reconcile(now=now)
     old = Replica.objects.get(deployment=dep)
     old_shard = old.shards.get()
-    set_shard_state(old_shard.id, "failed", now=now, reason="exit 137")
+    report_state(old_shard, "failed", now=now, reason="exit 137")
     report = reconcile(now=now + dt.timedelta(seconds=5))
     assert (report.failed, report.created, report.placed) == (1, 1, 1)
     old.refresh_from_db()
@@ -276,14 +287,56 @@ def test_startup_timeout_fails_the_replica(now):
     assert reasons == ["not ready within the startup timeout (60 s)"]
 
 
-def test_task_is_single_flight(now, profile):
+def _other_session():
+    """A second database session, as another worker process has."""
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    return psycopg.connect(**params, autocommit=True)
+
+
+def test_task_is_single_flight_and_a_dead_holder_blocks_nobody(now, profile):
     make_node("a", now=now)
     deploy(profile)
-    cache.add(LOCK_KEY, "someone-else", timeout=60)
+    other = _other_session()
+    assert other.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
     assert reconcile_task(now=now.isoformat()) is None
     assert Replica.objects.count() == 0
-    cache.delete(LOCK_KEY)
+    # The holder dies (its session ends, as with kill -9): the very next pass runs.
+    other.close()
     assert reconcile_task(now=now.isoformat())["placed"] == 1
+    # And the pass let its own lock go.
+    again = _other_session()
+    assert again.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
+    again.close()
+
+
+def test_the_file_lock_is_exclusive_and_dies_with_its_holder(tmp_path, settings):
+    """SQLite's fallback: an flock, which the kernel drops with the process."""
+    settings.VAR_DIR = tmp_path
+    first, second = locks.FileLock("reconcile"), locks.FileLock("reconcile")
+    assert first.acquire() and not second.acquire()
+    first.release()
+    assert second.acquire()
+    second.release()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+            str(tmp_path / "locks" / "reconcile.lock"),
+        ],
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        assert not first.acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert first.acquire()
+    first.release()
 
 
 def test_steady_state_queries_do_not_grow_with_deployments(now, profile):
