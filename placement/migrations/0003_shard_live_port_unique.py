@@ -4,15 +4,18 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('inventory', '0003_liveness_clock_and_control_plane_events'),
-        ('placement', '0002_profile_disk_replica_reasons'),
+        ("inventory", "0003_liveness_clock_and_control_plane_events"),
+        ("placement", "0002_profile_disk_replica_reasons"),
     ]
 
     operations = [
         migrations.AddConstraint(
-            model_name='shard',
-            constraint=models.UniqueConstraint(condition=models.Q(('state__in', ['failed', 'stopped']), _negated=True), fields=('node', 'http_port'), name='placement_shard_live_port_unique'),
+            model_name="shard",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("state__in", ["failed", "stopped"]), _negated=True),
+                fields=("node", "http_port"),
+                name="placement_shard_live_port_unique",
+            ),
         ),
     ]

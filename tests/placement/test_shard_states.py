@@ -16,8 +16,8 @@ EVERY = [s.value for s in wire.ShardState]
 
 def test_one_table_covers_every_wire_state_and_everyone_uses_it():
     assert set(shard_states.TRANSITIONS) == set(EVERY)
-    assert shard_states.TERMINAL == {"stopped", "failed"}
-    assert shard_states.LIVE == set(EVERY) - {"stopped", "failed"}
+    assert {"stopped", "failed"} == shard_states.TERMINAL
+    assert set(EVERY) - {"stopped", "failed"} == shard_states.LIVE
     # The heartbeat path, the reconciler's helpers and the agent read the same sets.
     assert agent_sync.TERMINAL is shard_states.TERMINAL and agent_sync.LIVE is shard_states.LIVE
     assert replicas.SHARD_DONE is shard_states.TERMINAL and replicas.SHARD_TRANSITIONS is shard_states.TRANSITIONS
