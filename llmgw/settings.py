@@ -283,6 +283,14 @@ LLMGW_SHARD_PORT_BASE = env_int("LLMGW_SHARD_PORT_BASE", 18000, minimum=1)
 # Unique shard ports across the whole cluster, for simulated fleets sharing one host.
 LLMGW_SHARD_PORTS_UNIQUE = env_bool("LLMGW_SHARD_PORTS_UNIQUE", False)
 LLMGW_RECONCILE_INTERVAL = env_seconds("LLMGW_RECONCILE_INTERVAL", 10.0)
+# A deployment whose replicas keep failing to start is placed again after a
+# growing delay (base x 2^(failures-1), capped), counting failures within the
+# window since its last ready replica; a node where it failed to start
+# LLMGW_AVOID_AFTER times in the window is kept off for that deployment.
+LLMGW_START_BACKOFF_BASE = env_seconds("LLMGW_START_BACKOFF_BASE", 10.0)
+LLMGW_START_BACKOFF_CAP = env_seconds("LLMGW_START_BACKOFF_CAP", 600.0)
+LLMGW_START_FAILURE_WINDOW = env_seconds("LLMGW_START_FAILURE_WINDOW", 1800.0)
+LLMGW_AVOID_AFTER = env_int("LLMGW_AVOID_AFTER", 2, minimum=1)
 CELERY_BEAT_SCHEDULE["placement-reconcile"] = {
     "task": "placement.reconcile",
     "schedule": LLMGW_RECONCILE_INTERVAL,

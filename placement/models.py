@@ -169,6 +169,10 @@ class Replica(models.Model):
     created_at = models.DateTimeField(db_index=True)
     updated_at = models.DateTimeField()
     ready_at = models.DateTimeField(null=True, blank=True)
+    # A pending replica is not placed before this (a backoff after failed starts or a failed placement).
+    not_before = models.DateTimeField(null=True, blank=True)
+    # Placements of this replica that raised; each doubles its wait.
+    attempts = models.PositiveIntegerField(default=0)
 
     class Meta:
         ordering = ["deployment_id", "created_at"]

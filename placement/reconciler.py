@@ -27,8 +27,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, OperationalError, transaction
-from django.db.models import OuterRef, Subquery
+from django.db.models import Max, OuterRef, Subquery
 
 from agents import commands, wire
 from inventory import allocation
@@ -56,6 +57,9 @@ class Report:
     failed: int = 0
     stopped: int = 0
     conflicts: int = 0
+    # Pending replicas left for later: waiting out a backoff, or whose placement raised.
+    backing_off: int = 0
+    errors: int = 0
     orphans_released: int = 0
     drained: list[str] = field(default_factory=list)
 
@@ -275,6 +279,16 @@ def reconcile(*, now: dt.datetime) -> Report:
                 elif retire(rep, RS.STOPPED, reason="scaled down", now=now):
                     report.stopped += 1
                 # What it replaced is no longer moving: it counts again next pass.
+    # Deployments whose replicas keep failing to start wait longer each time, and avoid the nodes they failed on.
+    waiting = {r.deployment_id for r in new_rows} | {
+        dep_id for dep_id, reps in by_dep.items() if any(r.row.state == RS.PENDING for r in reps)
+    }
+    history = start_failures(waiting, now=now) if waiting else {}
+    for r in new_rows:
+        h = history.get(r.deployment_id)
+        if h is not None and not r.replaces_id:
+            r.not_before = h.retry_at
+            r.reason = h.why(now)
     if new_rows:
         new_rows = create_replicas(new_rows, loaded, now=now)
         report.created = len(new_rows)
@@ -292,13 +306,27 @@ def reconcile(*, now: dt.datetime) -> Report:
         refused: dict[int, planner.NoPlace] = {}
         for row in pending:
             dep = deployments[row.deployment_id]
-            outcome = _place(row, dep, snap, refused, now=now)
-            if outcome == "conflict":
-                report.conflicts += 1
-                # Another writer took some of these cards: look again, try once more.
-                snap = snapshots.build(now=now)
-                refused.clear()
-                outcome = _place(row, dep, snap, refused, now=now)
+            if row.not_before is not None and row.not_before > now:
+                report.pending += 1
+                report.backing_off += 1
+                continue
+            h = history.get(dep.id)
+            avoid = h.avoid if h is not None else {}
+            try:
+                outcome = _place(row, dep, snap, refused, now=now, avoid=avoid)
+                if outcome == "conflict":
+                    report.conflicts += 1
+                    # Another writer took some of these cards: look again, try once more.
+                    snap = snapshots.build(now=now)
+                    refused.clear()
+                    outcome = _place(row, dep, snap, refused, now=now, avoid=avoid)
+            except Exception as exc:
+                # One deployment's bad data (a profile the wire cannot carry, say) must
+                # never hold back the others: recorded on its replica, retried later.
+                placement_failed(row, exc, now=now)
+                report.pending += 1
+                report.errors += 1
+                continue
             if outcome == "placed":
                 refused.clear()
                 report.placed += 1
@@ -355,6 +383,104 @@ def create_replicas(rows: list[Replica], loaded: dict[int, set[uuid.UUID]], *, n
     return created
 
 
+def backoff_s(failures: int) -> float:
+    """The wait after `failures` failures: LLMGW_START_BACKOFF_BASE doubling each time, capped."""
+    if failures <= 0:
+        return 0.0
+    base, cap = settings.LLMGW_START_BACKOFF_BASE, settings.LLMGW_START_BACKOFF_CAP
+    return min(cap, base * 2 ** min(failures - 1, 30))
+
+
+@dataclass
+class StartFailures:
+    """A deployment's replicas that failed before ever being ready, since its last ready one, in the window."""
+
+    count: int
+    last_at: dt.datetime
+    last_reason: str
+    # node id -> why new replicas of this deployment keep off it.
+    avoid: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def retry_at(self) -> dt.datetime:
+        """When the next replica may be placed."""
+        return self.last_at + dt.timedelta(seconds=backoff_s(self.count))
+
+    def why(self, now: dt.datetime) -> str:
+        """The reason a new replica shows while it waits."""
+        wait = max(0, int((self.retry_at - now).total_seconds()))
+        return (
+            f"waiting {wait} s before placing again: {self.count} failed start"
+            f"{'' if self.count == 1 else 's'} (last: {self.last_reason})"
+        )[:2000]
+
+
+def start_failures(deployment_ids: set[int], *, now: dt.datetime) -> dict[int, StartFailures]:
+    """Each deployment's recent failed starts and the nodes they failed on: three queries.
+
+    A replica that fails before it was ever ready (a port clash, a bad
+    argument, weights missing) will most likely fail again the same way, so
+    the next one waits (growing with each failure) and keeps off nodes where
+    it failed LLMGW_AVOID_AFTER times. A ready replica resets the count.
+    """
+    since = now - dt.timedelta(seconds=settings.LLMGW_START_FAILURE_WINDOW)
+    last_ready = dict(
+        Replica.objects.filter(deployment_id__in=deployment_ids, ready_at__isnull=False)
+        .values("deployment_id")
+        .annotate(at=Max("ready_at"))
+        .values_list("deployment_id", "at")
+    )
+    failed = [
+        row
+        for row in Replica.objects.filter(
+            deployment_id__in=deployment_ids, state=RS.FAILED, ready_at__isnull=True, updated_at__gte=since
+        )
+        .order_by("updated_at", "id")
+        .values_list("id", "deployment_id", "updated_at", "reason")
+        if last_ready.get(row[1]) is None or row[2] > last_ready[row[1]]
+    ]
+    out: dict[int, StartFailures] = {}
+    for _, dep_id, at, reason in failed:
+        h = out.get(dep_id)
+        if h is None:
+            out[dep_id] = StartFailures(1, at, reason)
+        else:
+            h.count, h.last_at, h.last_reason = h.count + 1, at, reason
+    per_node: dict[tuple[int, str], int] = defaultdict(int)
+    for dep_id, node_id in Shard.objects.filter(replica_id__in=[r[0] for r in failed], state=SS.FAILED).values_list(
+        "replica__deployment_id", "node_id"
+    ):
+        per_node[(dep_id, node_id)] += 1
+    minutes = int(settings.LLMGW_START_FAILURE_WINDOW // 60)
+    for (dep_id, node_id), n in per_node.items():
+        if n >= settings.LLMGW_AVOID_AFTER:
+            out[dep_id].avoid[node_id] = f"avoided: {n} failed starts here in the last {minutes} min"
+    return out
+
+
+def placement_failed(row: Replica, exc: Exception, *, now: dt.datetime) -> None:
+    """Record a placement that raised on its replica: the reason, an event, and a growing wait."""
+    log.exception("placing replica %s of deployment %s failed", row.id, row.deployment_id)
+    attempts = row.attempts + 1
+    wait = backoff_s(attempts)
+    reason = f"placement failed ({type(exc).__name__}: {exc}); next try in {wait:g} s"[:2000]
+    with transaction.atomic():
+        moved = Replica.objects.filter(id=row.id, state=RS.PENDING).update(
+            reason=reason, attempts=attempts, not_before=now + dt.timedelta(seconds=wait), updated_at=now
+        )
+        if moved:
+            replicas.event(
+                "placement_error",
+                now=now,
+                deployment_id=row.deployment_id,
+                replica_id=row.id,
+                from_state=RS.PENDING,
+                to_state=RS.PENDING,
+                reason=reason,
+            ).save()
+    row.attempts, row.reason = attempts, reason
+
+
 def release_orphans() -> int:
     """Free the claims of replicas that no longer exist.
 
@@ -376,6 +502,7 @@ def _place(
     refused: dict[int, planner.NoPlace],
     *,
     now: dt.datetime,
+    avoid: dict[str, str] | None = None,
 ) -> str:
     """Plan one pending replica and write it whole; "placed", "pending" or "conflict".
 
@@ -384,7 +511,7 @@ def _place(
     """
     result = refused.get(dep.id)
     if result is None:
-        req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
+        req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector, avoid=avoid)
         result = planner.plan(req, snap, policy=dep.policy)
     if isinstance(result, planner.NoPlace):
         refused[dep.id] = result

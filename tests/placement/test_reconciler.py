@@ -5,11 +5,12 @@ from __future__ import annotations
 import datetime as dt
 import subprocess
 import sys
+import threading
 import uuid
 
 import psycopg
 import pytest
-from django.db import connection
+from django.db import IntegrityError, connection, transaction
 
 from agents import wire
 from agents.models import Command
@@ -20,7 +21,7 @@ from inventory.nodes import change_state as node_state
 from llmgw import locks
 from placement import agent_sync, shard_states
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
-from placement.reconciler import reconcile, release_orphans
+from placement.reconciler import create_replicas, reconcile, release_orphans, start_failures
 from placement.tasks import LOCK_NAME, reconcile_task
 from tests.factories import make_node
 
@@ -340,7 +341,6 @@ def test_the_file_lock_is_exclusive_and_dies_with_its_holder(tmp_path, settings)
 
 
 def test_steady_state_queries_do_not_grow_with_deployments(now, profile):
-    from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
     for i in range(4):
@@ -395,3 +395,133 @@ def test_a_refusal_is_planned_once_per_deployment_while_nothing_is_placed(now, p
     assert (report.created, report.pending, len(calls)) == (3, 3, 1)
     reasons = set(Replica.objects.filter(deployment=dep).values_list("reason", flat=True))
     assert reasons == {"2 free GPUs, needs 4 (a)"}
+
+
+def test_a_pass_creates_no_replicas_when_another_created_some_since_it_read(now, profile):
+    """Two passes that both read "1 of 3" must not both create two: the second finds the set changed."""
+    dep = deploy(profile, replicas=3)
+    other = Replica.objects.create(deployment=dep, created_at=now, updated_at=now)  # the other pass's
+    ours = [Replica(deployment_id=dep.id, created_at=now, updated_at=now) for _ in range(3)]
+    assert create_replicas(ours, {dep.id: set()}, now=now) == []
+    assert list(Replica.objects.filter(deployment=dep).values_list("id", flat=True)) == [other.id]
+    # Read after it: the pass's view holds, and it creates.
+    assert len(create_replicas(ours[:2], {dep.id: {other.id}}, now=now)) == 2
+    assert Replica.objects.filter(deployment=dep).count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_racing_reconcilers_place_exactly_the_desired_count(now, profile):
+    for name in ("a", "b", "c"):
+        make_node(name, now=now, gpus=8)
+    dep = deploy(profile, replicas=4)
+    barrier = threading.Barrier(3)
+    errors: list[BaseException] = []
+
+    def one_pass() -> None:
+        try:
+            barrier.wait(timeout=30)
+            reconcile(now=now)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=one_pass) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    reconcile(now=now)
+    live = Replica.objects.filter(deployment=dep).exclude(state__in=["stopped", "failed"])
+    assert live.count() == 4
+    assert live.filter(state="starting").count() == 4
+    shards = list(Shard.objects.exclude(state__in=shard_states.TERMINAL).values_list("node_id", "http_port"))
+    assert len(shards) == len(set(shards)) == 4
+    gpus = list(AllocatedGPU.objects.values_list("node_id", "gpu_index"))
+    assert len(gpus) == len(set(gpus)) == 16
+
+
+def test_two_live_shards_never_share_a_node_and_port(now, profile):
+    make_node("a", now=now)
+    dep = deploy(profile)
+    first = Replica.objects.create(deployment=dep, created_at=now, updated_at=now)
+    second = Replica.objects.create(deployment=dep, created_at=now, updated_at=now)
+    Shard.objects.create(replica=first, node_id="a", http_port=18000, state="stopped", created_at=now, updated_at=now)
+    Shard.objects.create(replica=second, node_id="a", http_port=18000, state="ready", created_at=now, updated_at=now)
+    with pytest.raises(IntegrityError, match="placement_shard_live_port_unique"), transaction.atomic():
+        Shard.objects.create(
+            replica=first, node_id="a", rank=1, http_port=18000, state="starting", created_at=now, updated_at=now
+        )
+
+
+def test_a_poison_profile_is_recorded_on_its_replica_and_the_pass_goes_on(now, profile):
+    """300 engine args (the wire allows 256) written straight to the database: only that deployment waits."""
+    make_node("a", now=now, gpus=8)
+    poison = EngineProfile.objects.create(name="poison", engine="echo", gpus_per_node=4, args=["--x"] * 300)
+    bad = deploy(poison, name="bad")
+    good = deploy(profile, name="good")
+    report = reconcile(now=now)
+    assert (report.placed, report.errors) == (1, 1)
+    assert states(good) == ["starting"]
+    rep = Replica.objects.get(deployment=bad)
+    assert rep.state == "pending" and rep.attempts == 1
+    assert rep.reason.startswith("placement failed (ValidationError: ")
+    assert rep.reason.endswith("; next try in 10 s")
+    assert rep.not_before == now + dt.timedelta(seconds=10)
+    event = PlacementEvent.objects.get(replica=rep, kind="placement_error")
+    assert event.reason == rep.reason
+    # Nothing of it was written: no allocation, shard or command.
+    assert not Shard.objects.filter(replica=rep).exists()
+    assert not Allocation.objects.filter(replica_id=rep.id).exists()
+    # Not tried again before its time; then again, with a doubled wait.
+    assert reconcile(now=now + dt.timedelta(seconds=5)).backing_off == 1
+    assert Replica.objects.get(id=rep.id).attempts == 1
+    assert reconcile(now=now + dt.timedelta(seconds=11)).errors == 1
+    rep.refresh_from_db()
+    assert (rep.attempts, rep.not_before) == (2, now + dt.timedelta(seconds=31))
+
+
+def test_a_replica_that_keeps_failing_to_start_waits_longer_each_time_and_avoids_the_node(now, profile, settings):
+    settings.LLMGW_AVOID_AFTER = 2
+    make_node("a", now=now, gpus=4)
+    make_node("b", now=now, gpus=4)
+    dep = deploy(profile)
+    t = now
+
+    def fail_the_start(at) -> Replica:
+        rep = Replica.objects.get(deployment=dep, state="starting")
+        report_state(rep.shards.get(), "failed", now=at, reason="port 18000 in use")
+        reconcile(now=at)
+        return rep
+
+    reconcile(now=t)
+    first = Replica.objects.get(deployment=dep, state="starting")
+    node = first.shards.get().node_id
+    fail_the_start(t)
+    waiting = Replica.objects.get(deployment=dep, state="pending")
+    assert waiting.not_before == t + dt.timedelta(seconds=10)
+    assert waiting.reason == (
+        f"waiting 10 s before placing again: 1 failed start (last: shard 0 on {node} failed: port 18000 in use)"
+    )
+    assert reconcile(now=t + dt.timedelta(seconds=9)).backing_off == 1
+    assert reconcile(now=t + dt.timedelta(seconds=10)).placed == 1
+    second = Replica.objects.get(deployment=dep, state="starting")
+    assert second.shards.get().node_id == node  # binpack, same node: one failure is not a pattern yet
+    t += dt.timedelta(seconds=10)
+    touch("a", now=t)
+    touch("b", now=t)
+    fail_the_start(t)
+    waiting = Replica.objects.get(deployment=dep, state="pending")
+    assert waiting.not_before == t + dt.timedelta(seconds=20)
+    t += dt.timedelta(seconds=20)
+    touch("a", now=t)
+    touch("b", now=t)
+    reconcile(now=t)
+    third = Replica.objects.get(deployment=dep, state="starting")
+    # Two failed starts on that node: the next replica goes elsewhere.
+    assert third.shards.get().node_id == ({"a", "b"} - {node}).pop()
+    # A replica that becomes ready resets the count.
+    all_ready(t, replica=third)
+    reconcile(now=t)
+    assert start_failures({dep.id}, now=t) == {}
