@@ -241,6 +241,8 @@ CELERY_BEAT_SCHEDULE: dict = {}
 
 # llmgw's own knobs.
 LLMGW_JOIN_TOKEN = os.environ.get("LLMGW_JOIN_TOKEN", "")
+# How long a join whose answer was lost may be retried with the same nonce (agents/credentials.py rejoin).
+LLMGW_JOIN_RETRY_WINDOW = env_seconds("LLMGW_JOIN_RETRY_WINDOW", 600.0)
 LLMGW_UNREACHABLE_AFTER = env_seconds("LLMGW_UNREACHABLE_AFTER", 30.0)
 LLMGW_LOST_AFTER = env_seconds("LLMGW_LOST_AFTER", 300.0)
 LLMGW_HEARTBEAT_INTERVAL = env_seconds("LLMGW_HEARTBEAT_INTERVAL", 5.0)

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import socket
 import struct
 import tempfile
@@ -209,6 +210,37 @@ class Agent:
             finally:
                 os.close(dfd)
 
+    @property
+    def _join_nonce_path(self) -> Path:
+        return self.state_dir / "join-nonce"
+
+    def _join_nonce(self) -> str:
+        """The secret that makes a retried join recognisable as this agent's, drawn once and kept until joined.
+
+        Written before the first try, so a join whose answer was lost (the
+        agent timed out, the server went on and issued the credential) is
+        retried with the same nonce, and gets the credential again.
+        """
+        path = self._join_nonce_path
+        with contextlib.suppress(OSError):
+            value = path.read_text().strip()
+            if len(value) >= 32:
+                return value
+        value = secrets.token_urlsafe(32)
+        fd, tmp = tempfile.mkstemp(prefix=".join-nonce-", suffix=".tmp", dir=self.state_dir)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(value)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return value
+
     def rotate_credential(self) -> bool:
         """Trade the current credential for a new one (an operator asked); True when stored.
 
@@ -344,6 +376,7 @@ class Agent:
                     f"this node has no credential yet and {source} gives no join token:"
                     " set join_token or join_token_file (an operator creates one)"
                 )
+            body = body.model_copy(update={"join_nonce": self._join_nonce()})
             r = self._post("/api/v1/agent/register", body, token, timeout=REGISTER_TIMEOUT_S)
             if r.status_code == 401:
                 key = f"join_token_file {c.join_token_file!r}" if c.join_token_file else "join_token"
@@ -358,6 +391,8 @@ class Agent:
         resp = self._answer(r, wire.RegisterResponse, "registration")
         if resp.credential:
             self._save_credential(resp.credential)
+            # Joined: the next join (after an operator's reset) is a new one, with a new nonce.
+            self._join_nonce_path.unlink(missing_ok=True)
             log.info("registered as %s; credential stored in %s (mode 0600)", resp.node_id, self.credential_path)
         else:
             log.info("registered as %s", resp.node_id)

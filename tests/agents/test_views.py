@@ -124,6 +124,56 @@ def test_admin_join_token_expiry_and_use_limit(client, now):
     assert JoinToken.objects.get(id=expired.id).uses == 0
 
 
+NONCE = "n" * 43
+
+
+def test_a_join_retried_after_its_answer_was_lost_gets_a_credential(client):
+    """A registration storm: the agent timed out, the server went on; the retry must not be locked out."""
+    t0 = timezone.now()
+    token, secret = credentials.create_join_token(
+        name="rack 7", expires_at=t0 + dt.timedelta(hours=1), max_uses=1, now=t0
+    )
+    first = post(client, "register", register_payload("node-a", join_nonce=NONCE), secret)
+    assert first.status_code == 200
+    # The answer never arrived. The retry: same node, same (now used-up) token, same nonce.
+    retry = post(client, "register", register_payload("node-a", join_nonce=NONCE), secret)
+    assert retry.status_code == 200, retry.content
+    credential = retry.json()["credential"]
+    assert credential.startswith(credentials.NODE_PREFIX) and credential != first.json()["credential"]
+    # The use was counted once; the retried credential is the one that works now.
+    token.refresh_from_db()
+    assert token.uses == 1
+    assert post(client, "heartbeat", heartbeat_payload(), credential).status_code == 200
+    assert post(client, "heartbeat", heartbeat_payload(), first.json()["credential"]).status_code == 401
+    assert list(
+        NodeEvent.objects.filter(node_id="node-a", kind="credential").order_by("id").values_list("message", flat=True)
+    ) == ["credential issued (rack 7)", "credential issued again: a retried join (rack 7)"]
+
+
+def test_a_join_retry_needs_the_same_nonce_token_and_window(client, settings):
+    settings.LLMGW_JOIN_RETRY_WINDOW = 600
+    t0 = timezone.now()
+    token, secret = credentials.create_join_token(
+        name="rack 7", expires_at=t0 + dt.timedelta(hours=1), max_uses=5, now=t0
+    )
+    other, other_secret = credentials.create_join_token(
+        name="rack 8", expires_at=t0 + dt.timedelta(hours=1), max_uses=5, now=t0
+    )
+    assert post(client, "register", register_payload("node-a", join_nonce=NONCE), secret).status_code == 200
+    refused = [
+        post(client, "register", register_payload("node-a", join_nonce="m" * 43), secret),  # another agent
+        post(client, "register", register_payload("node-a"), secret),  # no nonce
+        post(client, "register", register_payload("node-a", join_nonce=NONCE), other_secret),  # another token
+    ]
+    assert [r.status_code for r in refused] == [403, 403, 403]
+    # Past the window, or once the credential was rotated, it is a takeover: refused.
+    NodeCredential.objects.update(issued_at=t0 - dt.timedelta(seconds=601))
+    assert post(client, "register", register_payload("node-a", join_nonce=NONCE), secret).status_code == 403
+    token.refresh_from_db()
+    other.refresh_from_db()
+    assert (token.uses, other.uses) == (1, 0)
+
+
 def test_the_last_use_of_a_join_token_goes_to_one_node(now):
     token, secret = credentials.create_join_token(name="x", expires_at=now + dt.timedelta(hours=1), max_uses=1, now=now)
     # Two registrations both saw the token usable; the use is re-checked as it is counted.

@@ -506,3 +506,20 @@ def test_heartbeat_answers_decide_what_the_loop_does_next(make_agent, status, bo
     assert agent.registered is (raised is not NeedsRegister)
     if raised is Refused:
         assert str(exc.value) == "heartbeat refused: HTTP 400: bad heartbeat"  # the control plane's words, not its JSON
+
+
+def test_a_join_is_retried_with_the_same_nonce_until_answered(make_agent, cp):
+    """A join whose answer was lost is sent again with the nonce of the first try; once joined, it is dropped."""
+    agent = make_agent()
+    cp.fail_next = 1
+    with pytest.raises(Unreachable):
+        agent.register()
+    nonce_file = agent.state_dir / "join-nonce"
+    assert stat.S_IMODE(nonce_file.stat().st_mode) == 0o600
+    agent.register()
+    joins = [body["join_nonce"] for path, token, body in cp.requests if path.endswith("/register")]
+    assert len(joins) == 2 and len(joins[0]) >= 32 and joins[0] == joins[1]
+    assert not nonce_file.exists()
+    # A registration with its own credential carries none.
+    agent.register()
+    assert "join_nonce" not in cp.requests[-1][2]
