@@ -136,6 +136,9 @@ class HeldLock:
     def close(self) -> None:
         """Let the lock go."""
         if self.conn is not None:
+            # Unlocked first: the server ends a closed session a moment after the client has gone.
+            with contextlib.suppress(Exception):
+                self.conn.execute("SELECT pg_advisory_unlock(%s)", [lock_key(self.name)])
             with contextlib.suppress(Exception):
                 self.conn.close()
             self.conn = None

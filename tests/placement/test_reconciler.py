@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
-import subprocess
-import sys
 import threading
+import time
 import uuid
 
 import psycopg
@@ -303,41 +302,17 @@ def test_task_is_single_flight_and_a_dead_holder_blocks_nobody(now, profile):
     assert other.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
     assert reconcile_task(now=now.isoformat()) is None
     assert Replica.objects.count() == 0
-    # The holder dies (its session ends, as with kill -9): the very next pass runs.
+    # The holder dies (its session ends, as with kill -9): a pass runs as soon as the server has
+    # noticed (a cache key held every pass off for its whole 90 s TTL).
     other.close()
-    assert reconcile_task(now=now.isoformat())["placed"] == 1
+    deadline = time.monotonic() + 5
+    while (report := reconcile_task(now=now.isoformat())) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert report is not None and report["placed"] == 1
     # And the pass let its own lock go.
     again = _other_session()
     assert again.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
     again.close()
-
-
-def test_the_file_lock_is_exclusive_and_dies_with_its_holder(tmp_path, settings):
-    """SQLite's fallback: an flock, which the kernel drops with the process."""
-    settings.VAR_DIR = tmp_path
-    first, second = locks.FileLock("reconcile"), locks.FileLock("reconcile")
-    assert first.acquire() and not second.acquire()
-    first.release()
-    assert second.acquire()
-    second.release()
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
-            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
-            str(tmp_path / "locks" / "reconcile.lock"),
-        ],
-        stdout=subprocess.PIPE,
-    )
-    try:
-        assert holder.stdout.readline() == b"held\n"
-        assert not first.acquire()
-    finally:
-        holder.kill()
-        holder.wait()
-    assert first.acquire()
-    first.release()
 
 
 def test_steady_state_queries_do_not_grow_with_deployments(now, profile):
