@@ -10,6 +10,12 @@ dead machine's models alive.
 
 Every move is a compare-and-set under the node's row lock that re-checks the
 node is still silent, so a heartbeat arriving mid-sweep wins.
+
+The control plane's own outages are never read as the fleet's death: silence
+in a window when it could not listen (a gap between sweeps: the database or
+beat was down; most of the fleet silent at once: the web tier or the network
+in front of it) does not count against any node, and nodes are declared lost
+at a bounded rate (check_own_health, lost_budget).
 """
 
 from __future__ import annotations

@@ -29,6 +29,9 @@ CACHE_ERRORS = Counter(
     "Telemetry cache operations that failed (the cache was down or slow) and were skipped",
     ["op"],
 )
+# Every operation present from the start at 0, so a rate is defined before the first failure.
+for _op in ("get", "get_many", "put", "forget", "doctor", "doctor_baselines"):
+    CACHE_ERRORS.labels(op=_op)
 
 
 def _failed(op: str, exc: Exception) -> None:

@@ -333,6 +333,13 @@ class Cluster:
         )
         return dict(rows)
 
+    def swept_since(self, at, *, seconds: float) -> bool:
+        """Whether a liveness sweep has run `seconds` after `at` (a database time)."""
+        rows = self.pg.sql(
+            "SELECT last_sweep_at > %s + make_interval(secs => %s) FROM inventory_livenessclock", [at, seconds]
+        )
+        return bool(rows and rows[0][0])
+
     def live_shards(self) -> list[tuple[str, int]]:
         return self.pg.sql(
             "SELECT node_id, http_port FROM placement_shard WHERE state NOT IN ('stopped', 'failed') ORDER BY 1, 2"
@@ -401,7 +408,7 @@ def test_a_database_outage_longer_than_the_lost_delay_loses_no_node(cluster):
     # Every agent comes back within seconds, and the sweep runs again after them.
     _wait(lambda: all(seen > back for _, seen in c.nodes().values()), timeout=20, what=c.summary)
     _wait(
-        lambda: c.pg.sql("SELECT last_sweep_at > %s + interval '3 seconds' FROM inventory_livenessclock", [back]),
+        lambda: c.swept_since(back, seconds=3),
         timeout=30,
         what=lambda: f"{c.summary()}; {c.tail('worker')}",
     )

@@ -500,3 +500,16 @@ def test_a_replica_that_keeps_failing_to_start_waits_longer_each_time_and_avoids
     all_ready(t, replica=third)
     reconcile(now=t)
     assert start_failures({dep.id}, now=t) == {}
+
+
+def test_a_ready_node_whose_lease_expired_gets_nothing_new(now, profile, settings):
+    """The sweep has not marked it yet (or an operator action slipped it back to ready): still refused."""
+    settings.LLMGW_UNREACHABLE_AFTER = 30
+    make_node("a", now=now)
+    make_node("b", now=now - dt.timedelta(seconds=31))
+    dep = deploy(profile, replicas=3)
+    report = reconcile(now=now)
+    assert (report.placed, report.pending) == (2, 1)
+    assert set(Shard.objects.values_list("node_id", flat=True)) == {"a"}
+    waiting = Replica.objects.get(deployment=dep, state="pending")
+    assert waiting.pending_reasons == {"a": "0 free GPUs, needs 4", "b": "no heartbeat for 31 s: lease expired"}
