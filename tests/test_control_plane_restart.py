@@ -293,6 +293,8 @@ def test_control_plane_restart_keeps_shards_and_fences_unknown_ones(plane, agent
     # The reconciler runs in this process: three nodes share this host, so shard ports are unique.
     settings.LLMGW_SHARD_PORTS_UNIQUE = True
     settings.LLMGW_SHARD_PORT_BASE = _free_port()
+    # A shard whose port a stranger took meanwhile is placed again within the second here.
+    settings.LLMGW_START_BACKOFF_BASE = 0.2
     plane.start()
     agents.start()
     _wait(
