@@ -130,11 +130,20 @@ def _usable_join_tokens(now: dt.datetime):
 
 
 def check_join_token(token: str, *, now: dt.datetime) -> JoinAuth | None:
-    """Whether a token may register a new node: the bootstrap token, or a live admin-created one."""
+    """Whether a token is a join token: the bootstrap token, or an admin-created one not revoked or expired.
+
+    One that is used up still identifies its holder: a retry of a join whose
+    answer was lost (rejoin) needs no new use, while a new node is refused
+    when consume_join_token finds no use left.
+    """
     bootstrap = settings.LLMGW_JOIN_TOKEN
     if bootstrap and hmac.compare_digest(token.encode(), bootstrap.encode()):
         return JoinAuth(token_id=None, name="bootstrap token")
-    row = _usable_join_tokens(now).filter(token_hash=hash_secret(token)).values_list("id", "name").first()
+    row = (
+        JoinToken.objects.filter(revoked_at__isnull=True, expires_at__gt=now, token_hash=hash_secret(token))
+        .values_list("id", "name")
+        .first()
+    )
     if row is None:
         return None
     return JoinAuth(token_id=row[0], name=row[1])
@@ -156,11 +165,47 @@ def has_credential(node_id: str) -> bool:
     return NodeCredential.objects.filter(node_id=node_id).exists()
 
 
-def issue(node_id: str, *, now: dt.datetime, issued_by: str) -> str:
+def issue(node_id: str, *, now: dt.datetime, issued_by: str, join_nonce: str | None = None) -> str:
     """Give a node a new credential, replacing none (the caller checked there is none); returns the secret."""
     secret = new_secret(NODE_PREFIX)
-    NodeCredential.objects.create(node_id=node_id, token_hash=hash_secret(secret), issued_at=now, issued_by=issued_by)
+    NodeCredential.objects.create(
+        node_id=node_id,
+        token_hash=hash_secret(secret),
+        issued_at=now,
+        issued_by=issued_by,
+        join_nonce_hash=hash_secret(join_nonce) if join_nonce else "",
+    )
     record_event(node_id, "credential", f"credential issued ({issued_by})", now=now, actor_name="agent")
+    return secret
+
+
+def rejoin(node_id: str, *, join: JoinAuth, join_nonce: str | None, now: dt.datetime) -> str | None:
+    """A retry of a join whose answer was lost: the credential again (a new secret), or None when it is not one.
+
+    A retry is the same node, the same join token, the same nonce (a secret
+    only that agent holds, drawn before its first try), within
+    LLMGW_JOIN_RETRY_WINDOW of the first answer, and before the credential
+    was ever rotated. The join token's use was counted by the first try and
+    is not counted again: under a registration storm an agent that timed out
+    while the server went on must not be locked out by its own retry.
+    """
+    if not join_nonce:
+        return None
+    since = now - dt.timedelta(seconds=settings.LLMGW_JOIN_RETRY_WINDOW)
+    secret = new_secret(NODE_PREFIX)
+    with transaction.atomic():
+        done = NodeCredential.objects.filter(
+            node_id=node_id,
+            issued_by=join.name,
+            join_nonce_hash=hash_secret(join_nonce),
+            issued_at__gte=since,
+            previous_hash__isnull=True,
+        ).update(token_hash=hash_secret(secret), issued_at=now)
+        if not done:
+            return None
+        record_event(
+            node_id, "credential", f"credential issued again: a retried join ({join.name})", now=now, actor_name="agent"
+        )
     return secret
 
 
@@ -179,6 +224,7 @@ def rotate(node_id: str, *, now: dt.datetime) -> str:
         cred.issued_at = now
         cred.issued_by = "rotation"
         cred.rotation_requested_at = None
+        cred.join_nonce_hash = ""
         cred.save()
         record_event(node_id, "credential", "credential rotated", now=now, actor_name="agent")
     return secret

@@ -107,6 +107,9 @@ class NodeCredential(models.Model):
     issued_by = models.CharField(max_length=150, blank=True)
     # An operator asked the agent to rotate; its next heartbeat answer says so.
     rotation_requested_at = models.DateTimeField(null=True, blank=True)
+    # SHA-256 of the join nonce of the registration that issued it, while that join
+    # may still be retried (agents/credentials.py rejoin).
+    join_nonce_hash = models.CharField(max_length=64, blank=True)
 
     class Meta:
         ordering = ["node_id"]

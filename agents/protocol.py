@@ -91,16 +91,18 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
             else:
                 assert caller.join is not None
                 if credentials.has_credential(reg.node_id):
-                    raise Refused(
-                        403,
-                        "this node id is registered with its own credential; a join token cannot take it over "
-                        "unless an operator resets the credential",
-                    )
-                if not credentials.consume_join_token(caller.join, now=now):
+                    secret = credentials.rejoin(reg.node_id, join=caller.join, join_nonce=reg.join_nonce, now=now)
+                    if secret is None:
+                        raise Refused(
+                            403,
+                            "this node id is registered with its own credential; a join token cannot take it over "
+                            "unless an operator resets the credential",
+                        )
+                elif not credentials.consume_join_token(caller.join, now=now):
                     raise UNAUTHENTICATED
             upsert_node(reg, now=now)
-            if caller.join is not None:
-                secret = credentials.issue(reg.node_id, now=now, issued_by=caller.join.name)
+            if caller.join is not None and secret is None:
+                secret = credentials.issue(reg.node_id, now=now, issued_by=caller.join.name, join_nonce=reg.join_nonce)
             sync = agent_sync.adopt_running(reg.node_id, reg.running_shards, now=now)
             if sync.changed:
                 agent_sync.queue_reconcile()

@@ -311,6 +311,10 @@ class Register(Message):
     running_shards: Annotated[list[RunningShard], Field(max_length=MAX_SHARDS)] = empty_list()
     engine_installs: Annotated[list[EngineInstall], Field(max_length=MAX_LIST)] | None = None
     at: float | None = None
+    # A secret the agent draws before its first join with a token and keeps until
+    # it holds a credential: a retry of a join whose answer was lost proves, with
+    # it, that it is the same agent, and gets a credential again instead of a refusal.
+    join_nonce: Annotated[str, StringConstraints(min_length=32, max_length=128)] | None = None
 
     @field_validator("gpus")
     @classmethod

@@ -285,7 +285,7 @@ class NodeAdmin(admin.ModelAdmin):
     # --- actions, each with a page saying what it will do
 
     def _confirm(self, request: HttpRequest, queryset, name: str):
-        impacts = operations.impact(name, queryset.order_by("id"))
+        impacts = operations.impact(name, queryset.order_by("id"), now=timezone.now())
         if request.POST.get("post") == "yes":
             fn, done_word = ACTIONS[name]
             now = timezone.now()

@@ -37,6 +37,7 @@ from inventory.models import (
     EngineInstallState,
     FabricAttachment,
     FabricScan,
+    LivenessClock,
     Node,
     NodeState,
     SMChange,
@@ -143,6 +144,8 @@ class Inventory:
     counter_baselines: dict[str, dict[str, Any]] = field(default_factory=dict)
     node_gpus: dict[str, list[GPURow]] = field(default_factory=dict)
     node_fabrics: dict[str, list[FabricRow]] = field(default_factory=dict)
+    # The liveness sweep's view of the control plane's own faults (None before the first sweep).
+    clock: LivenessClock | None = None
     _ports: dict[str, list[Any]] | None = None
     _canon: dict[str, str] | None = None
 
@@ -177,7 +180,7 @@ def _grouped(rows: Iterable[tuple], make: Callable[..., Any]) -> dict[str, list[
 
 
 def load_inventory(*, now: dt.datetime, checks: bool = True) -> Inventory:
-    """Read what the checks need: seven queries and two cache round trips, whatever the cluster's size.
+    """Read what the checks need: eight queries and two cache round trips, whatever the cluster's size.
 
     Without `checks`, only what the metrics read besides the doctor's results:
     nodes, their GPUs and telemetry (two queries, one round trip).
@@ -199,6 +202,7 @@ def load_inventory(*, now: dt.datetime, checks: bool = True) -> Inventory:
         Replica.objects.filter(state=ReplicaState.PENDING).select_related("deployment").order_by("created_at")
     )
     inv.counter_baselines = _load_baselines(ids)
+    inv.clock = LivenessClock.objects.filter(id=1).first()
     return inv
 
 
@@ -235,6 +239,51 @@ def check_nodes_reachable(inv: Inventory) -> CheckResult:
         action="check the agent service and the management network on these nodes; a lost node's replicas "
         "are rebuilt elsewhere, and it returns to ready by itself when heartbeats resume",
     )
+
+
+# How long a blind window of the liveness sweep stays a warning after it ended.
+BLIND_RECENT = dt.timedelta(hours=1)
+
+
+def check_control_plane_liveness(inv: Inventory) -> CheckResult:
+    """Whether the liveness sweep could listen: mass silence now fails, a recent blind window warns."""
+    name = "control_plane_liveness"
+    clock = inv.clock
+    if clock is not None and clock.disruption_since is not None:
+        return CheckResult(
+            name,
+            Result.FAIL,
+            f"{clock.disruption_detail} since {clock.disruption_since:%Y-%m-%d %H:%M:%S}: read as the control "
+            "plane's own outage; no node is marked unreachable or lost until heartbeats resume",
+            "check the web servers, the load balancer, the cache and the network between the agents and the "
+            "control plane; if those nodes are really down (a rack lost power), raise LLMGW_MASS_SILENCE or "
+            "cordon them so their replicas can be rebuilt elsewhere",
+        )
+    if (
+        clock is not None
+        and clock.blind_until is not None
+        and clock.blind_reason != "first sweep"
+        and inv.now - clock.blind_until < BLIND_RECENT
+    ):
+        return CheckResult(
+            name,
+            Result.WARN,
+            f"the liveness sweep could not listen from {clock.blind_from:%Y-%m-%d %H:%M:%S} to "
+            f"{clock.blind_until:%Y-%m-%d %H:%M:%S} ({clock.blind_reason}); that silence was not held against "
+            "any node",
+            "check the database, the Celery worker and beat, and the web tier for that period",
+        )
+    if clock is None or clock.last_sweep_at is None:
+        return CheckResult(name, Result.PASS, "no liveness sweep recorded yet")
+    idle = (inv.now - clock.last_sweep_at).total_seconds()
+    if idle > settings.LLMGW_SWEEP_GAP:
+        return CheckResult(
+            name,
+            Result.WARN,
+            f"no liveness sweep for {int(idle)} s: silent nodes are not being judged",
+            "check Celery beat and the worker (make run starts both)",
+        )
+    return CheckResult(name, Result.PASS, "the liveness sweep runs and hears the fleet")
 
 
 def check_clock_skew(inv: Inventory) -> CheckResult:
@@ -481,7 +530,7 @@ def counter_key(node_id: str) -> str:
 
 
 def _load_baselines(node_ids: list[str]) -> dict[str, dict[str, Any]]:
-    found = cache.get_many([counter_key(n) for n in node_ids])
+    found = telemetry.best_effort("doctor_baselines", lambda: cache.get_many([counter_key(n) for n in node_ids]), {})
     return {k[len(_COUNTER_KEY) :]: v for k, v in found.items()}
 
 
@@ -517,7 +566,11 @@ def check_ib_errors(inv: Inventory) -> CheckResult:
                     if name in FAIL_COUNTERS:
                         fails.add(node_id)
     if updates:
-        cache.set_many({counter_key(k): v for k, v in updates.items()}, timeout=_COUNTER_TTL_S)
+        telemetry.best_effort(
+            "doctor_baselines",
+            lambda: cache.set_many({counter_key(k): v for k, v in updates.items()}, timeout=_COUNTER_TTL_S),
+            None,
+        )
         inv.counter_baselines.update(updates)
     return _verdict(
         "ib_errors",
@@ -686,6 +739,7 @@ def check_replicas_pending(inv: Inventory) -> CheckResult:
 
 
 CHECKS: tuple[Callable[[Inventory], CheckResult], ...] = (
+    check_control_plane_liveness,
     check_nodes_reachable,
     check_clock_skew,
     check_nvlink_joined,
@@ -750,13 +804,15 @@ def latest(
         if hit is not None:
             return hit
     results = run_checks(inv if inv is not None else load_inventory(now=now))
-    cache.set(_LATEST_KEY, (now, results), timeout=settings.LLMGW_DOCTOR_CACHE)
+    telemetry.best_effort(
+        "doctor", lambda: cache.set(_LATEST_KEY, (now, results), timeout=settings.LLMGW_DOCTOR_CACHE), None
+    )
     return now, results
 
 
 def cached(*, now: dt.datetime) -> tuple[dt.datetime, list[CheckResult]] | None:
     """The stored results when still fresh at `now` (see `latest`), else None."""
-    hit = cache.get(_LATEST_KEY)
+    hit = telemetry.best_effort("doctor", lambda: cache.get(_LATEST_KEY), None)
     if hit is not None and 0 <= (now - hit[0]).total_seconds() < settings.LLMGW_DOCTOR_CACHE:
         return hit
     return None

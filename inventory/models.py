@@ -377,3 +377,44 @@ class NodeEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.node_id} {self.kind}: {self.message}"
+
+
+class LivenessClock(models.Model):
+    """What the liveness sweep knows of its own health: one row (id 1).
+
+    A node is judged only on silence the control plane could have heard: a
+    gap between two sweeps (the database was down, or beat was) and a mass
+    silence of the fleet are windows in which the control plane itself was
+    deaf, so they are not held against any node.
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    last_sweep_at = models.DateTimeField(null=True, blank=True)
+    # The last window in which the control plane could not hear heartbeats.
+    blind_from = models.DateTimeField(null=True, blank=True)
+    blind_until = models.DateTimeField(null=True, blank=True)
+    blind_reason = models.TextField(blank=True)
+    # Set while most of the fleet is silent at once (treated as the control plane's own fault).
+    disruption_since = models.DateTimeField(null=True, blank=True)
+    disruption_detail = models.TextField(blank=True)
+
+    class Meta:
+        constraints = [models.CheckConstraint(condition=Q(id=1), name="inventory_liveness_clock_singleton")]
+
+    def __str__(self) -> str:
+        return f"liveness clock (last sweep {self.last_sweep_at})"
+
+
+class ControlPlaneEvent(models.Model):
+    """Something the control plane noticed about itself: a blind sweep, a mass silence starting or ending."""
+
+    at = models.DateTimeField(db_index=True)
+    kind = models.CharField(max_length=32)
+    message = models.TextField()
+    data = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.kind}: {self.message}"

@@ -14,7 +14,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from django.conf import settings
 from django.db import transaction
+from django.utils import timezone
 
 from agents import wire
 from inventory import telemetry
@@ -153,18 +155,34 @@ class Impact:
 _TARGET = {"cordon": NodeState.CORDONED, "uncordon": NodeState.READY, "drain": NodeState.DRAINING}
 
 
-def impact(action: str, nodes: Iterable[Node]) -> list[Impact]:
+def silence(node: Node, *, now: dt.datetime) -> str:
+    """Why a node's agent counts as silent ("" when its heartbeats arrive): flagged, or past the lease."""
+    if node.unreachable_since is not None:
+        return f"its agent has been silent since {node.unreachable_since:%Y-%m-%d %H:%M:%S} UTC"
+    if node.last_seen is None:
+        return "its agent has never sent a heartbeat"
+    quiet = (now - node.last_seen).total_seconds()
+    if quiet > settings.LLMGW_UNREACHABLE_AFTER:
+        return f"its agent has sent no heartbeat for {int(quiet)} s"
+    return ""
+
+
+def impact(action: str, nodes: Iterable[Node], *, now: dt.datetime | None = None) -> list[Impact]:
     """What `action` (cordon, uncordon, drain) would do to each node, for a confirmation page.
 
     Uncordon only releases an operator's hold: an unreachable node comes back
-    by heartbeat, not by an operator saying so.
+    by heartbeat, not by an operator saying so, and a cordoned or draining
+    node whose agent is silent stays out of placement (otherwise cordon then
+    uncordon would make a dead node schedulable).
     """
+    now = now or timezone.now()
     target = _TARGET[action]
     nodes = list(nodes)
     live = live_replicas(n.id for n in nodes) if action == "drain" else {}
     out = []
     for n in nodes:
         state = NodeState(n.state)
+        quiet = silence(n, now=now) if target == NodeState.READY else ""
         if state == target:
             allowed, reason = False, f"already {state}"
         elif action == "uncordon" and state not in (NodeState.CORDONED, NodeState.DRAINING):
@@ -173,6 +191,8 @@ def impact(action: str, nodes: Iterable[Node]) -> list[Impact]:
                 False,
                 f"{state} is not an operator's hold: it returns to ready when its heartbeats resume",
             )
+        elif quiet:
+            allowed, reason = False, f"{quiet}: it can be uncordoned once its heartbeats resume"
         elif target not in NODE_TRANSITIONS[state]:
             allowed, reason = False, f"{state} cannot become {target}"
         else:
@@ -182,13 +202,15 @@ def impact(action: str, nodes: Iterable[Node]) -> list[Impact]:
 
 
 def _act(action: str, node_id: str, *, now: dt.datetime, actor: AbstractBaseUser | None, reason: str = "") -> NodeState:
-    node = Node.objects.only("id", "state").get(id=node_id)
-    (verdict,) = impact(action, [node])
-    if not verdict.allowed:
-        raise TransitionError(f"node {node_id}: {verdict.reason}")
-    why = reason or f"{action} by {actor.get_username() if actor is not None else 'system'}"
-    if not change_state(node_id, _TARGET[action], now=now, expected=verdict.state, reason=why, actor=actor):
-        raise TransitionError(f"node {node_id} changed state meanwhile; look again")
+    with transaction.atomic():
+        # Locked, so a sweep marking it silent cannot slip between the check and the move.
+        node = Node.objects.select_for_update().only("id", "state", "last_seen", "unreachable_since").get(id=node_id)
+        (verdict,) = impact(action, [node], now=now)
+        if not verdict.allowed:
+            raise TransitionError(f"node {node_id}: {verdict.reason}")
+        why = reason or f"{action} by {actor.get_username() if actor is not None else 'system'}"
+        if not change_state(node_id, _TARGET[action], now=now, expected=verdict.state, reason=why, actor=actor):
+            raise TransitionError(f"node {node_id} changed state meanwhile; look again")
     return _TARGET[action]
 
 

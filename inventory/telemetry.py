@@ -4,17 +4,56 @@ It describes a moment, so it lives in the cache (Redis in production) with a
 TTL, never in a table row per heartbeat; a restored value would be stale.
 One key per node holds the latest heartbeat's telemetry as plain JSON-able
 data; readers fetch many nodes in one round trip.
+
+Telemetry is best effort: a cache that is down or slow must never cost a
+node its lease (the heartbeat's database work commits whatever the cache
+does), so every call here swallows the cache's errors, logs them, counts them
+in `llmgw_telemetry_cache_errors_total{op}` and answers "not reported".
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.core.cache import cache
+from prometheus_client import Counter
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+CACHE_ERRORS = Counter(
+    "llmgw_telemetry_cache_errors",
+    "Telemetry cache operations that failed (the cache was down or slow) and were skipped",
+    ["op"],
+)
+# Every operation present from the start at 0, so a rate is defined before the first failure.
+for _op in ("get", "get_many", "put", "forget", "doctor", "doctor_baselines"):
+    CACHE_ERRORS.labels(op=_op)
+
+
+def _failed(op: str, exc: Exception) -> None:
+    CACHE_ERRORS.labels(op=op).inc()
+    log.warning("telemetry cache %s skipped: %s: %s", op, type(exc).__name__, exc)
+
 
 _PREFIX = "telemetry:"
+
+
+def best_effort(op: str, call: Callable[[], T], default: T) -> T:
+    """Run one cache call; on any failure log and count it under `op` and return `default`.
+
+    For every reader and writer of momentary data (telemetry, the doctor's
+    baselines and its cached results): a cache outage costs them freshness,
+    never a request.
+    """
+    try:
+        return call()
+    except Exception as exc:  # any cache failure: the moment is lost, nothing else
+        _failed(op, exc)
+        return default
 
 
 def key(node_id: str) -> str:
@@ -31,12 +70,19 @@ def put(node_id: str, data: dict[str, Any]) -> None:
     "shards": [{"shard_id", "state"}], "applied": fingerprints of the durable reports
     last written (inventory/heartbeat.py digest, keyed "fabrics" and "installs")}.
     """
-    cache.set(key(node_id), data, timeout=settings.LLMGW_TELEMETRY_TTL)
+    try:
+        cache.set(key(node_id), data, timeout=settings.LLMGW_TELEMETRY_TTL)
+    except Exception as exc:  # any cache failure: the moment is lost, nothing else
+        _failed("put", exc)
 
 
 def get(node_id: str) -> dict[str, Any] | None:
-    """A node's latest telemetry, None when there is none (or it expired)."""
-    return cache.get(key(node_id))
+    """A node's latest telemetry, None when there is none (or it expired, or the cache is unreachable)."""
+    try:
+        return cache.get(key(node_id))
+    except Exception as exc:
+        _failed("get", exc)
+        return None
 
 
 def get_many(node_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -44,10 +90,17 @@ def get_many(node_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
     ids = list(node_ids)
     if not ids:
         return {}
-    found = cache.get_many([key(i) for i in ids])
+    try:
+        found = cache.get_many([key(i) for i in ids])
+    except Exception as exc:
+        _failed("get_many", exc)
+        return {}
     return {k[len(_PREFIX) :]: v for k, v in found.items()}
 
 
 def forget(node_id: str) -> None:
-    """Drop a node's telemetry (a forgotten node)."""
-    cache.delete(key(node_id))
+    """Drop a node's telemetry (a forgotten node); it expires by itself if the cache is down."""
+    try:
+        cache.delete(key(node_id))
+    except Exception as exc:
+        _failed("forget", exc)

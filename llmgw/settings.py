@@ -193,6 +193,12 @@ if REDIS_URL:
             "BACKEND": "llmgw.cache.RedisCache",
             "LOCATION": REDIS_URL,
             "KEY_PREFIX": LLMGW_CACHE_PREFIX,
+            # A hung Redis must fail a cache call within a second or two, not hold a
+            # heartbeat's request (and its lease transaction) open (inventory/telemetry.py).
+            "OPTIONS": {
+                "socket_connect_timeout": env_seconds("LLMGW_CACHE_TIMEOUT", 1.0),
+                "socket_timeout": env_seconds("LLMGW_CACHE_TIMEOUT", 1.0),
+            },
         }
     }
 else:
@@ -292,6 +298,8 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 CELERY_TIMEZONE = "UTC"
 CELERY_BEAT_SCHEDULE_FILENAME = str(VAR_DIR / "celery" / "beat-schedule")
+# One beat in the cluster: every beat takes a lock first (llmgw/beat.py).
+CELERY_BEAT_SCHEDULER = "llmgw.beat.LockedScheduler"
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 # Each app adds its periodic tasks here (see llmgw/celery.py).
 CELERY_BEAT_SCHEDULE: dict = {}
@@ -303,6 +311,8 @@ LLMGW_JOIN_TOKEN = os.environ.get("LLMGW_JOIN_TOKEN", "")
 # all). Neither set: only a signed-in user who may view nodes.
 LLMGW_METRICS_TOKEN = os.environ.get("LLMGW_METRICS_TOKEN", "")
 LLMGW_METRICS_ALLOW = env_networks("LLMGW_METRICS_ALLOW")
+# How long a join whose answer was lost may be retried with the same nonce (agents/credentials.py rejoin).
+LLMGW_JOIN_RETRY_WINDOW = env_seconds("LLMGW_JOIN_RETRY_WINDOW", 600.0)
 LLMGW_UNREACHABLE_AFTER = env_seconds("LLMGW_UNREACHABLE_AFTER", 30.0)
 LLMGW_LOST_AFTER = env_seconds("LLMGW_LOST_AFTER", 300.0)
 LLMGW_HEARTBEAT_INTERVAL = env_seconds("LLMGW_HEARTBEAT_INTERVAL", 5.0)
@@ -322,10 +332,22 @@ CELERY_BEAT_SCHEDULE["inventory.schedule_fabric_scans"] = {
 
 # The liveness sweep: often enough that "unreachable" is seen within seconds
 # of LLMGW_UNREACHABLE_AFTER.
+LLMGW_LIVENESS_INTERVAL = env_seconds("LLMGW_LIVENESS_INTERVAL", 10.0)
 CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
     "task": "agents.liveness_sweep",
-    "schedule": env_seconds("LLMGW_LIVENESS_INTERVAL", 10.0),
+    "schedule": LLMGW_LIVENESS_INTERVAL,
 }
+# The sweep's view of its own faults (inventory/liveness.py). Two sweeps further
+# apart than LLMGW_SWEEP_GAP mean the control plane could not listen in between;
+# more than LLMGW_MASS_SILENCE (a fraction) of the fleet, and at least
+# LLMGW_MASS_SILENCE_MIN_NODES nodes, silent at once is read as the control
+# plane's own outage, as Kubernetes' node lifecycle controller does; and no
+# more than LLMGW_LOST_RATE of the fleet (at least one node) is declared lost
+# per sweep.
+LLMGW_SWEEP_GAP = env_seconds("LLMGW_SWEEP_GAP", 2.5 * LLMGW_LIVENESS_INTERVAL)
+LLMGW_MASS_SILENCE = float(os.environ.get("LLMGW_MASS_SILENCE") or 0.55)
+LLMGW_MASS_SILENCE_MIN_NODES = env_int("LLMGW_MASS_SILENCE_MIN_NODES", 3, minimum=1)
+LLMGW_LOST_RATE = float(os.environ.get("LLMGW_LOST_RATE") or 0.1)
 
 # Placement: the first HTTP port a shard gets on a node, and how often the
 # reconciler runs (it is also queued by events).
@@ -334,6 +356,14 @@ LLMGW_SHARD_PORT_BASE = env_int("LLMGW_SHARD_PORT_BASE", 18000, minimum=1)
 # address (a simulated fleet on one host) share their ports without it.
 LLMGW_SHARD_PORTS_UNIQUE = env_bool("LLMGW_SHARD_PORTS_UNIQUE", False)
 LLMGW_RECONCILE_INTERVAL = env_seconds("LLMGW_RECONCILE_INTERVAL", 10.0)
+# A deployment whose replicas keep failing to start is placed again after a
+# growing delay (base x 2^(failures-1), capped), counting failures within the
+# window since its last ready replica; a node where it failed to start
+# LLMGW_AVOID_AFTER times in the window is kept off for that deployment.
+LLMGW_START_BACKOFF_BASE = env_seconds("LLMGW_START_BACKOFF_BASE", 10.0)
+LLMGW_START_BACKOFF_CAP = env_seconds("LLMGW_START_BACKOFF_CAP", 600.0)
+LLMGW_START_FAILURE_WINDOW = env_seconds("LLMGW_START_FAILURE_WINDOW", 1800.0)
+LLMGW_AVOID_AFTER = env_int("LLMGW_AVOID_AFTER", 2, minimum=1)
 CELERY_BEAT_SCHEDULE["placement-reconcile"] = {
     "task": "placement.reconcile",
     "schedule": LLMGW_RECONCILE_INTERVAL,

@@ -14,23 +14,17 @@ from dataclasses import dataclass, field
 
 from django.db import connection, transaction
 
-from agents import commands, wire
+from agents import commands, shard_states, wire
 from agents.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
 
 log = logging.getLogger(__name__)
 
-# A shard in one of these is over: a report of it running again is a process
-# the control plane has given up on (the node was lost, the replica was
-# released), and it must be stopped, not revived.
-TERMINAL = frozenset({wire.ShardState.STOPPED, wire.ShardState.FAILED})
-LIVE = frozenset(set(wire.ShardState) - TERMINAL)
-# What a fence stops. A shard reported draining is being stopped already (its
-# agent sent SIGTERM and SIGKILLs it at the deadline): fencing it again would
-# queue a fresh StopShard with every heartbeat until it ends, since the first
-# one was acknowledged as soon as it was applied.
-FENCEABLE = LIVE - {wire.ShardState.DRAINING}
+# The state machine's sets, under the names this module has always used.
+TERMINAL = shard_states.TERMINAL
+LIVE = shard_states.LIVE
+FENCEABLE = shard_states.FENCEABLE
 MAX_REASON = 512
 UNKNOWN = "shard unknown to the control plane"
 GONE_REPLICA = frozenset({ReplicaState.STOPPED, ReplicaState.FAILED})
@@ -44,18 +38,8 @@ def _uuid(value: str) -> uuid.UUID | None:
 
 
 def allowed(old: str, new: str) -> bool:
-    """Whether an agent's report may move a shard from `old` to `new`.
-
-    Stopped and failed are final (a restarted shard is a new shard), except
-    that a failed shard may be reported stopped once its process is gone.
-    """
-    if old == new:
-        return False
-    if old == wire.ShardState.STOPPED:
-        return False
-    if old == wire.ShardState.FAILED:
-        return new == wire.ShardState.STOPPED
-    return True
+    """Whether an agent's report may move a shard from `old` to `new`: the state machine's rule."""
+    return shard_states.allowed(old, new)
 
 
 @dataclass
@@ -270,7 +254,7 @@ def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt
                 changes.append((row, str(state), "adopted at registration", None, "adopted"))
     # Known live shards the agent did not report.
     missing = [
-        row for sid, row in rows.items() if sid not in reports and row["state"] in (LIVE - {wire.ShardState.PENDING})
+        row for sid, row in rows.items() if sid not in reports and row["state"] in (LIVE - {shard_states.S.PENDING})
     ]
     if missing:
         waiting = set(

@@ -12,6 +12,7 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
+from agents import shard_states
 from agents.wire import ShardState as WireShardState
 
 
@@ -171,6 +172,10 @@ class Replica(models.Model):
     # When a retiring replica's shards were told to stop: a serving replica
     # drains its requests first (placement.reconciler.stop_when_idle).
     stop_requested_at = models.DateTimeField(null=True, blank=True)
+    # A pending replica is not placed before this (a backoff after failed starts or a failed placement).
+    not_before = models.DateTimeField(null=True, blank=True)
+    # Placements of this replica that raised; each doubles its wait.
+    attempts = models.PositiveIntegerField(default=0)
 
     class Meta:
         ordering = ["deployment_id", "created_at"]
@@ -206,6 +211,13 @@ class Shard(models.Model):
         ordering = ["replica_id", "rank"]
         constraints = [
             models.UniqueConstraint(fields=["replica", "rank"], name="placement_shard_rank_unique"),
+            # One live shard per port on a node, as one per GPU: two racing placements
+            # that picked the same free port cannot both commit.
+            models.UniqueConstraint(
+                fields=["node", "http_port"],
+                condition=~Q(state__in=sorted(shard_states.TERMINAL)),
+                name="placement_shard_live_port_unique",
+            ),
             models.CheckConstraint(
                 condition=Q(state__in=[s.value for s in WireShardState]), name="placement_shard_state_valid"
             ),

@@ -42,9 +42,17 @@ class ReplicaRequest:
     # Local disk a download of the weights needs (GB); 0 constrains nothing.
     disk_gb: int = 0
     selector: Mapping[str, str] = field(default_factory=dict)
+    # Nodes this request keeps off, with why ("2 failed starts here in the last 30 min").
+    avoid: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_profile(cls, profile: EngineProfile, *, selector: Mapping[str, str] | None = None) -> ReplicaRequest:
+    def from_profile(
+        cls,
+        profile: EngineProfile,
+        *,
+        selector: Mapping[str, str] | None = None,
+        avoid: Mapping[str, str] | None = None,
+    ) -> ReplicaRequest:
         """The request of a profile.
 
         GPUs per node, when not declared, is the profile's TP x PP spread over
@@ -62,6 +70,7 @@ class ReplicaRequest:
             model_path=profile.model_path,
             disk_gb=profile.disk_gb,
             selector=dict(selector or {}),
+            avoid=dict(avoid or {}),
         )
 
 
@@ -142,8 +151,12 @@ def node_reason(req: ReplicaRequest, n: NodeInfo, snap: Snapshot, *, need: int |
     """Why this node cannot take one shard of the request, "" when it can (power aside)."""
     if n.state != "ready":
         return n.state
+    if n.silent_s:
+        return f"no heartbeat for {n.silent_s} s: lease expired" if n.silent_s < 10**9 else "never heard from"
     if n.held:
         return n.held
+    if n.id in req.avoid:
+        return req.avoid[n.id]
     for k, v in req.selector.items():
         have = n.labels.get(k)
         if have is None:

@@ -30,9 +30,9 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import IntegrityError, OperationalError, transaction
-from django.db.models import OuterRef, Subquery
+from django.db.models import Max, OuterRef, Subquery
 
-from agents import commands, wire
+from agents import commands, shard_states, wire
 from inventory import allocation
 from inventory.models import Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import record_event
@@ -43,6 +43,7 @@ from placement.models import Deployment, EngineProfile, PlacementEvent, Replica,
 log = logging.getLogger(__name__)
 
 RS = ReplicaState
+SS = shard_states.S
 SERVING = (RS.READY, RS.DEGRADED)
 
 
@@ -57,6 +58,9 @@ class Report:
     failed: int = 0
     stopped: int = 0
     conflicts: int = 0
+    # Pending replicas left for later: waiting out a backoff, or whose placement raised.
+    backing_off: int = 0
+    errors: int = 0
     orphans_released: int = 0
     drained: list[str] = field(default_factory=list)
 
@@ -183,11 +187,11 @@ def _health(rep: _Replica, profile: EngineProfile, now: dt.datetime) -> tuple[st
         where = f"shard {s['rank']} on {s['node_id']}"
         if s["node__state"] == NodeState.LOST:
             return RS.FAILED, f"node {s['node_id']} lost"
-        if s["state"] == "failed":
+        if s["state"] == SS.FAILED:
             return RS.FAILED, f"{where} failed" + (f": {s['reason']}" if s["reason"] else "")
-        if s["state"] in ("stopped", "draining") and state != RS.DRAINING:
+        if s["state"] in (SS.STOPPED, SS.DRAINING) and state != RS.DRAINING:
             return RS.FAILED, f"{where} {s['state']} unasked"
-    all_ready = all(s["state"] == "ready" for s in rep.shards)
+    all_ready = all(s["state"] == SS.READY for s in rep.shards)
     if state == RS.STARTING:
         if all_ready:
             return RS.READY, "all shards ready"
@@ -195,7 +199,7 @@ def _health(rep: _Replica, profile: EngineProfile, now: dt.datetime) -> tuple[st
         if (now - started).total_seconds() > profile.startup_timeout_s:
             return RS.FAILED, f"not ready within the startup timeout ({profile.startup_timeout_s} s)"
     elif state == RS.READY and not all_ready:
-        lagging = next(s for s in rep.shards if s["state"] != "ready")
+        lagging = next(s for s in rep.shards if s["state"] != SS.READY)
         return RS.DEGRADED, f"shard {lagging['rank']} on {lagging['node_id']} {lagging['state']}"
     elif state == RS.DEGRADED and all_ready:
         return RS.READY, "all shards ready again"
@@ -227,6 +231,8 @@ def reconcile(*, now: dt.datetime) -> Report:
     report.orphans_released = release_orphans()
     deployments = {d.id: d for d in Deployment.objects.filter(paused=False).select_related("profile")}
     by_dep = _load(list(deployments))
+    # What this pass decides from: replicas created after this read belong to another pass.
+    loaded = {dep_id: {r.row.id for r in reps} for dep_id, reps in by_dep.items()}
 
     # 1. States follow shards.
     batches: dict[tuple[str, str, str], list[_Replica]] = defaultdict(list)
@@ -332,22 +338,18 @@ def reconcile(*, now: dt.datetime) -> Report:
                 elif retire(rep, RS.STOPPED, reason="scaled down", now=now):
                     report.stopped += 1
                 # What it replaced is no longer moving: it counts again next pass.
+    # Deployments whose replicas keep failing to start wait longer each time, and avoid the nodes they failed on.
+    waiting = {r.deployment_id for r in new_rows} | {
+        dep_id for dep_id, reps in by_dep.items() if any(r.row.state == RS.PENDING for r in reps)
+    }
+    history = start_failures(waiting, now=now) if waiting else {}
+    for r in new_rows:
+        h = history.get(r.deployment_id)
+        if h is not None and not r.replaces_id:
+            r.not_before = h.retry_at
+            r.reason = h.why(now)
     if new_rows:
-        with transaction.atomic():
-            Replica.objects.bulk_create(new_rows)
-            PlacementEvent.objects.bulk_create(
-                [
-                    replicas.event(
-                        "created",
-                        now=now,
-                        deployment_id=r.deployment_id,
-                        replica_id=r.id,
-                        to_state=RS.PENDING,
-                        reason=r.reason,
-                    )
-                    for r in new_rows
-                ]
-            )
+        new_rows = create_replicas(new_rows, loaded, now=now)
         report.created = len(new_rows)
         for r in new_rows:
             by_dep[r.deployment_id].append(_Replica(r))
@@ -358,18 +360,32 @@ def reconcile(*, now: dt.datetime) -> Report:
         key=lambda r: (r.created_at, str(r.id)),
     )
     if pending:
-        snap = snapshots.build()
+        snap = snapshots.build(now=now)
         # A deployment's refusal holds for its next replicas until the snapshot changes.
         refused: dict[int, planner.NoPlace] = {}
         for row in pending:
             dep = deployments[row.deployment_id]
-            outcome = _place(row, dep, snap, refused, now=now)
-            if outcome == "conflict":
-                report.conflicts += 1
-                # Another writer took some of these cards: look again, try once more.
-                snap = snapshots.build()
-                refused.clear()
-                outcome = _place(row, dep, snap, refused, now=now)
+            if row.not_before is not None and row.not_before > now:
+                report.pending += 1
+                report.backing_off += 1
+                continue
+            h = history.get(dep.id)
+            avoid = h.avoid if h is not None else {}
+            try:
+                outcome = _place(row, dep, snap, refused, now=now, avoid=avoid)
+                if outcome == "conflict":
+                    report.conflicts += 1
+                    # Another writer took some of these cards: look again, try once more.
+                    snap = snapshots.build(now=now)
+                    refused.clear()
+                    outcome = _place(row, dep, snap, refused, now=now, avoid=avoid)
+            except Exception as exc:
+                # One deployment's bad data (a profile the wire cannot carry, say) must
+                # never hold back the others: recorded on its replica, retried later.
+                placement_failed(row, exc, now=now)
+                report.pending += 1
+                report.errors += 1
+                continue
             if outcome == "placed":
                 refused.clear()
                 report.placed += 1
@@ -382,6 +398,146 @@ def reconcile(*, now: dt.datetime) -> Report:
     # 6. Draining nodes with nothing left.
     report.drained = finish_drains(now=now)
     return report
+
+
+def create_replicas(rows: list[Replica], loaded: dict[int, set[uuid.UUID]], *, now: dt.datetime) -> list[Replica]:
+    """Insert a pass's new replicas, per deployment under a lock on its row; returns those created.
+
+    The count was decided from the replicas read at the start of the pass. A
+    deployment whose live replicas changed since (another pass created some)
+    gets none from this pass: the next one decides again from the truth, so
+    racing passes never create more than the desired count.
+    """
+    by_dep: dict[int, list[Replica]] = defaultdict(list)
+    for r in rows:
+        by_dep[r.deployment_id].append(r)
+    created: list[Replica] = []
+    for dep_id, dep_rows in sorted(by_dep.items()):
+        with transaction.atomic():
+            if not Deployment.objects.select_for_update().filter(id=dep_id).exists():
+                continue
+            now_live = set(
+                Replica.objects.filter(deployment_id=dep_id, state__in=replicas.LIVE_STATES).values_list(
+                    "id", flat=True
+                )
+            )
+            if not now_live <= loaded.get(dep_id, set()):
+                log.info("deployment %s changed under this pass; its new replicas are left to the next", dep_id)
+                continue
+            Replica.objects.bulk_create(dep_rows)
+            PlacementEvent.objects.bulk_create(
+                [
+                    replicas.event(
+                        "created",
+                        now=now,
+                        deployment_id=r.deployment_id,
+                        replica_id=r.id,
+                        to_state=RS.PENDING,
+                        reason=r.reason,
+                    )
+                    for r in dep_rows
+                ]
+            )
+        created.extend(dep_rows)
+    return created
+
+
+def backoff_s(failures: int) -> float:
+    """The wait after `failures` failures: LLMGW_START_BACKOFF_BASE doubling each time, capped."""
+    if failures <= 0:
+        return 0.0
+    base, cap = settings.LLMGW_START_BACKOFF_BASE, settings.LLMGW_START_BACKOFF_CAP
+    return min(cap, base * 2 ** min(failures - 1, 30))
+
+
+@dataclass
+class StartFailures:
+    """A deployment's replicas that failed before ever being ready, since its last ready one, in the window."""
+
+    count: int
+    last_at: dt.datetime
+    last_reason: str
+    # node id -> why new replicas of this deployment keep off it.
+    avoid: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def retry_at(self) -> dt.datetime:
+        """When the next replica may be placed."""
+        return self.last_at + dt.timedelta(seconds=backoff_s(self.count))
+
+    def why(self, now: dt.datetime) -> str:
+        """The reason a new replica shows while it waits."""
+        wait = max(0, int((self.retry_at - now).total_seconds()))
+        return (
+            f"waiting {wait} s before placing again: {self.count} failed start"
+            f"{'' if self.count == 1 else 's'} (last: {self.last_reason})"
+        )[:2000]
+
+
+def start_failures(deployment_ids: set[int], *, now: dt.datetime) -> dict[int, StartFailures]:
+    """Each deployment's recent failed starts and the nodes they failed on: three queries.
+
+    A replica that fails before it was ever ready (a port clash, a bad
+    argument, weights missing) will most likely fail again the same way, so
+    the next one waits (growing with each failure) and keeps off nodes where
+    it failed LLMGW_AVOID_AFTER times. A ready replica resets the count.
+    """
+    since = now - dt.timedelta(seconds=settings.LLMGW_START_FAILURE_WINDOW)
+    last_ready = dict(
+        Replica.objects.filter(deployment_id__in=deployment_ids, ready_at__isnull=False)
+        .values("deployment_id")
+        .annotate(at=Max("ready_at"))
+        .values_list("deployment_id", "at")
+    )
+    failed = [
+        row
+        for row in Replica.objects.filter(
+            deployment_id__in=deployment_ids, state=RS.FAILED, ready_at__isnull=True, updated_at__gte=since
+        )
+        .order_by("updated_at", "id")
+        .values_list("id", "deployment_id", "updated_at", "reason")
+        if last_ready.get(row[1]) is None or row[2] > last_ready[row[1]]
+    ]
+    out: dict[int, StartFailures] = {}
+    for _, dep_id, at, reason in failed:
+        h = out.get(dep_id)
+        if h is None:
+            out[dep_id] = StartFailures(1, at, reason)
+        else:
+            h.count, h.last_at, h.last_reason = h.count + 1, at, reason
+    per_node: dict[tuple[int, str], int] = defaultdict(int)
+    for dep_id, node_id in Shard.objects.filter(replica_id__in=[r[0] for r in failed], state=SS.FAILED).values_list(
+        "replica__deployment_id", "node_id"
+    ):
+        per_node[(dep_id, node_id)] += 1
+    minutes = int(settings.LLMGW_START_FAILURE_WINDOW // 60)
+    for (dep_id, node_id), n in per_node.items():
+        if n >= settings.LLMGW_AVOID_AFTER:
+            out[dep_id].avoid[node_id] = f"avoided: {n} failed starts here in the last {minutes} min"
+    return out
+
+
+def placement_failed(row: Replica, exc: Exception, *, now: dt.datetime) -> None:
+    """Record a placement that raised on its replica: the reason, an event, and a growing wait."""
+    log.exception("placing replica %s of deployment %s failed", row.id, row.deployment_id)
+    attempts = row.attempts + 1
+    wait = backoff_s(attempts)
+    reason = f"placement failed ({type(exc).__name__}: {exc}); next try in {wait:g} s"[:2000]
+    with transaction.atomic():
+        moved = Replica.objects.filter(id=row.id, state=RS.PENDING).update(
+            reason=reason, attempts=attempts, not_before=now + dt.timedelta(seconds=wait), updated_at=now
+        )
+        if moved:
+            replicas.event(
+                "placement_error",
+                now=now,
+                deployment_id=row.deployment_id,
+                replica_id=row.id,
+                from_state=RS.PENDING,
+                to_state=RS.PENDING,
+                reason=reason,
+            ).save()
+    row.attempts, row.reason = attempts, reason
 
 
 def release_orphans() -> int:
@@ -405,6 +561,7 @@ def _place(
     refused: dict[int, planner.NoPlace],
     *,
     now: dt.datetime,
+    avoid: dict[str, str] | None = None,
 ) -> str:
     """Plan one pending replica and write it whole; "placed", "pending" or "conflict".
 
@@ -413,7 +570,7 @@ def _place(
     """
     result = refused.get(dep.id)
     if result is None:
-        req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
+        req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector, avoid=avoid)
         result = planner.plan(req, snap, policy=dep.policy)
     if isinstance(result, planner.NoPlace):
         refused[dep.id] = result
@@ -483,7 +640,7 @@ def write_placement(
                 gpu_indices=list(s.gpu_indices),
                 hcas=list(s.hcas),
                 http_port=s.http_port,
-                state="pending",
+                state=SS.PENDING,
                 profile_fp=fp,
                 created_at=now,
                 updated_at=now,

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
-from placement.models import REPLICA_TRANSITIONS, PlacementEvent, Replica, ReplicaState, Shard
+from agents import shard_states
+from placement.models import REPLICA_TRANSITIONS, PlacementEvent, Replica, ReplicaState
 from placement.signals import replicas_changed
 
 if TYPE_CHECKING:
@@ -31,17 +32,8 @@ LIVE_STATES = frozenset(
     }
 )
 # A shard in these states is done; the others are, or are becoming, a process.
-SHARD_DONE = frozenset({"stopped", "failed"})
-# Shard moves: a done shard stays done (a new shard is a new row).
-SHARD_TRANSITIONS: dict[str, frozenset[str]] = {
-    "pending": frozenset({"starting", "loading", "ready", "draining", "stopped", "failed"}),
-    "starting": frozenset({"loading", "ready", "draining", "stopped", "failed"}),
-    "loading": frozenset({"starting", "ready", "draining", "stopped", "failed"}),
-    "ready": frozenset({"loading", "draining", "stopped", "failed"}),
-    "draining": frozenset({"stopped", "failed"}),
-    "stopped": frozenset(),
-    "failed": frozenset(),
-}
+SHARD_DONE = shard_states.TERMINAL
+SHARD_TRANSITIONS = shard_states.TRANSITIONS
 
 
 class TransitionError(Exception):
@@ -143,41 +135,3 @@ def change_state(
         for k, v in fields.items():
             setattr(replica, k, v)
     return bool(moved)
-
-
-def set_shard_state(
-    shard_id: uuid.UUID,
-    new: str,
-    *,
-    now: dt.datetime,
-    reason: str = "",
-    expected: str | None = None,
-    exit_code: int | None = None,
-) -> bool:
-    """Record a shard's new state (what a heartbeat reports), with its event.
-
-    A compare-and-set on the state read (or `expected`); False when it had
-    moved meanwhile or is already there. Raises TransitionError for a move
-    never allowed (a stopped shard does not come back: a new one is a new row).
-    """
-    with transaction.atomic():
-        shard = Shard.objects.select_for_update().select_related("replica").get(id=shard_id)
-        old = shard.state
-        if (expected is not None and old != expected) or old == new:
-            return False
-        if new not in SHARD_TRANSITIONS[old]:
-            raise TransitionError(f"a shard cannot go from {old} to {new}")
-        Shard.objects.filter(id=shard_id, state=old).update(
-            state=new, reason=reason, updated_at=now, exit_code=exit_code
-        )
-        event(
-            "shard",
-            now=now,
-            deployment_id=shard.replica.deployment_id,
-            replica_id=shard.replica_id,
-            shard_id=shard.id,
-            from_state=old,
-            to_state=new,
-            reason=reason,
-        ).save()
-    return True

@@ -14,12 +14,15 @@ sees each earlier plan's claims.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
+
+from agents import shard_states
 
 if TYPE_CHECKING:
     from placement.planner import Plan
@@ -136,11 +139,14 @@ class NodeInfo:
     # Momentary draw from telemetry (W), for the operator; budgets count claims.
     power_draw_w: float = 0.0
     ports: frozenset[int] = frozenset()
+    # Seconds since the last heartbeat when past LLMGW_UNREACHABLE_AFTER (0: the lease holds).
+    # The planner refuses such a node whatever its state says: the sweep may not have run yet.
+    silent_s: int = 0
 
     @property
     def schedulable(self) -> bool:
-        """Ready and not held."""
-        return self.state == READY and not self.held
+        """Ready, heard from within the lease, and not held."""
+        return self.state == READY and not self.held and not self.silent_s
 
     def gpu_classes(self) -> set[str]:
         """The classes of this node's cards."""
@@ -338,12 +344,15 @@ class Snapshot:
 # Building from the database -------------------------------------------------
 
 
-def build(*, unique_ports: bool | None = None) -> Snapshot:
+def build(*, unique_ports: bool | None = None, now: dt.datetime | None = None) -> Snapshot:
     """Read the cluster into a snapshot with a constant number of queries.
 
     One query per table (nodes, GPUs, fabrics, storage, weights, engine
     installs, allocations, held GPUs, live shards' ports, holds, budgets) and
-    one cache round trip for telemetry, whatever the number of nodes.
+    one cache round trip for telemetry, whatever the number of nodes. With
+    `now`, a node whose last heartbeat is older than LLMGW_UNREACHABLE_AFTER
+    is refused whatever its state says (the sweep may not have run yet);
+    callers that place (the reconciler, the dry run) always pass it.
     """
     from django.conf import settings
     from django.db.models import Q, Sum
@@ -378,8 +387,10 @@ def build(*, unique_ports: bool | None = None) -> Snapshot:
             "nvlink_domain",
             "storage_reported",
             "weights_reported",
+            "last_seen",
         )
     )
+    lease = settings.LLMGW_UNREACHABLE_AFTER
     ids = [r[0] for r in nodes]
     tele = telemetry.get_many(ids)
 
@@ -422,7 +433,7 @@ def build(*, unique_ports: bool | None = None) -> Snapshot:
         elif state in ("unsupported", "failed"):
             installs[node_id][engine] = f"engine {engine} {state}" + (f": {detail}" if detail else "")
     ports: dict[str, set[int]] = defaultdict(set)
-    live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=["stopped", "failed"])
+    live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=shard_states.TERMINAL)
     for node_id, port in Shard.objects.filter(live).values_list("node_id", "http_port"):
         ports[node_id].add(port)
     holds = [
@@ -450,7 +461,9 @@ def build(*, unique_ports: bool | None = None) -> Snapshot:
         domain,
         storage_rep,
         weights_rep,
+        last_seen,
     ) in nodes:
+        silence = 0.0 if now is None else (now - last_seen).total_seconds() if last_seen else float("inf")
         t = tele.get(node_id) or {}
         limits = {s.get("index"): float(s.get("power_limit_w") or 0) for s in t.get("gpus") or []}
         ginfo = []
@@ -508,6 +521,7 @@ def build(*, unique_ports: bool | None = None) -> Snapshot:
             fabrics=tuple(finfo),
             power_draw_w=draw,
             ports=frozenset(ports.get(node_id, ())),
+            silent_s=(min(int(silence), 10**9) or 1) if silence > lease else 0,
         )
     snap = Snapshot(
         nodes=out,

@@ -244,7 +244,7 @@ class DryRunView(APIView):
         profile = v.get("profile") or dep.profile
         selector = v.get("node_selector", dep.node_selector if dep else {})
         policy = v.get("policy") or (dep.policy if dep else planner.BINPACK)
-        snap = snapshots.build()
+        snap = snapshots.build(now=timezone.now())
         req = planner.ReplicaRequest.from_profile(profile, selector=selector)
         plans = []
         for _ in range(v["replicas"]):

@@ -27,7 +27,7 @@ import tempfile
 
 CONTROL_PLANE_PACKAGES = ("llmgw", "inventory", "placement", "agents", "gateway")
 AGENT_PACKAGES = ("agents.node",)
-AGENT_MODULES = ("agents.wire",)
+AGENT_MODULES = ("agents.wire", "agents.shard_states")
 # Modules that run-time code reaches by name, never by an import statement:
 # the Celery transports the settings name, the web servers scripts/serve.sh
 # runs with `python -m`, the connection pool the settings name. kombu's Redis transport imports `packaging`.

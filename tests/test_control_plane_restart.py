@@ -296,6 +296,8 @@ def test_control_plane_restart_keeps_shards_and_fences_unknown_ones(plane, agent
     # The reconciler runs in this process. Three nodes share this host's address: their shard
     # ports are kept apart without LLMGW_SHARD_PORTS_UNIQUE, as in `make demo`.
     settings.LLMGW_SHARD_PORT_BASE = free_port_range()
+    # A shard whose port a stranger took meanwhile is placed again within the second here.
+    settings.LLMGW_START_BACKOFF_BASE = 0.2
     plane.start()
     agents.start()
     _wait(

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import socket
 import tempfile
 import threading
@@ -46,7 +47,14 @@ AGENT_VERSION = "0.1.0"
 FEATURES = ["adoption", "echo-engine", "gpu-fabrics", "fabric-scan"]
 FABRIC_EVERY_S = 60.0
 BACKOFF_BASE_S = 1.0
-BACKOFF_CAP_S = 60.0
+# Small on purpose: the control plane does not judge a node on its own outage
+# (inventory/liveness.py), but it can only hear a node that is back; an agent
+# backed off for a minute returns long after the control plane did, and its
+# silence after the outage counts. Jitter spreads the fleet's return.
+BACKOFF_CAP_S = 5.0
+# A registration carries the whole inventory and may wait on a loaded control
+# plane; giving up early only sends it again (registration is idempotent).
+REGISTER_TIMEOUT_S = 60.0
 APPLIED_KEEP = 2000
 # Shards started per answer of the control plane; the rest wait (unacknowledged, so
 # repeated) for the next heartbeat. A control plane gone wrong then starts a
@@ -196,6 +204,37 @@ class Agent:
             finally:
                 os.close(dfd)
 
+    @property
+    def _join_nonce_path(self) -> Path:
+        return self.state_dir / "join-nonce"
+
+    def _join_nonce(self) -> str:
+        """The secret that makes a retried join recognisable as this agent's, drawn once and kept until joined.
+
+        Written before the first try, so a join whose answer was lost (the
+        agent timed out, the server went on and issued the credential) is
+        retried with the same nonce, and gets the credential again.
+        """
+        path = self._join_nonce_path
+        with contextlib.suppress(OSError):
+            value = path.read_text().strip()
+            if len(value) >= 32:
+                return value
+        value = secrets.token_urlsafe(32)
+        fd, tmp = tempfile.mkstemp(prefix=".join-nonce-", suffix=".tmp", dir=self.state_dir)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(value)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return value
+
     def rotate_credential(self) -> bool:
         """Trade the current credential for a new one (an operator asked); True when stored.
 
@@ -237,12 +276,14 @@ class Agent:
 
     # --- HTTP -------------------------------------------------------------
 
-    def _post(self, path: str, body: pydantic.BaseModel, token: str) -> httpx.Response:
+    def _post(self, path: str, body: pydantic.BaseModel, token: str, *, timeout: float | None = None) -> httpx.Response:
+        extra = {"timeout": httpx.Timeout(timeout, connect=5.0)} if timeout else {}
         try:
             r = self.http.post(
                 path,
                 content=body.model_dump_json(exclude_none=True),
                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+                **extra,
             )
         except httpx.TransportError as e:
             raise Unreachable(f"{self.config.control_plane}{path}: {type(e).__name__}: {e}") from e
@@ -320,7 +361,7 @@ class Agent:
         body = self.registration()
         own = self.credential()
         if own:
-            r = self._post("/api/v1/agent/register", body, own)
+            r = self._post("/api/v1/agent/register", body, own, timeout=REGISTER_TIMEOUT_S)
             if r.status_code in (401, 403):
                 log.warning("the control plane refused this node's credential (reset?); joining again with the token")
                 own = ""
@@ -333,7 +374,8 @@ class Agent:
                     f"this node has no credential yet and {source} gives no join token:"
                     " set join_token or join_token_file (an operator creates one)"
                 )
-            r = self._post("/api/v1/agent/register", body, token)
+            body = body.model_copy(update={"join_nonce": self._join_nonce()})
+            r = self._post("/api/v1/agent/register", body, token, timeout=REGISTER_TIMEOUT_S)
             if r.status_code == 401:
                 key = f"join_token_file {c.join_token_file!r}" if c.join_token_file else "join_token"
                 raise Refused(
@@ -347,6 +389,8 @@ class Agent:
         resp = self._answer(r, wire.RegisterResponse, "registration")
         if resp.credential:
             self._save_credential(resp.credential)
+            # Joined: the next join (after an operator's reset) is a new one, with a new nonce.
+            self._join_nonce_path.unlink(missing_ok=True)
             log.info("registered as %s; credential stored in %s (mode 0600)", resp.node_id, self.credential_path)
         else:
             log.info("registered as %s", resp.node_id)

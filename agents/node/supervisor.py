@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from agents import wire
+from agents import shard_states, wire
 from agents.node import engines
 from agents.node.netif import interface_addr
 
@@ -42,7 +42,7 @@ TRANSITIONS: dict[S, frozenset[S]] = {
     S.STOPPED: frozenset(),
     S.FAILED: frozenset(),
 }
-TERMINAL = frozenset({S.STOPPED, S.FAILED})
+TERMINAL = frozenset(S(s) for s in shard_states.TERMINAL)
 LOG_TAIL_LINES = 20
 
 

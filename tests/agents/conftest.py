@@ -56,7 +56,8 @@ def make_shard(
         node_id=node_id,
         rank=rank,
         gpu_indices=gpus or [0],
-        http_port=8000 + rank,
+        # Each live shard on a node has a port of its own (a database constraint).
+        http_port=8000 + Shard.objects.filter(node_id=node_id).count(),
         state=state,
         created_at=now,
         updated_at=now,

@@ -55,10 +55,17 @@ def test_agent_conversation_over_http(live_server, settings):
         assert Shard.objects.get(id=shard.id).state == "ready"
 
         # Liveness: silence makes the node unreachable, then lost, and its shard failed.
+        # (The sweep runs steadily, as beat runs it: a gap between sweeps is not held against a node.)
         silent_since = Node.objects.get(id="node-a").last_seen
+        for t in range(0, 31, 10):
+            liveness.sweep(now=silent_since + dt.timedelta(seconds=t))
         liveness.sweep(now=silent_since + dt.timedelta(seconds=31))
         assert Node.objects.get(id="node-a").state == NodeState.UNREACHABLE
+        for t in range(41, 301, 10):
+            liveness.sweep(now=silent_since + dt.timedelta(seconds=t))
+        # The other node, silent longer, goes first: one lost node a sweep in a fleet of two.
         liveness.sweep(now=silent_since + dt.timedelta(seconds=301))
+        liveness.sweep(now=silent_since + dt.timedelta(seconds=311))
         assert Node.objects.get(id="node-a").state == NodeState.LOST
         assert Shard.objects.get(id=shard.id).state == "failed"
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import datetime as dt
+import socket
 
 import pytest
 from django.utils import timezone
+from prometheus_client import REGISTRY
 
 from agents import commands, credentials, wire
 from agents.models import Command, JoinToken, NodeCredential
 from agents.views import MAX_HEARTBEAT_BODY
+from inventory import telemetry
 from inventory.models import GPU, FabricScan, Node, NodeEvent
 from tests.agents.conftest import heartbeat_payload, make_shard, post
 from tests.factories import register_payload
@@ -119,6 +122,56 @@ def test_admin_join_token_expiry_and_use_limit(client, now):
     assert credentials.revoke_join_token(revoked.id, now=t0)
     assert post(client, "register", register_payload("node-d"), gone).status_code == 401
     assert JoinToken.objects.get(id=expired.id).uses == 0
+
+
+NONCE = "n" * 43
+
+
+def test_a_join_retried_after_its_answer_was_lost_gets_a_credential(client):
+    """A registration storm: the agent timed out, the server went on; the retry must not be locked out."""
+    t0 = timezone.now()
+    token, secret = credentials.create_join_token(
+        name="rack 7", expires_at=t0 + dt.timedelta(hours=1), max_uses=1, now=t0
+    )
+    first = post(client, "register", register_payload("node-a", join_nonce=NONCE), secret)
+    assert first.status_code == 200
+    # The answer never arrived. The retry: same node, same (now used-up) token, same nonce.
+    retry = post(client, "register", register_payload("node-a", join_nonce=NONCE), secret)
+    assert retry.status_code == 200, retry.content
+    credential = retry.json()["credential"]
+    assert credential.startswith(credentials.NODE_PREFIX) and credential != first.json()["credential"]
+    # The use was counted once; the retried credential is the one that works now.
+    token.refresh_from_db()
+    assert token.uses == 1
+    assert post(client, "heartbeat", heartbeat_payload(), credential).status_code == 200
+    assert post(client, "heartbeat", heartbeat_payload(), first.json()["credential"]).status_code == 401
+    assert list(
+        NodeEvent.objects.filter(node_id="node-a", kind="credential").order_by("id").values_list("message", flat=True)
+    ) == ["credential issued (rack 7)", "credential issued again: a retried join (rack 7)"]
+
+
+def test_a_join_retry_needs_the_same_nonce_token_and_window(client, settings):
+    settings.LLMGW_JOIN_RETRY_WINDOW = 600
+    t0 = timezone.now()
+    token, secret = credentials.create_join_token(
+        name="rack 7", expires_at=t0 + dt.timedelta(hours=1), max_uses=5, now=t0
+    )
+    other, other_secret = credentials.create_join_token(
+        name="rack 8", expires_at=t0 + dt.timedelta(hours=1), max_uses=5, now=t0
+    )
+    assert post(client, "register", register_payload("node-a", join_nonce=NONCE), secret).status_code == 200
+    refused = [
+        post(client, "register", register_payload("node-a", join_nonce="m" * 43), secret),  # another agent
+        post(client, "register", register_payload("node-a"), secret),  # no nonce
+        post(client, "register", register_payload("node-a", join_nonce=NONCE), other_secret),  # another token
+    ]
+    assert [r.status_code for r in refused] == [403, 403, 403]
+    # Past the window, or once the credential was rotated, it is a takeover: refused.
+    NodeCredential.objects.update(issued_at=t0 - dt.timedelta(seconds=601))
+    assert post(client, "register", register_payload("node-a", join_nonce=NONCE), secret).status_code == 403
+    token.refresh_from_db()
+    other.refresh_from_db()
+    assert (token.uses, other.uses) == (1, 0)
 
 
 def test_the_last_use_of_a_join_token_goes_to_one_node(now):
@@ -462,3 +515,32 @@ def test_a_heartbeat_answer_carries_at_most_the_commands_an_agent_accepts(client
     body = post(client, "heartbeat", heartbeat_payload(), joined).content
     answer = wire.HeartbeatResponse.model_validate_json(body)
     assert len(answer.commands) == wire.MAX_COMMANDS
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_cache_outage_costs_no_lease(client, joined, settings):
+    """Redis down: the heartbeat renews the lease and answers 200; the telemetry is skipped and counted."""
+    before = REGISTRY.get_sample_value("llmgw_telemetry_cache_errors_total", {"op": "put"}) or 0.0
+    old = timezone.now() - dt.timedelta(hours=1)
+    Node.objects.update(last_seen=old, state="unreachable", unreachable_since=old)
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "llmgw.cache.RedisCache",
+            "LOCATION": f"redis://127.0.0.1:{_closed_port()}/0",
+            "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+        }
+    }
+    r = post(client, "heartbeat", heartbeat_payload(), joined)
+    assert r.status_code == 200, r.content
+    node = Node.objects.get(id="node-a")
+    assert (node.last_seen > old, node.state, node.unreachable_since) == (True, "ready", None)
+    assert REGISTRY.get_sample_value("llmgw_telemetry_cache_errors_total", {"op": "put"}) == before + 1
+    assert REGISTRY.get_sample_value("llmgw_telemetry_cache_errors_total", {"op": "get"}) >= 1
+    # Readers see "not reported", not an error; /metrics says how many were skipped.
+    assert telemetry.get("node-a") is None and telemetry.get_many(["node-a"]) == {}
+    assert f'llmgw_telemetry_cache_errors_total{{op="put"}} {before + 1}' in client.get("/metrics").content.decode()

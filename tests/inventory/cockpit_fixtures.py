@@ -66,7 +66,8 @@ def replica_on(node_id: str, *, now: dt.datetime, deployment: str = "llama", sta
         node_id=node_id,
         rank=0,
         gpu_indices=list(gpus),
-        http_port=8000,
+        # Each live shard on a node has a port of its own (a database constraint).
+        http_port=8000 + Shard.objects.filter(node_id=node_id).count(),
         state=state,
         created_at=now,
         updated_at=now,

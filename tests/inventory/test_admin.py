@@ -6,6 +6,7 @@ import uuid
 import pytest
 from django.contrib.admin.models import DELETION, LogEntry
 from django.test import Client
+from django.utils import timezone
 
 from inventory.allocation import allocate
 from inventory.models import Node, NodeEvent
@@ -115,6 +116,8 @@ def test_cordon_asks_first_then_records_who(nodes, operator):
 
 def test_uncordon_reports_nodes_it_leaves_alone(nodes, operator, now):
     change_state("node-a", "cordoned", now=now)
+    # Heard from just now: a silent node is never uncordoned.
+    Node.objects.update(last_seen=timezone.now())
     c = login(operator)
     confirm = text(post_action(c, "uncordon_nodes", ["node-a", "node-b"]))
     assert "unchanged: already ready" in confirm

@@ -3,6 +3,7 @@
 import uuid
 
 import pytest
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from inventory import operations
@@ -133,6 +134,12 @@ def test_cordon_uncordon_through_the_api(cluster, operator):
     again = c.post("/api/v1/nodes/node-a/cordon/", {}, format="json")
     assert again.status_code == 409
     assert again.json() == {"state": ["node node-a: already cordoned"]}
+    # Uncordoned through the API, which acts now: its agent is silent since the fixture's time.
+    silent = c.post("/api/v1/nodes/node-a/uncordon/", {}, format="json")
+    assert silent.status_code == 409
+    assert silent.json()["state"][0].startswith("node node-a: its agent has sent no heartbeat for ")
+    assert Node.objects.get(id="node-a").state == "cordoned"
+    Node.objects.filter(id="node-a").update(last_seen=timezone.now())
     assert c.post("/api/v1/nodes/node-a/uncordon/", {}, format="json").json()["node"]["state"] == "ready"
 
 

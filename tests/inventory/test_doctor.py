@@ -11,7 +11,7 @@ from django.core.management.base import CommandError
 
 from inventory import doctor, fabric, scans
 from inventory.doctor import Result
-from inventory.models import Node
+from inventory.models import LivenessClock, Node
 from inventory.nodes import change_state
 from placement.models import Deployment, EngineProfile, Replica
 from tests.factories import gpu_payload, make_node
@@ -463,3 +463,36 @@ def test_api_reports_failures(client, viewer, now):
         "nodes": ["a"],
         "details": ["a: no heartbeat since 2026-11-30 12:00:00"],
     }
+
+
+def test_control_plane_liveness_says_when_the_sweep_could_not_listen(now):
+    """Mass silence fails the check, a recent blind window warns, a stalled sweep warns."""
+
+    def check():
+        return doctor.check_control_plane_liveness(doctor.load_inventory(now=now))
+
+    assert check().result == doctor.Result.PASS
+    LivenessClock.objects.create(
+        last_sweep_at=now,
+        disruption_since=now - dt.timedelta(seconds=40),
+        disruption_detail="4 of 5 nodes silent at once",
+    )
+    got = check()
+    assert got.result == doctor.Result.FAIL
+    assert got.summary.startswith("4 of 5 nodes silent at once since ")
+    assert "control plane's own outage" in got.summary
+    LivenessClock.objects.update(
+        disruption_since=None,
+        blind_from=now - dt.timedelta(seconds=60),
+        blind_until=now - dt.timedelta(seconds=20),
+        blind_reason="no sweep for 40 s (database or beat down)",
+    )
+    got = check()
+    assert got.result == doctor.Result.WARN
+    assert "(no sweep for 40 s (database or beat down)); that silence was not held against any node" in got.summary
+    LivenessClock.objects.update(blind_until=now - dt.timedelta(hours=2), last_sweep_at=now - dt.timedelta(seconds=60))
+    got = check()
+    assert got.result == doctor.Result.WARN
+    assert got.summary == "no liveness sweep for 60 s: silent nodes are not being judged"
+    LivenessClock.objects.update(last_sweep_at=now)
+    assert check().result == doctor.Result.PASS

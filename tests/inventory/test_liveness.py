@@ -8,7 +8,7 @@ import pytest
 
 from agents.tasks import liveness_sweep
 from inventory import liveness
-from inventory.models import Node, NodeEvent, NodeState
+from inventory.models import ControlPlaneEvent, LivenessClock, Node, NodeEvent, NodeState
 from inventory.nodes import change_state
 from placement.models import PlacementEvent, Shard
 from tests.agents.conftest import make_shard
@@ -25,17 +25,41 @@ def state(node_id="node-a"):
     return Node.objects.values_list("state", "unreachable_since").get(id=node_id)
 
 
+def sweeps(now, *times):
+    """Sweep at each offset (seconds from `now`), as beat does, without gaps; the results merged.
+
+    The first sweep ever judges nothing (nothing says the control plane was
+    listening before), so a steady run starts at offset 0.
+    """
+    total = liveness.SweepResult()
+    for t in times:
+        r = liveness.sweep(now=at(now, t))
+        total.unreachable += r.unreachable
+        total.lost += r.lost
+        total.flagged += r.flagged
+        total.failed_shards += r.failed_shards
+        total.deferred = r.deferred
+        total.suspended = r.suspended
+    return total
+
+
+def steady(now, start, end, step=10):
+    """Sweep every `step` seconds from `start` to `end` (both included)."""
+    times = [*range(start, end, step), end]
+    return sweeps(now, *times)
+
+
 def test_ready_unreachable_lost(now, settings):
     settings.LLMGW_UNREACHABLE_AFTER = 30
     settings.LLMGW_LOST_AFTER = 300
     make_node("node-a", now=now)
     shard = make_shard("node-a", now=now, state="ready")
-    assert liveness.sweep(now=at(now, 29)).unreachable == []
+    assert steady(now, 0, 29).unreachable == []
     result = liveness.sweep(now=at(now, 31))
     assert result.unreachable == ["node-a"]
     assert state() == (NodeState.UNREACHABLE, at(now, 31))
     assert Shard.objects.get(id=shard.id).state == "ready"
-    assert liveness.sweep(now=at(now, 299)).lost == []
+    assert steady(now, 39, 299).lost == []
     result = liveness.sweep(now=at(now, 301))
     assert result.lost == ["node-a"] and result.failed_shards == [str(shard.id)]
     assert state()[0] == NodeState.LOST
@@ -47,14 +71,100 @@ def test_ready_unreachable_lost(now, settings):
     )
     assert messages == ["ready -> unreachable: no heartbeat for 30 s", "unreachable -> lost: no heartbeat for 300 s"]
     # Idempotent.
-    again = liveness.sweep(now=at(now, 400))
+    again = steady(now, 310, 400)
     assert (again.unreachable, again.lost, again.failed_shards) == ([], [], [])
+    assert ControlPlaneEvent.objects.count() == 0
 
 
-def test_long_silence_goes_both_steps_in_one_sweep(now):
+def test_a_gap_between_sweeps_is_not_held_against_nodes(now):
+    """The database (or beat) was down for an hour: that silence is the control plane's, not the node's."""
     make_node("node-a", now=now)
+    shard = make_shard("node-a", now=now, state="ready")
+    sweeps(now, 0, 10)
     result = liveness.sweep(now=at(now, 3600))
-    assert (result.unreachable, result.lost) == (["node-a"], ["node-a"])
+    assert (result.unreachable, result.lost) == ([], [])
+    (event,) = ControlPlaneEvent.objects.all()
+    assert event.kind == "blind" and event.message.startswith("no liveness sweep for 3590 s")
+    clock = LivenessClock.objects.get()
+    assert (clock.blind_from, clock.blind_until) == (at(now, 10), at(now, 3600))
+    # Judged again on silence heard after the gap: 10 s before it, 21 after.
+    assert steady(now, 3610, 3620).unreachable == []
+    assert liveness.sweep(now=at(now, 3621)).unreachable == ["node-a"]
+    assert steady(now, 3630, 3890).lost == []
+    assert liveness.sweep(now=at(now, 3891)).lost == ["node-a"]
+    assert Shard.objects.get(id=shard.id).state == "failed"
+
+
+def test_a_heartbeat_within_the_grace_after_an_outage_keeps_the_shards(now, client):
+    """The fleet returns a few seconds after the control plane: nothing is marked, nothing stopped."""
+    for i in range(3):
+        make_node(f"node-{i}", now=now)
+        make_shard(f"node-{i}", now=now, state="ready")
+    steady(now, 0, 20)
+    # 30 s with no sweep and no heartbeat (the database was down), then the agents come back within 5 s.
+    result = liveness.sweep(now=at(now, 51))
+    assert (result.unreachable, result.lost) == ([], [])
+    Node.objects.update(last_seen=at(now, 55))
+    result = steady(now, 61, 400)
+    assert (result.unreachable, result.lost) == ([], [])
+    assert not Shard.objects.exclude(state="ready").exists()
+
+
+def test_most_of_the_fleet_silent_at_once_is_the_control_planes_fault(now):
+    """Kubernetes' full disruption: beyond 55 % silent at once, no node is judged; said in events."""
+    for i in range(5):
+        make_node(f"node-{i}", now=now)
+        make_shard(f"node-{i}", now=now, state="ready")
+    sweeps(now, 0)
+    # Four of five go silent at once (the web tier died); node-4 still heartbeats.
+    for t in range(10, 700, 10):
+        Node.objects.filter(id="node-4").update(last_seen=at(now, t))
+        result = liveness.sweep(now=at(now, t))
+        assert result.lost == [], t
+    assert result.suspended
+    assert not Shard.objects.exclude(state="ready").exists()
+    assert Node.objects.filter(state=NodeState.READY).count() == 5
+    kinds = list(ControlPlaneEvent.objects.order_by("at").values_list("kind", "message"))
+    assert kinds == [
+        (
+            "mass_silence",
+            "4 of 5 nodes went silent at once: read as the control plane's own outage (web, cache, network); "
+            "no node is marked unreachable or lost until heartbeats resume",
+        )
+    ]
+    # Heartbeats resume (three of the four): the silence is over, and its span is not held against node-3.
+    Node.objects.exclude(id="node-3").update(last_seen=at(now, 700))
+    result = liveness.sweep(now=at(now, 700))
+    assert not result.suspended and result.unreachable == []
+    assert ControlPlaneEvent.objects.order_by("-at", "-id").first().kind == "mass_silence_over"
+    Node.objects.exclude(id="node-3").update(last_seen=at(now, 725))
+    assert steady(now, 710, 729).unreachable == []
+    assert liveness.sweep(now=at(now, 730)).unreachable == ["node-3"]
+
+
+def test_a_silence_trickling_in_over_sweeps_still_counts_as_one(now):
+    """Heartbeats stop staggered, so sweeps see nodes cross one by one; the early ones still count."""
+    for i in range(3):
+        make_node(f"node-{i}", now=at(now, i * 4))
+    sweeps(now, 0, 10, 20)
+    assert liveness.sweep(now=at(now, 31)).unreachable == ["node-0"]
+    result = liveness.sweep(now=at(now, 41))
+    assert result.suspended and result.unreachable == []
+    assert steady(now, 51, 600).lost == []
+
+
+def test_lost_nodes_are_declared_at_a_bounded_rate(now, settings):
+    settings.LLMGW_LOST_RATE = 0.1
+    settings.LLMGW_MASS_SILENCE = 1.0  # this test is about the rate, not about mass silence
+    for i in range(12):
+        make_node(f"node-{i:02d}", now=at(now, -i))
+    assert steady(now, 0, 291).lost == []
+    # 12 nodes: at most two a sweep, the longest silent first; the rest wait for the next sweeps.
+    result = liveness.sweep(now=at(now, 301))
+    assert result.lost == ["node-11", "node-10"]
+    assert result.deferred == [f"node-{i:02d}" for i in range(9, -1, -1)]
+    assert [len(liveness.sweep(now=at(now, t)).lost) for t in range(311, 371, 10)] == [2, 2, 2, 2, 2, 0]
+    assert Node.objects.filter(state=NodeState.LOST).count() == 12
 
 
 def test_a_fresh_heartbeat_wins_over_the_sweep(now):
@@ -70,19 +180,23 @@ def test_cordoned_and_draining_keep_their_state_but_are_flagged(now, operator_st
     make_node("node-a", now=now)
     change_state("node-a", operator_state, now=now)
     shard = make_shard("node-a", now=now, state="ready")
+    steady(now, 0, 30)
     result = liveness.sweep(now=at(now, 31))
     assert result.flagged == ["node-a"] and result.unreachable == []
     assert state() == (operator_state, at(now, 31))
-    assert liveness.sweep(now=at(now, 60)).flagged == []
+    assert steady(now, 41, 291).flagged == []
     # Silent past the lost delay: its shards are dead, its state is the operator's.
     result = liveness.sweep(now=at(now, 301))
-    assert result.failed_shards == [str(shard.id)] and result.lost == []
+    assert result.failed_shards == [str(shard.id)] and result.lost == ["node-a"]
     assert state()[0] == operator_state
     assert Shard.objects.get(id=shard.id).state == "failed"
 
 
 def test_the_task_runs_the_sweep(now):
     make_node("node-a", now=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+    # The first sweep ever judges nothing; one a moment ago says the control plane was listening.
+    assert liveness_sweep() == {"unreachable": 0, "lost": 0, "flagged": 0, "failed_shards": 0}
+    LivenessClock.objects.update(blind_from=None, blind_until=None)
     assert liveness_sweep() == {"unreachable": 1, "lost": 1, "flagged": 0, "failed_shards": 0}
     assert liveness_sweep() == {"unreachable": 0, "lost": 0, "flagged": 0, "failed_shards": 0}
 
@@ -90,23 +204,29 @@ def test_the_task_runs_the_sweep(now):
 def test_beat_schedules_the_sweep(settings):
     entry = settings.CELERY_BEAT_SCHEDULE["agents.liveness_sweep"]
     assert entry == {"task": "agents.liveness_sweep", "schedule": 10.0}
+    assert settings.LLMGW_SWEEP_GAP == 25.0
 
 
-def test_silent_cordoned_nodes_cost_the_sweep_no_query_each(now, django_assert_num_queries):
+# The clock (a locked read, two counts, its write) and the sweep's reads, whatever the number of nodes.
+QUERIES = 11
+
+
+def test_silent_cordoned_nodes_cost_the_sweep_no_query_each(now, settings, django_assert_num_queries):
     def silent_cordoned(node_id: str) -> None:
         make_node(node_id, now=now)
         change_state(node_id, NodeState.CORDONED, now=now)
         make_shard(node_id, now=now, state="stopped")
         make_shard(node_id, now=now, state="failed")
 
+    settings.LLMGW_MASS_SILENCE = 1.0
     silent_cordoned("node-a")
-    liveness.sweep(now=at(now, 31))  # flags it
-    with django_assert_num_queries(4):
+    steady(now, 0, 291)  # flags it
+    with django_assert_num_queries(QUERIES):
         assert liveness.sweep(now=at(now, 301)).failed_shards == []
     for i in range(5):
         silent_cordoned(f"node-{i}")
-    liveness.sweep(now=at(now, 31))
+    steady(now, 311, 591)
     # Shards that are over leave the node alone, and more such nodes cost nothing more.
-    with django_assert_num_queries(4):
-        assert liveness.sweep(now=at(now, 301)).failed_shards == []
+    with django_assert_num_queries(QUERIES):
+        assert liveness.sweep(now=at(now, 601)).failed_shards == []
     assert PlacementEvent.objects.count() == 0

@@ -1,11 +1,13 @@
 """Operator actions on nodes: cordon, uncordon, drain, labels, forget."""
 
+import datetime as dt
 import uuid
 
 import pytest
 
-from inventory import operations, telemetry
+from inventory import liveness, operations, telemetry
 from inventory.allocation import allocate
+from inventory.heartbeat import touch
 from inventory.models import Node, NodeEvent, NodeState
 from inventory.nodes import TransitionError, change_state
 from tests.factories import make_node
@@ -38,6 +40,39 @@ def test_uncordon_refuses_an_unreachable_node(now):
     change_state("n1", "unreachable", now=now)
     with pytest.raises(TransitionError, match="unreachable is not an operator's hold"):
         operations.uncordon("n1", now=now)
+
+
+def test_cordon_then_uncordon_never_makes_a_silent_node_schedulable(now, settings):
+    """unreachable -> cordoned was allowed, then cordoned -> ready: a dead node back in placement."""
+    settings.LLMGW_UNREACHABLE_AFTER = 30
+    make_node("n1", now=now)
+    liveness.sweep(now=now)
+    liveness.sweep(now=now + dt.timedelta(seconds=10))
+    liveness.sweep(now=now + dt.timedelta(seconds=20))
+    later = now + dt.timedelta(seconds=31)
+    assert liveness.sweep(now=later).unreachable == ["n1"]
+    assert operations.cordon("n1", now=later) == NodeState.CORDONED
+    with pytest.raises(TransitionError, match=r"its agent has been silent since .*: it can be uncordoned once"):
+        operations.uncordon("n1", now=later)
+    # Nor by way of a drain.
+    assert operations.drain("n1", now=later) == NodeState.DRAINING
+    with pytest.raises(TransitionError, match="its agent has been silent since"):
+        operations.uncordon("n1", now=later)
+    assert Node.objects.get(id="n1").state == NodeState.DRAINING
+    # Its heartbeats resume: now an uncordon is the operator's to give.
+    touch("n1", now=later + dt.timedelta(seconds=1))
+    assert operations.uncordon("n1", now=later + dt.timedelta(seconds=2)) == NodeState.READY
+
+
+def test_uncordon_refuses_a_node_past_its_lease_before_any_sweep(now, settings):
+    settings.LLMGW_UNREACHABLE_AFTER = 30
+    make_node("n1", now=now)
+    operations.cordon("n1", now=now)
+    with pytest.raises(TransitionError, match="its agent has sent no heartbeat for 45 s"):
+        operations.uncordon("n1", now=now + dt.timedelta(seconds=45))
+    (verdict,) = operations.impact("uncordon", Node.objects.all(), now=now + dt.timedelta(seconds=45))
+    assert not verdict.allowed
+    assert operations.uncordon("n1", now=now + dt.timedelta(seconds=29)) == NodeState.READY
 
 
 def test_uncordon_refusal_says_how_a_silent_node_comes_back(now):

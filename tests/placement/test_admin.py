@@ -7,9 +7,10 @@ import uuid
 
 import pytest
 from django.test import Client
+from django.utils import timezone
 
 from agents.models import Command
-from inventory.models import Allocation
+from inventory.models import Allocation, Node
 from inventory.nodes import change_state
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, PlacementEvent, PowerBudget, Replica
@@ -50,6 +51,8 @@ def test_not_staff_is_sent_to_login(viewer):
 
 
 def test_pending_replica_shows_reasons_node_by_node(operator, setup):
+    # "Ask the planner" plans now: the nodes were heard from just now.
+    Node.objects.update(last_seen=timezone.now())
     rep = Replica.objects.get()
     c = login(operator)
     page = c.get(f"/admin/placement/replica/{rep.pk}/change/").content.decode()

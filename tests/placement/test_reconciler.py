@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 import uuid
 
+import psycopg
 import pytest
-from django.core.cache import cache
+from django.db import IntegrityError, connection, transaction
 
+from agents import shard_states, wire
 from agents.models import Command
 from inventory import allocation
+from inventory.heartbeat import touch
 from inventory.models import AllocatedGPU, Allocation, NodeEvent
 from inventory.nodes import change_state as node_state
+from llmgw import locks
+from placement import agent_sync
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
-from placement.reconciler import reconcile, release_orphans
-from placement.replicas import set_shard_state
-from placement.tasks import LOCK_KEY, reconcile_task
+from placement.reconciler import create_replicas, reconcile, release_orphans, start_failures
+from placement.tasks import LOCK_NAME, reconcile_task
 from tests.factories import make_node
 
 pytestmark = pytest.mark.django_db
@@ -34,16 +40,22 @@ def states(dep) -> list[str]:
     return sorted(Replica.objects.filter(deployment=dep).values_list("state", flat=True))
 
 
+def report_state(shard: Shard, state: str, *, now, reason: str = "") -> None:
+    """A heartbeat from the shard's node reporting it in `state`: the path production runs."""
+    status = wire.ShardStatus(shard_id=str(shard.id), replica_id=str(shard.replica_id), state=state, reason=reason)
+    agent_sync.record_shard_states(shard.node_id, [status], now=now)
+
+
 def all_ready(now, **filters) -> None:
     """What heartbeats would report once the engines are up."""
-    for s in Shard.objects.filter(**filters).exclude(state__in=["ready", "stopped", "failed"]):
-        set_shard_state(s.id, "ready", now=now, reason="health check passed")
+    for s in Shard.objects.filter(**filters).exclude(state__in=["ready", *shard_states.TERMINAL]):
+        report_state(s, "ready", now=now, reason="health check passed")
 
 
 def stopped(now, **filters) -> None:
     """What heartbeats report once the agents have stopped what they were told to."""
-    for s in Shard.objects.filter(replica__state="draining", **filters).exclude(state__in=["stopped", "failed"]):
-        set_shard_state(s.id, "stopped", now=now, reason="stop requested")
+    for s in Shard.objects.filter(replica__state="draining", **filters).exclude(state__in=shard_states.TERMINAL):
+        report_state(s, "stopped", now=now, reason="stop requested")
 
 
 def commands(kind, node_id=None):
@@ -99,7 +111,7 @@ def test_degraded_then_ready_again(now, profile):
     all_ready(now)
     reconcile(now=now)
     shard = Shard.objects.get()
-    set_shard_state(shard.id, "loading", now=now, reason="engine restarting")
+    report_state(shard, "loading", now=now, reason="engine restarting")
     reconcile(now=now)
     rep = Replica.objects.get(deployment=dep)
     assert (rep.state, rep.reason) == ("degraded", "shard 0 on a loading")
@@ -117,7 +129,7 @@ def test_failed_shard_releases_the_replica_whole_and_places_again(now, profile):
     reconcile(now=now)
     old = Replica.objects.get(deployment=dep)
     old_shard = old.shards.get()
-    set_shard_state(old_shard.id, "failed", now=now, reason="exit 137")
+    report_state(old_shard, "failed", now=now, reason="exit 137")
     report = reconcile(now=now + dt.timedelta(seconds=5))
     assert (report.failed, report.created, report.placed) == (1, 1, 1)
     old.refresh_from_db()
@@ -147,6 +159,8 @@ def test_lost_node_fails_the_replica_and_it_comes_back_elsewhere(now):
     lost = first.shards.get().node_id
     node_state(lost, "unreachable", now=now)
     node_state(lost, "lost", now=now)
+    # The other node kept heartbeating: its lease holds.
+    touch(({"a", "b"} - {lost}).pop(), now=now + dt.timedelta(minutes=5))
     reconcile(now=now + dt.timedelta(minutes=5))
     first.refresh_from_db()
     assert (first.state, first.reason) == ("failed", f"node {lost} lost")
@@ -273,18 +287,35 @@ def test_startup_timeout_fails_the_replica(now):
     assert reasons == ["not ready within the startup timeout (60 s)"]
 
 
-def test_task_is_single_flight(now, profile):
+def _other_session():
+    """A second database session, as another worker process has."""
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    return psycopg.connect(**params, autocommit=True)
+
+
+def test_task_is_single_flight_and_a_dead_holder_blocks_nobody(now, profile):
     make_node("a", now=now)
     deploy(profile)
-    cache.add(LOCK_KEY, "someone-else", timeout=60)
+    other = _other_session()
+    assert other.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
     assert reconcile_task(now=now.isoformat()) is None
     assert Replica.objects.count() == 0
-    cache.delete(LOCK_KEY)
-    assert reconcile_task(now=now.isoformat())["placed"] == 1
+    # The holder dies (its session ends, as with kill -9): a pass runs as soon as the server has
+    # noticed (a cache key held every pass off for its whole 90 s TTL).
+    other.close()
+    deadline = time.monotonic() + 5
+    while (report := reconcile_task(now=now.isoformat())) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert report is not None and report["placed"] == 1
+    # And the pass let its own lock go.
+    again = _other_session()
+    assert again.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
+    again.close()
 
 
 def test_steady_state_queries_do_not_grow_with_deployments(now, profile):
-    from django.db import connection
     from django.test.utils import CaptureQueriesContext
 
     for i in range(4):
@@ -339,3 +370,146 @@ def test_a_refusal_is_planned_once_per_deployment_while_nothing_is_placed(now, p
     assert (report.created, report.pending, len(calls)) == (3, 3, 1)
     reasons = set(Replica.objects.filter(deployment=dep).values_list("reason", flat=True))
     assert reasons == {"2 free GPUs, needs 4 (a)"}
+
+
+def test_a_pass_creates_no_replicas_when_another_created_some_since_it_read(now, profile):
+    """Two passes that both read "1 of 3" must not both create two: the second finds the set changed."""
+    dep = deploy(profile, replicas=3)
+    other = Replica.objects.create(deployment=dep, created_at=now, updated_at=now)  # the other pass's
+    ours = [Replica(deployment_id=dep.id, created_at=now, updated_at=now) for _ in range(3)]
+    assert create_replicas(ours, {dep.id: set()}, now=now) == []
+    assert list(Replica.objects.filter(deployment=dep).values_list("id", flat=True)) == [other.id]
+    # Read after it: the pass's view holds, and it creates.
+    assert len(create_replicas(ours[:2], {dep.id: {other.id}}, now=now)) == 2
+    assert Replica.objects.filter(deployment=dep).count() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_racing_reconcilers_place_exactly_the_desired_count(now, profile):
+    for name in ("a", "b", "c"):
+        make_node(name, now=now, gpus=8)
+    dep = deploy(profile, replicas=4)
+    barrier = threading.Barrier(3)
+    errors: list[BaseException] = []
+
+    def one_pass() -> None:
+        try:
+            barrier.wait(timeout=30)
+            reconcile(now=now)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=one_pass) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    reconcile(now=now)
+    live = Replica.objects.filter(deployment=dep).exclude(state__in=["stopped", "failed"])
+    assert live.count() == 4
+    assert live.filter(state="starting").count() == 4
+    shards = list(Shard.objects.exclude(state__in=shard_states.TERMINAL).values_list("node_id", "http_port"))
+    assert len(shards) == len(set(shards)) == 4
+    gpus = list(AllocatedGPU.objects.values_list("node_id", "gpu_index"))
+    assert len(gpus) == len(set(gpus)) == 16
+
+
+def test_two_live_shards_never_share_a_node_and_port(now, profile):
+    make_node("a", now=now)
+    dep = deploy(profile)
+    first = Replica.objects.create(deployment=dep, created_at=now, updated_at=now)
+    second = Replica.objects.create(deployment=dep, created_at=now, updated_at=now)
+    Shard.objects.create(replica=first, node_id="a", http_port=18000, state="stopped", created_at=now, updated_at=now)
+    Shard.objects.create(replica=second, node_id="a", http_port=18000, state="ready", created_at=now, updated_at=now)
+    with pytest.raises(IntegrityError, match="placement_shard_live_port_unique"), transaction.atomic():
+        Shard.objects.create(
+            replica=first, node_id="a", rank=1, http_port=18000, state="starting", created_at=now, updated_at=now
+        )
+
+
+def test_a_poison_profile_is_recorded_on_its_replica_and_the_pass_goes_on(now, profile):
+    """300 engine args (the wire allows 256) written straight to the database: only that deployment waits."""
+    make_node("a", now=now, gpus=8)
+    poison = EngineProfile.objects.create(name="poison", engine="echo", gpus_per_node=4, args=["--x"] * 300)
+    bad = deploy(poison, name="bad")
+    good = deploy(profile, name="good")
+    report = reconcile(now=now)
+    assert (report.placed, report.errors) == (1, 1)
+    assert states(good) == ["starting"]
+    rep = Replica.objects.get(deployment=bad)
+    assert rep.state == "pending" and rep.attempts == 1
+    assert rep.reason.startswith("placement failed (ValidationError: ")
+    assert rep.reason.endswith("; next try in 10 s")
+    assert rep.not_before == now + dt.timedelta(seconds=10)
+    event = PlacementEvent.objects.get(replica=rep, kind="placement_error")
+    assert event.reason == rep.reason
+    # Nothing of it was written: no allocation, shard or command.
+    assert not Shard.objects.filter(replica=rep).exists()
+    assert not Allocation.objects.filter(replica_id=rep.id).exists()
+    # Not tried again before its time; then again, with a doubled wait.
+    assert reconcile(now=now + dt.timedelta(seconds=5)).backing_off == 1
+    assert Replica.objects.get(id=rep.id).attempts == 1
+    assert reconcile(now=now + dt.timedelta(seconds=11)).errors == 1
+    rep.refresh_from_db()
+    assert (rep.attempts, rep.not_before) == (2, now + dt.timedelta(seconds=31))
+
+
+def test_a_replica_that_keeps_failing_to_start_waits_longer_each_time_and_avoids_the_node(now, profile, settings):
+    settings.LLMGW_AVOID_AFTER = 2
+    make_node("a", now=now, gpus=4)
+    make_node("b", now=now, gpus=4)
+    dep = deploy(profile)
+    t = now
+
+    def fail_the_start(at) -> Replica:
+        rep = Replica.objects.get(deployment=dep, state="starting")
+        report_state(rep.shards.get(), "failed", now=at, reason="port 18000 in use")
+        reconcile(now=at)
+        return rep
+
+    reconcile(now=t)
+    first = Replica.objects.get(deployment=dep, state="starting")
+    node = first.shards.get().node_id
+    fail_the_start(t)
+    waiting = Replica.objects.get(deployment=dep, state="pending")
+    assert waiting.not_before == t + dt.timedelta(seconds=10)
+    assert waiting.reason == (
+        f"waiting 10 s before placing again: 1 failed start (last: shard 0 on {node} failed: port 18000 in use)"
+    )
+    assert reconcile(now=t + dt.timedelta(seconds=9)).backing_off == 1
+    assert reconcile(now=t + dt.timedelta(seconds=10)).placed == 1
+    second = Replica.objects.get(deployment=dep, state="starting")
+    assert second.shards.get().node_id == node  # binpack, same node: one failure is not a pattern yet
+    t += dt.timedelta(seconds=10)
+    touch("a", now=t)
+    touch("b", now=t)
+    fail_the_start(t)
+    waiting = Replica.objects.get(deployment=dep, state="pending")
+    assert waiting.not_before == t + dt.timedelta(seconds=20)
+    t += dt.timedelta(seconds=20)
+    touch("a", now=t)
+    touch("b", now=t)
+    reconcile(now=t)
+    third = Replica.objects.get(deployment=dep, state="starting")
+    # Two failed starts on that node: the next replica goes elsewhere.
+    assert third.shards.get().node_id == ({"a", "b"} - {node}).pop()
+    # A replica that becomes ready resets the count.
+    all_ready(t, replica=third)
+    reconcile(now=t)
+    assert start_failures({dep.id}, now=t) == {}
+
+
+def test_a_ready_node_whose_lease_expired_gets_nothing_new(now, profile, settings):
+    """The sweep has not marked it yet (or an operator action slipped it back to ready): still refused."""
+    settings.LLMGW_UNREACHABLE_AFTER = 30
+    make_node("a", now=now)
+    make_node("b", now=now - dt.timedelta(seconds=31))
+    dep = deploy(profile, replicas=3)
+    report = reconcile(now=now)
+    assert (report.placed, report.pending) == (2, 1)
+    assert set(Shard.objects.values_list("node_id", flat=True)) == {"a"}
+    waiting = Replica.objects.get(deployment=dep, state="pending")
+    assert waiting.pending_reasons == {"a": "0 free GPUs, needs 4", "b": "no heartbeat for 31 s: lease expired"}

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import re
 
 import pytest
 from django.urls import reverse
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from agents import wire
@@ -188,9 +191,19 @@ def test_replica_filters_and_pagination(viewer, now, profile):
     ]
 
 
-def test_dry_run_is_the_planner_over_a_fresh_snapshot(viewer, now, profile):
-    make_node("a", now=now)
-    make_node("b", now=now, gpus=2)
+def test_dry_run_refuses_a_ready_node_whose_lease_expired(viewer, profile, settings):
+    settings.LLMGW_UNREACHABLE_AFTER = 30
+    make_node("a", now=timezone.now() - dt.timedelta(seconds=120))
+    r = client(viewer).post("/api/v1/placement/dry-run/", {"profile": profile.id, "replicas": 1}, format="json")
+    (plan,) = r.json()["plans"]
+    assert not plan["ok"]
+    assert re.fullmatch(r"no heartbeat for 12\d s: lease expired", plan["reasons"]["a"])
+
+
+def test_dry_run_is_the_planner_over_a_fresh_snapshot(viewer, profile):
+    # Heard from just now: the dry run, like the reconciler, refuses a node whose lease expired.
+    make_node("a", now=timezone.now())
+    make_node("b", now=timezone.now(), gpus=2)
     r = client(viewer).post("/api/v1/placement/dry-run/", {"profile": profile.id, "replicas": 3}, format="json")
     assert r.status_code == 200
     body = r.json()
@@ -248,9 +261,9 @@ def test_an_agent_credential_is_not_an_operator(client, settings):
     assert r.status_code in (401, 403)
 
 
-def test_dry_run_body_exactly(viewer, now, profile):
-    make_node("a", now=now, gpus=4)
-    make_node("b", now=now, gpus=2)
+def test_dry_run_body_exactly(viewer, profile):
+    make_node("a", now=timezone.now(), gpus=4)
+    make_node("b", now=timezone.now(), gpus=2)
     r = client(viewer).post("/api/v1/placement/dry-run/", {"profile": profile.id, "replicas": 2}, format="json")
     shard = {
         "node": "a",

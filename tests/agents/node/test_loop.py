@@ -409,8 +409,10 @@ def test_backoff_delay_is_bounded_and_jittered():
     rng = random.Random(1)
     delays = [backoff_delay(n, rng) for n in range(1, 12)]
     for n, d in enumerate(delays, start=1):
-        ceiling = min(60.0, 2.0 ** (n - 1))
+        ceiling = min(5.0, 2.0 ** (n - 1))
         assert ceiling / 2 <= d <= ceiling
+    # Capped at a few seconds, so an agent is back within seconds of the control plane.
+    assert max(delays) <= 5.0 and delays[-1] >= 2.5
     assert len({round(backoff_delay(5, rng), 6) for _ in range(10)}) > 1
 
 
@@ -549,3 +551,20 @@ def test_a_start_for_hardware_this_node_lacks_is_refused_and_said_in_the_next_he
         "s-hca": ("failed", "this node has no adapter mlx5_9 (it has ['mlx5_0'])"),
     }
     assert all(s.pid is None for s in agent.supervisor.shards.values())
+
+
+def test_a_join_is_retried_with_the_same_nonce_until_answered(make_agent, cp):
+    """A join whose answer was lost is sent again with the nonce of the first try; once joined, it is dropped."""
+    agent = make_agent()
+    cp.fail_next = 1
+    with pytest.raises(Unreachable):
+        agent.register()
+    nonce_file = agent.state_dir / "join-nonce"
+    assert stat.S_IMODE(nonce_file.stat().st_mode) == 0o600
+    agent.register()
+    joins = [body["join_nonce"] for path, token, body in cp.requests if path.endswith("/register")]
+    assert len(joins) == 2 and len(joins[0]) >= 32 and joins[0] == joins[1]
+    assert not nonce_file.exists()
+    # A registration with its own credential carries none.
+    agent.register()
+    assert "join_nonce" not in cp.requests[-1][2]
