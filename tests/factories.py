@@ -7,6 +7,8 @@ from typing import Any
 
 from agents import wire
 from inventory.nodes import upsert_node
+from placement import agent_sync
+from placement.models import Shard
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "memory_total_mb": 81559, "compute_capability": "9.0"}
 
@@ -38,3 +40,10 @@ def make_node(node_id: str = "node-a", *, now: dt.datetime, gpus: int | list[dic
     """Register a node through the same path an agent's registration takes."""
     node, _ = upsert_node(wire.Register.model_validate(register_payload(node_id, gpus=gpus, **overrides)), now=now)
     return node
+
+
+def report_shard_state(shard_id: Any, state: str, *, now: dt.datetime, reason: str = "") -> None:
+    """A heartbeat from the shard's node reporting it in `state`: the path production runs."""
+    shard = Shard.objects.get(id=shard_id)
+    status = wire.ShardStatus(shard_id=str(shard.id), replica_id=str(shard.replica_id), state=state, reason=reason)
+    agent_sync.record_shard_states(shard.node_id, [status], now=now)

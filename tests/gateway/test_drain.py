@@ -19,8 +19,7 @@ from agents.models import Command
 from gateway import notify
 from placement.models import Deployment, EngineProfile, Replica
 from placement.reconciler import reconcile
-from placement.replicas import set_shard_state
-from tests.factories import make_node
+from tests.factories import make_node, report_shard_state
 from tests.gateway.conftest import make_key, url_of, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
@@ -83,7 +82,7 @@ def _agent_stops(servers: dict[str, object], now) -> list[str]:
             assert srv.in_flight == 0, "a shard was stopped with requests still running"
             srv.shutdown()
             srv.server_close()
-        set_shard_state(shard_id, "stopped", now=now, reason="stop requested")
+        report_shard_state(shard_id, "stopped", now=now, reason="stop requested")
         cmd.acked_at = now
         cmd.save(update_fields=["acked_at"])
         done.append(replica_id)
@@ -94,7 +93,7 @@ def _ready(dep, servers, echoes, now) -> None:
     """Mark the deployment's starting replicas ready, each served by a new echo server."""
     for rep in Replica.objects.filter(deployment=dep, state="starting"):
         for s in rep.shards.all():
-            set_shard_state(s.id, "ready", now=now)
+            report_shard_state(s.id, "ready", now=now)
         srv = echoes(model="chat", token_seconds=0.01)
         servers[str(rep.id)] = srv
         Replica.objects.filter(id=rep.id).update(endpoint=url_of(srv))

@@ -13,8 +13,7 @@ from agents.models import Command
 from placement import inflight
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica
 from placement.reconciler import reconcile
-from placement.replicas import set_shard_state
-from tests.factories import make_node
+from tests.factories import make_node, report_shard_state
 
 pytestmark = pytest.mark.django_db
 
@@ -52,7 +51,7 @@ def serving(now) -> tuple[Deployment, Replica]:
     reconcile(now=now)
     rep = Replica.objects.get(deployment=dep)
     for s in rep.shards.all():
-        set_shard_state(s.id, "ready", now=now)
+        report_shard_state(s.id, "ready", now=now)
     reconcile(now=now)
     rep.refresh_from_db()
     assert rep.state == "ready"
