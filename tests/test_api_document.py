@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 import yaml
 from django.core.management import call_command
+from django.utils import timezone
 from drf_spectacular.drainage import GENERATOR_STATS, reset_generator_stats
 from drf_spectacular.generators import SchemaGenerator
 from drf_spectacular.renderers import OpenApiJsonRenderer
@@ -148,8 +149,9 @@ def _check(doc: dict, method: str, path: str, response) -> None:
 def test_the_actions_answer_what_the_document_declares(doc, operator, now):
     c = APIClient()
     c.force_authenticate(operator)
-    make_node("node-a", now=now, labels={"rack": "r1"})
-    make_node("node-b", now=now)
+    # Heard from just now: uncordon refuses a node whose agent is silent on the real clock.
+    make_node("node-a", now=timezone.now(), labels={"rack": "r1"})
+    make_node("node-b", now=timezone.now())
     replica = replica_on("node-a", now=now)
     nodes = f"{V1}/nodes/{{id}}"
 

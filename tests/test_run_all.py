@@ -14,6 +14,8 @@ pytestmark = pytest.mark.slow
 
 def run_all(tmp_path, listen: str) -> Background:
     env = clean_env(DEBUG="1", LLMGW_VAR_DIR=str(tmp_path / "var"), LLMGW_LISTEN=listen, LLMGW_START_TIMEOUT="120")
+    # The gateway is the fourth process: a port of its own, since a gateway that cannot listen stops them all.
+    env["LLMGW_GATEWAY_LISTEN"] = f"127.0.0.1:{free_port()}"
     for name in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"):
         env.pop(name, None)
     return Background(["scripts/run-all.sh"], cwd=REPO, env=env, log=tmp_path / "run-all.log")

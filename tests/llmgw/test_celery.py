@@ -94,6 +94,8 @@ def test_beat_sends_its_tasks_on_a_redis_broker_with_only_the_run_requirements(t
         "DJANGO_SETTINGS_MODULE": "llmgw.settings_test",
         "CELERY_BROKER_URL": broker_url,
         "LLMGW_VAR_DIR": str(tmp_path / "var"),
+        # The embedded database: beat takes its cluster lock there (llmgw/beat.py), so it must reach one.
+        "DATABASE_URL": f"sqlite:///{tmp_path / 'var' / 'llmgw.sqlite3'}",
         # The liveness sweep is due soon after beat starts.
         "LLMGW_LIVENESS_INTERVAL": "0.5",
         "LLMGW_TEST_HIDDEN_MODULES": json.dumps(hidden_modules(run_requirements_closure(REPO / "requirements.txt"))),
