@@ -260,6 +260,9 @@ class Register(Message):
     running_shards: Annotated[list[RunningShard], Field(max_length=MAX_SHARDS)] = empty_list()
     engine_installs: Annotated[list[EngineInstall], Field(max_length=MAX_LIST)] | None = None
     at: float | None = None
+    # host:port of the agent's own Prometheus endpoint (path /metrics); None:
+    # an agent too old to serve one, or one told not to.
+    metrics_addr: Short | None = None
 
     @field_validator("gpus")
     @classmethod
