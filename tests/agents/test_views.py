@@ -186,6 +186,13 @@ def test_oversized_body_is_413(client, joined):
             "gpus",
             "Value error, GPU index 1 appears twice",
         ),
+        # A scrape target for Prometheus: host:port and nothing more.
+        (
+            "register",
+            register_payload("node-a", metrics_addr="http://evil.example/x?y=1"),
+            "metrics_addr",
+            "String should match pattern",
+        ),
         ("scans", {"node_id": "node-a"}, "key", "Field required"),
     ],
 )
