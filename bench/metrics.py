@@ -204,6 +204,7 @@ def run() -> list[str]:
     import django
 
     django.setup()
+    from django.conf import settings
     from django.db import connection
     from django.test import Client
     from django.test.utils import setup_test_environment
@@ -214,6 +215,7 @@ def run() -> list[str]:
 
     sizes = [int(s) for s in os.environ.get("LLMGW_BENCH_METRICS_NODES", "").split(",") if s] or SIZES
     lines: list[str] = []
+    window = settings.LLMGW_DOCTOR_CACHE
     with scratch_database("bench_metrics"):
         setup_test_environment()  # the test client's host, as the tests have it
         client = Client()
@@ -236,13 +238,19 @@ def run() -> list[str]:
                     doctor.forget_cached()
                     return scrape()
 
+                # Within the doctor's window, as when Prometheus scrapes more often
+                # than the window: one slow run on a busy machine must not let the
+                # window lapse and put the doctor's checks into the next one.
+                settings.LLMGW_DOCTOR_CACHE = 3600.0
+                doctor.latest(now=timezone.now(), fresh=True)
                 cached, q_cached, text = _timed(scrape, connection)
                 zipped, _, packed = _timed(lambda: scrape(accept_encoding="gzip"), connection)
                 assert gzip.decompress(packed).count(b"\n") > count
+                peak = _peak_mb(scrape)
+                settings.LLMGW_DOCTOR_CACHE = window
                 fresh, q_fresh, _ = _timed(scrape_fresh, connection, repeat=3)
                 sd, q_sd, doc = _timed(lambda: client.get("/api/v1/prometheus/targets").content, connection)
                 doc_runs, q_doc, results = _timed(lambda: doctor.run(now=timezone.now()), connection, repeat=3)
-                peak = _peak_mb(scrape)
                 verdicts = {str(r.result) for r in results}
             finally:
                 _forget(ids)
