@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('inventory', '0003_gpu_fabric_health'),
+        ("inventory", "0003_gpu_fabric_health"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='node',
-            name='metrics_addr',
-            field=models.CharField(blank=True, max_length=253, verbose_name='metrics address'),
+            model_name="node",
+            name="metrics_addr",
+            field=models.CharField(blank=True, max_length=253, verbose_name="metrics address"),
         ),
     ]
