@@ -187,3 +187,13 @@ def test_metrics_keys_load_and_a_bad_value_names_its_key(tmp_path, monkeypatch):
     assert parse(base | {"metrics_listen": ":9400", "metrics_open": True}).metrics_open is True
     monkeypatch.setenv(METRICS_TOKEN_ENV, "from-env")
     assert parse(base | {"metrics_listen": "10.0.0.5:9400"}).metrics_token == "from-env"
+
+
+def test_cli_check_hides_the_metrics_token(tmp_path, capsys):
+    path = tmp_path / "agent.yaml"
+    path.write_text("control_plane: http://cp\nnode_id: n1\nmetrics_listen: ':9400'\nmetrics_token: scrape-s3cret\n")
+    assert cli.main(["--config", str(path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "scrape-s3cret" not in out
+    assert "metrics_token: (set)" in out
+    assert "metrics_listen: :9400" in out
