@@ -128,13 +128,22 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     nodes = Node.objects.order_by("id").values_list("id", "state", "last_seen", "imex_state")
     cards: dict[str, int] = {}
     joined: dict[str, int] = {}
-    joined_rule = gpu_rules.fabric_joined
-    for node_id, state, status, cluster in GPU.objects.values_list(
-        "node_id", "fabric_state", "fabric_status", "cluster_uuid"
+    # Counted by the database per node and fabric report, and the rule asked
+    # once per distinct report: a node's cards mostly report the same fabric,
+    # and the rule per card was a third of a scrape at 10,000 nodes.
+    verdicts: dict[tuple[str, str, str], bool] = {}
+    for node_id, *fabric, n in (
+        GPU.objects.values_list("node_id", "fabric_state", "fabric_status", "cluster_uuid")
+        .annotate(n=Count("id"))
+        .order_by()
     ):
-        cards[node_id] = cards.get(node_id, 0) + 1
-        if joined_rule(state, status, cluster):
-            joined[node_id] = joined.get(node_id, 0) + 1
+        key = tuple(fabric)
+        verdict = verdicts.get(key)
+        if verdict is None:
+            verdict = verdicts[key] = gpu_rules.fabric_joined(*key)
+        cards[node_id] = cards.get(node_id, 0) + n
+        if verdict:
+            joined[node_id] = joined.get(node_id, 0) + n
     held = dict(AllocatedGPU.objects.values_list("node_id").annotate(n=Count("id")).order_by())
     deployments = list(Deployment.objects.values_list("id", "name"))
     counts = {
