@@ -43,6 +43,13 @@ NodeId = Annotated[
     str, StringConstraints(min_length=1, max_length=253, pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
 ]
 Count = Annotated[int, Field(ge=0, le=2**63 - 1)]
+# host:port, [v6]:port: handed to Prometheus as a scrape target, so nothing else (no scheme, path or query).
+MetricsAddr = Annotated[
+    str,
+    StringConstraints(
+        max_length=253, pattern=r"^([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
+    ),
+]
 SmallInt = Annotated[int, Field(ge=0, le=1_000_000)]
 GPUIndex = Annotated[int, Field(ge=0, lt=MAX_GPUS)]
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -315,6 +322,9 @@ class Register(Message):
     # it holds a credential: a retry of a join whose answer was lost proves, with
     # it, that it is the same agent, and gets a credential again instead of a refusal.
     join_nonce: Annotated[str, StringConstraints(min_length=32, max_length=128)] | None = None
+    # host:port of the agent's own Prometheus endpoint (path /metrics); None:
+    # an agent too old to serve one, or one told not to.
+    metrics_addr: MetricsAddr | None = None
 
     @field_validator("gpus")
     @classmethod

@@ -164,7 +164,18 @@ class NodeAdmin(admin.ModelAdmin):
     fieldsets = [
         (
             None,
-            {"fields": ["id", "hostname", "mgmt_addr", "state", "unreachable_since", "last_seen", "registered_at"]},
+            {
+                "fields": [
+                    "id",
+                    "hostname",
+                    "mgmt_addr",
+                    "metrics_addr",
+                    "state",
+                    "unreachable_since",
+                    "last_seen",
+                    "registered_at",
+                ]
+            },
         ),
         (
             "Agent",

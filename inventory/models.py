@@ -47,6 +47,9 @@ class Node(models.Model):
     id = models.CharField(primary_key=True, max_length=253)
     hostname = models.CharField(max_length=253, blank=True)
     mgmt_addr = models.CharField("management address", max_length=253, blank=True)
+    # host:port of the agent's own Prometheus endpoint; "" when it serves none
+    # or is too old to say (then Prometheus is not told to scrape it).
+    metrics_addr = models.CharField("metrics address", max_length=253, blank=True)
     state = models.CharField(max_length=16, choices=NodeState.choices, default=NodeState.READY, db_index=True)
     # Set while heartbeats are missing, whatever the state: a cordoned node keeps
     # its operator state but the operator still needs to see it is silent.

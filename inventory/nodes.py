@@ -159,6 +159,7 @@ def upsert_node(reg: wire.Register, *, now: dt.datetime) -> tuple[Node, bool]:
     fields = {
         "hostname": reg.hostname,
         "mgmt_addr": reg.mgmt_addr,
+        "metrics_addr": reg.metrics_addr or "",
         "last_seen": now,
         "registered_at": now,
         "unreachable_since": None,

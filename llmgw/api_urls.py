@@ -5,6 +5,7 @@ from rest_framework.routers import DefaultRouter
 
 from inventory.api import GPUViewSet, NodeViewSet, NVLinkView
 from inventory.doctor_api import DoctorView
+from placement import prometheus_sd
 from placement import views as placement_views
 
 router = DefaultRouter()
@@ -27,4 +28,6 @@ urlpatterns: list = [
     *router.urls,
     re_path(r"^nvlink/?$", NVLinkView.as_view(), name="nvlink"),
     re_path(r"^doctor/?$", DoctorView.as_view(), name="doctor"),
+    # Prometheus' http_sd_config: every agent's and ready engine's metrics endpoint.
+    path("prometheus/targets", prometheus_sd.targets_view, name="prometheus-targets"),
 ]

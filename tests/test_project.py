@@ -34,7 +34,7 @@ def test_openapi_schema_and_docs(client, operator):
 def test_metrics_endpoint(client):
     resp = client.get("/metrics")
     assert resp.status_code == 200
-    assert b"django_http_requests_before_middlewares_total" in resp.content
+    assert b"django_http_requests_before_middlewares_total" in b"".join(resp.streaming_content)
 
 
 def test_celery_app_is_configured():

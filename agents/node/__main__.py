@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         shown = dataclasses.asdict(cfg)
         shown["join_token"] = "(set)" if cfg.join_token else ""
+        shown["metrics_token"] = "(set)" if cfg.metrics_token else ""
         for k, v in shown.items():
             print(f"{k}: {v}")
         return 0

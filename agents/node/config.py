@@ -10,6 +10,7 @@ the file and the closest known key, and a value of the wrong type names its key.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import socket
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import yaml
 
 DEFAULT_STATE_DIR = "/var/lib/llmgw-agent"
 DEFAULT_CONFIG = "/etc/llmgw/agent.yaml"
+METRICS_TOKEN_ENV = "LLMGW_AGENT_METRICS_TOKEN"
 
 TOP_KEYS = (
     "control_plane",
@@ -34,6 +36,9 @@ TOP_KEYS = (
     "mgmt_interface",
     "fabrics",
     "root",
+    "metrics_listen",
+    "metrics_token",
+    "metrics_open",
 )
 FABRIC_KEYS = ("name", "hcas", "rate_gbps")
 
@@ -69,6 +74,10 @@ class Config:
     mgmt_interface: str = ""
     fabrics: tuple[Fabric, ...] = ()
     root: str = ""
+    # The node's own Prometheus endpoint (host:port; "" = not served).
+    metrics_listen: str = ""
+    metrics_token: str = field(default="", repr=False)
+    metrics_open: bool = False
     source: str = ""
 
     def token(self) -> str:
@@ -81,6 +90,35 @@ class Config:
             except OSError as e:
                 raise ConfigError(f"{self.source}: join_token_file {self.join_token_file!r}: {e.strerror}") from e
         return ""
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """`host:port` (or `:port`, every address) into a bind address; ValueError saying what is wrong."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not host:port (e.g. 0.0.0.0:9400 or :9400)")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def _metrics(data: dict, *, source: str) -> tuple[str, str, bool]:
+    """metrics_listen, metrics_token (or $LLMGW_AGENT_METRICS_TOKEN) and metrics_open, checked together."""
+    listen = _str(data, "metrics_listen", source=source)
+    token = _str(data, "metrics_token", source=source) or os.environ.get(METRICS_TOKEN_ENV, "")
+    open_ = data.get("metrics_open", False)
+    if not isinstance(open_, bool):
+        raise ConfigError(f"{source}: metrics_open must be true or false, not {open_!r}")
+    if listen:
+        try:
+            parse_listen(listen)
+        except ValueError as e:
+            raise ConfigError(f"{source}: metrics_listen {e}") from None
+        # Sensors name the hardware and its faults: nobody reads them unasked.
+        if not token and not open_:
+            raise ConfigError(
+                f"{source}: metrics_listen needs metrics_token (or ${METRICS_TOKEN_ENV}),"
+                " or metrics_open: true to serve the node's metrics without one"
+            )
+    return listen, token, open_
 
 
 def _suggest(key: str, known: tuple[str, ...]) -> str:
@@ -177,6 +215,7 @@ def parse(data: Any, *, source: str = "<agent.yaml>") -> Config:
         if hcas.count(h) > 1:
             raise ConfigError(f"{source}: fabrics: HCA {h!r} is declared on two fabrics")
 
+    metrics_listen, metrics_token, metrics_open = _metrics(data, source=source)
     return Config(
         control_plane=cp.rstrip("/"),
         join_token=token,
@@ -189,6 +228,9 @@ def parse(data: Any, *, source: str = "<agent.yaml>") -> Config:
         mgmt_interface=_str(data, "mgmt_interface", source=source),
         fabrics=fabrics,
         root=_str(data, "root", source=source),
+        metrics_listen=metrics_listen,
+        metrics_token=metrics_token,
+        metrics_open=metrics_open,
         source=source,
     )
 

@@ -37,6 +37,7 @@ import pydantic
 
 from agents import wire
 from agents.node.config import Config
+from agents.node.metrics import Latest, MetricsServer, metrics_addr
 from agents.node.netif import interface_addr
 from agents.node.shardload import ShardMeter
 from agents.node.supervisor import Supervisor
@@ -163,6 +164,14 @@ class Agent:
         self._declared_hcas: frozenset[str] = frozenset()
         self._seen_hcas: frozenset[str] = frozenset()
         self.stop_event = threading.Event()
+        self.metrics = Latest(clock)
+        self.metrics_server = (
+            MetricsServer(
+                self.metrics, listen=config.metrics_listen, token=config.metrics_token, open_=config.metrics_open
+            ).start()
+            if config.metrics_listen
+            else None
+        )
 
     # --- credential -------------------------------------------------------
 
@@ -354,6 +363,7 @@ class Agent:
             running_shards=self.supervisor.running(),
             engine_installs=list(self.installs.values()) or None,
             at=self.clock(),
+            metrics_addr=metrics_addr(self.metrics_server, c.metrics_listen, mgmt_addr),
         )
 
     def register(self) -> wire.RegisterResponse:
@@ -429,7 +439,7 @@ class Agent:
             self._last_fabrics = self.clock()
         with self._lock:
             acks = list(self._acks)[: wire.MAX_COMMANDS]
-        return wire.Heartbeat(
+        body = wire.Heartbeat(
             node_id=self.config.node_id,
             at=self.clock(),
             load=load,
@@ -441,6 +451,8 @@ class Agent:
             imex=getattr(sample, "imex", None),
             acks=acks,
         )
+        self.metrics.update(body)
+        return body
 
     def heartbeat(self) -> wire.HeartbeatResponse:
         """Send one heartbeat and apply the commands in its answer."""
@@ -617,6 +629,8 @@ class Agent:
     def close(self) -> None:
         """Stop the loop; shards keep running (the next agent adopts them)."""
         self.stop_event.set()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         self.supervisor.close()
         with contextlib.suppress(Exception):
             self.http.close()

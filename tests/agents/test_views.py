@@ -239,6 +239,13 @@ def test_oversized_body_is_413(client, joined):
             "gpus",
             "Value error, GPU index 1 appears twice",
         ),
+        # A scrape target for Prometheus: host:port and nothing more.
+        (
+            "register",
+            register_payload("node-a", metrics_addr="http://evil.example/x?y=1"),
+            "metrics_addr",
+            "String should match pattern",
+        ),
         ("scans", {"node_id": "node-a"}, "key", "Field required"),
     ],
 )
@@ -543,4 +550,7 @@ def test_a_cache_outage_costs_no_lease(client, joined, settings):
     assert REGISTRY.get_sample_value("llmgw_telemetry_cache_errors_total", {"op": "get"}) >= 1
     # Readers see "not reported", not an error; /metrics says how many were skipped.
     assert telemetry.get("node-a") is None and telemetry.get_many(["node-a"]) == {}
-    assert f'llmgw_telemetry_cache_errors_total{{op="put"}} {before + 1}' in client.get("/metrics").content.decode()
+    assert (
+        f'llmgw_telemetry_cache_errors_total{{op="put"}} {before + 1}'
+        in b"".join(client.get("/metrics").streaming_content).decode()
+    )

@@ -335,3 +335,10 @@ def test_node_page_credential_box_has_no_actions_for_a_viewer(nodes, staff_viewe
     assert 'id="credential-state">issued</span>' in page
     assert 'id="credential-actions"' not in page and "Reset or rotate" not in page
     assert "/admin/agents/nodecredential/node-a/change/" not in page
+
+
+def test_node_page_shows_where_prometheus_scrapes_the_agent(operator, now):
+    make_node("node-m", now=now, metrics_addr="10.0.0.9:9400")
+    page = text(login(operator).get("/admin/inventory/node/node-m/change/"))
+    assert "Metrics address" in page
+    assert "10.0.0.9:9400" in page

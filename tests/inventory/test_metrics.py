@@ -29,7 +29,7 @@ def scrape(client) -> dict[str, dict[tuple, float]]:
     resp = client.get("/metrics")
     assert resp.status_code == 200
     out: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(resp.content.decode()):
+    for family in text_string_to_metric_families(b"".join(resp.streaming_content).decode()):
         for s in family.samples:
             # prometheus_client's creation-time series of a counter is not a metric of ours.
             if s.name.startswith("llmgw_") and not s.name.endswith("_created"):
@@ -75,45 +75,26 @@ def cluster():
     return now
 
 
-def test_node_and_gpu_metrics(client, cluster):
+def test_node_metrics(client, cluster):
     m = scrape(client)
-    states = m["llmgw_node_state"]
-    assert states[lbl(node="tray-1", state="ready")] == 1.0
-    assert states[lbl(node="pcie-1", state="cordoned")] == 1.0
-    assert sum(v for k, v in states.items() if dict(k)["node"] == "pcie-1") == 1.0
-    assert len(states) == 2 * len(NodeState.values)
+    # Only each node's current state: five one-hot rows a node were most of the body at scale.
+    assert m["llmgw_node_state"] == {lbl(node="tray-1", state="ready"): 1.0, lbl(node="pcie-1", state="cordoned"): 1.0}
     ages = m["llmgw_node_heartbeat_age_seconds"]
     assert set(ages) == {lbl(node="tray-1"), lbl(node="pcie-1")}
     # Thirty seconds old when made, plus however long the scrape took.
     assert 30.0 <= ages[lbl(node="tray-1")] < 40.0
-    assert m["llmgw_gpu_nvlink_joined"] == {
-        lbl(node="tray-1", gpu="0"): 1.0,
-        lbl(node="tray-1", gpu="1"): 0.0,
-        lbl(node="pcie-1", gpu="0"): 0.0,
-    }
+    assert m["llmgw_node_gpus"] == {lbl(node="tray-1"): 2.0, lbl(node="pcie-1"): 1.0}
+    assert m["llmgw_node_gpus_nvlink_joined"] == {lbl(node="tray-1"): 1.0, lbl(node="pcie-1"): 0.0}
+    assert m["llmgw_node_gpus_allocated"] == {lbl(node="tray-1"): 1.0, lbl(node="pcie-1"): 0.0}
     assert m["llmgw_imex_up"] == {lbl(node="tray-1"): 1.0}
-    assert m["llmgw_gpu_allocated"] == {
-        lbl(node="tray-1", gpu="0"): 0.0,
-        lbl(node="tray-1", gpu="1"): 1.0,
-        lbl(node="pcie-1", gpu="0"): 0.0,
-    }
-    # An unmeasured utilisation (-1) is left out, not reported as idle.
-    assert m["llmgw_gpu_utilization_ratio"] == {lbl(node="tray-1", gpu="0"): 0.87}
-    assert m["llmgw_gpu_temperature_celsius"] == {lbl(node="tray-1", gpu="0"): 61.0, lbl(node="tray-1", gpu="1"): 40.0}
-    assert m["llmgw_gpu_power_watts"] == {lbl(node="tray-1", gpu="0"): 612.5, lbl(node="tray-1", gpu="1"): 95.0}
 
 
-def test_ib_port_metrics(client, cluster):
-    m = scrape(client)
-    assert m["llmgw_ib_port_rate_bytes_per_second"] == {
-        lbl(node="tray-1", hca="mlx5_0", port="1", direction="tx"): 50e9,
-        lbl(node="tray-1", hca="mlx5_0", port="1", direction="rx"): 1e9,
-    }
-    # Only error counters, under the _total suffix of a Prometheus counter.
-    assert m["llmgw_ib_port_errors_total"] == {
-        lbl(node="tray-1", hca="mlx5_0", port="1", counter="symbol_error"): 3.0,
-        lbl(node="tray-1", hca="mlx5_0", port="1", counter="link_downed"): 1.0,
-    }
+def test_sensors_and_port_counters_are_left_to_the_agents(client, cluster):
+    # The cluster's telemetry holds card sensors and port counters: none of them is served here.
+    body = client.get("/metrics")
+    text = b"".join(body.streaming_content).decode()
+    assert "612.5" not in text and "mlx5_0" not in text
+    assert not [n for n in scrape(client) if n.startswith(("llmgw_gpu_", "llmgw_ib_"))]
 
 
 def test_replica_and_doctor_metrics(client, cluster):
@@ -147,10 +128,11 @@ def test_registering_does_not_touch_the_database(django_assert_num_queries):
         CollectorRegistry().register(LlmgwCollector())
 
 
-# The scrape's queries: the doctor's snapshot (nodes, their GPUs, their
-# fabrics, scans, recent SM changes, failed installs, pending replicas, the liveness clock), then
-# held GPUs, deployments and replica counts.
-SCRAPE_QUERIES = 11
+# The scrape's queries when the doctor's results are stale: the doctor's
+# snapshot (nodes, their GPUs, their fabrics, scans, recent SM changes, failed
+# installs, pending replicas, the liveness clock), then the metrics' own: nodes,
+# GPUs, held GPUs, deployments and replica counts.
+SCRAPE_QUERIES = 13
 
 
 def build_nodes(count: int, *, now: dt.datetime) -> None:
@@ -174,7 +156,7 @@ def build_nodes(count: int, *, now: dt.datetime) -> None:
 def test_scrape_query_count_is_constant(client, django_assert_num_queries, cluster):
     with django_assert_num_queries(SCRAPE_QUERIES):
         small = scrape(client)
-    assert len(small["llmgw_node_state"]) == 2 * len(NodeState.values)
+    assert len(small["llmgw_node_state"]) == 2
 
 
 def test_scrape_query_count_at_1000_nodes(client, django_assert_num_queries):
@@ -182,23 +164,21 @@ def test_scrape_query_count_at_1000_nodes(client, django_assert_num_queries):
     build_nodes(1000, now=now)
     with django_assert_num_queries(SCRAPE_QUERIES):
         m = scrape(client)
-    assert len(m["llmgw_node_state"]) == 1000 * len(NodeState.values)
-    assert len(m["llmgw_gpu_allocated"]) == 8000
-    assert len(m["llmgw_ib_port_rate_bytes_per_second"]) == 1000 * 8 * 2
-    assert m["llmgw_gpu_power_watts"][lbl(node="node-0999", gpu="7")] == 500.0
+    assert len(m["llmgw_node_state"]) == 1000
+    assert m["llmgw_node_gpus"][lbl(node="node-0999")] == 8.0
+    # Six samples a node (state, heartbeat age, cards, held, joined, IMEX), whatever its cards and ports.
+    # (The process's own counters, such as cache errors, depend on what this process met before.)
+    ours = {name: samples for name, samples in m.items() if name not in PROCESS_COUNTERS}
+    assert sum(len(samples) for samples in ours.values()) == 6 * 1000 + 3 * len(doctor.CHECK_NAMES)
 
 
 METRIC_NAMES = {
     "llmgw_node_state",
     "llmgw_node_heartbeat_age_seconds",
-    "llmgw_gpu_nvlink_joined",
+    "llmgw_node_gpus",
+    "llmgw_node_gpus_allocated",
+    "llmgw_node_gpus_nvlink_joined",
     "llmgw_imex_up",
-    "llmgw_gpu_utilization_ratio",
-    "llmgw_gpu_temperature_celsius",
-    "llmgw_gpu_power_watts",
-    "llmgw_gpu_allocated",
-    "llmgw_ib_port_rate_bytes_per_second",
-    "llmgw_ib_port_errors_total",
     "llmgw_replicas",
     "llmgw_doctor_checks",
 }
@@ -208,6 +188,25 @@ PROCESS_COUNTERS = {"llmgw_telemetry_cache_errors_total"}
 
 def test_collector_exports_exactly_the_documented_names(client, cluster):
     assert set(scrape(client)) == METRIC_NAMES | PROCESS_COUNTERS
+
+
+def agent_metric_names() -> set[str]:
+    """The families an agent serves for a node with every sensor, wear counter and port counter."""
+    from agents import wire
+    from agents.node.metrics import render
+
+    hb = wire.Heartbeat(
+        node_id="n",
+        at=0.0,
+        load=wire.Load(),
+        gpus=[
+            wire.GPUSensor(
+                index=0, temp_c=50, power_w=300, util_percent=50, wear=wire.GPUWear(xid_errors=1, pcie_replays=2)
+            )
+        ],
+        ib_ports=[wire.IBPort(hca="mlx5_0", port=1, counters={"port_xmit_data": 1, "symbol_error": 0})],
+    )
+    return {line.split()[2] for line in render(hb, now=0.0).splitlines() if line.startswith("# TYPE")}
 
 
 def test_grafana_dashboard_uses_every_metric_and_no_other():
@@ -220,8 +219,20 @@ def test_grafana_dashboard_uses_every_metric_and_no_other():
     dash = json.loads((Path(settings.BASE_DIR) / "deploy" / "grafana" / "llmgw.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     used = {name for e in exprs for name in re.findall(r"llmgw_[a-z_]+", e)}
-    # The gateway's own families are the data plane's (tests/gateway/test_dataplane_metrics.py).
-    assert {n for n in used if not n.startswith("llmgw_gateway_")} == METRIC_NAMES | PROCESS_COUNTERS
+    # The gateway's own families are the data plane's (tests/gateway/test_dataplane_metrics.py); every
+    # control-plane metric is on it; the rest are ones the agents really serve.
+    used = {n for n in used if not n.startswith("llmgw_gateway_")}
+    assert used & (METRIC_NAMES | PROCESS_COUNTERS) == METRIC_NAMES | PROCESS_COUNTERS
+    assert used - METRIC_NAMES - PROCESS_COUNTERS == {
+        "llmgw_node_gpu_utilization_ratio",
+        "llmgw_node_gpu_temperature_celsius",
+        "llmgw_node_gpu_power_watts",
+        "llmgw_node_gpu_xid_errors_total",
+        "llmgw_node_gpu_pcie_replays_total",
+        "llmgw_node_ib_port_data_bytes_total",
+        "llmgw_node_ib_port_errors_total",
+    }
+    assert used - METRIC_NAMES - PROCESS_COUNTERS <= agent_metric_names()
     assert dash["uid"] == "llmgw"
 
 
@@ -256,7 +267,7 @@ def test_collector_yields_the_same_families(cluster):
     registry.register(LlmgwCollector())
     names = {m.name for m in registry.collect()}
     assert names == {n.removesuffix("_total") for n in METRIC_NAMES}
-    assert registry.get_sample_value("llmgw_gpu_power_watts", {"node": "tray-1", "gpu": "0"}) == 612.5
+    assert registry.get_sample_value("llmgw_node_gpus_allocated", {"node": "tray-1"}) == 1.0
 
 
 def test_a_scrape_within_the_window_reuses_the_doctor(client, cluster, django_assert_num_queries, settings):
@@ -271,6 +282,7 @@ def test_a_scrape_within_the_window_reuses_the_doctor(client, cluster, django_as
         second = scrape(client)
     assert second["llmgw_doctor_checks"] == first["llmgw_doctor_checks"]
     assert second["llmgw_node_state"][lbl(node="tray-1", state="unreachable")] == 1.0
+    assert lbl(node="tray-1", state="ready") not in second["llmgw_node_state"]
     doctor.forget_cached()
     third = scrape(client)
     assert third["llmgw_doctor_checks"][lbl(check="nodes_reachable", result="warn")] == 1.0
@@ -291,22 +303,7 @@ def test_the_api_says_when_its_checks_ran_and_runs_them_fresh_on_demand(client, 
     assert client.get("/api/v1/doctor").json() == fresh
 
 
-def test_port_rates_from_heartbeat_counters_are_bytes_a_second(client, now):
-    # Counters to telemetry (bits a second) to the metric (bytes a second):
-    # one unit mix-up along the way and the dashboard is off by eight.
-    from agents import protocol, wire
-    from agents.credentials import NodeAuth
-    from tests.agents.conftest import heartbeat_payload
-
-    make_node("node-a", now=now)
-    caller = protocol.Caller(node=NodeAuth(node_id="node-a", used_previous=False, rotation_requested=False))
-    for at, counters in ((100.0, 1_000), (105.0, 1_000 + 1_250_000)):
-        hb = wire.Heartbeat.model_validate(heartbeat_payload(at=at, counters=counters))
-        protocol.heartbeat(caller, hb, now=now + dt.timedelta(seconds=at - 100.0))
-    # 1.25 M words of 4 bytes in 5 s: 1 MB/s out; the payload's rx counts twice as many.
-    rates = scrape(client)["llmgw_ib_port_rate_bytes_per_second"]
-    assert rates[lbl(node="node-a", hca="mlx5_0", port="1", direction="tx")] == 1_000_000.0
-    assert rates[lbl(node="node-a", hca="mlx5_0", port="1", direction="rx")] == 2_000_000.0
+# --- who may scrape; streamed, compressed ----------------------------------------
 
 
 @pytest.fixture
@@ -347,3 +344,25 @@ def test_metrics_for_a_signed_in_viewer(client, closed, viewer):
 @pytest.fixture
 def viewer_without_node_view(django_user_model):
     return django_user_model.objects.create_user("nobody", password="x")
+
+
+def test_the_scrape_is_streamed_and_gzipped_when_asked(client, cluster):
+    import gzip
+
+    plain = client.get("/metrics")
+    assert plain.streaming
+    assert "Content-Encoding" not in plain
+    text = b"".join(plain.streaming_content)
+    zipped = client.get("/metrics", headers={"accept-encoding": "gzip, deflate"})
+    assert zipped["Content-Encoding"] == "gzip"
+    assert "Accept-Encoding" in zipped["Vary"]
+    body = gzip.decompress(b"".join(zipped.streaming_content))
+
+    # The same text apart from django-prometheus' own request counters, which the first scrape moved.
+    def ours(raw: bytes) -> list[bytes]:
+        # The heartbeat's age moves between two scrapes; everything else of llmgw's stays.
+        return [line for line in raw.splitlines() if line.startswith(b"llmgw_") and b"heartbeat_age" not in line]
+
+    assert ours(body) == ours(text)
+    assert len(ours(body)) > 10
+    assert b'llmgw_node_state{node="tray-1",state="ready"} 1.0' in body

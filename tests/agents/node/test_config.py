@@ -165,3 +165,35 @@ def test_cli_check_hides_the_token(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tok-1" not in out
     assert f"root: {tmp_path}" in out
+
+
+def test_metrics_keys_load_and_a_bad_value_names_its_key(tmp_path, monkeypatch):
+    from agents.node.config import METRICS_TOKEN_ENV, parse
+
+    monkeypatch.delenv(METRICS_TOKEN_ENV, raising=False)
+    base = {"control_plane": "http://cp", "node_id": "n1"}
+    path = tmp_path / "agent.yaml"
+    path.write_text("control_plane: http://cp\nnode_id: n1\nmetrics_listen: ':9400'\nmetrics_token: s3cret\n")
+    cfg = load(path)
+    assert (cfg.metrics_listen, cfg.metrics_token, cfg.metrics_open) == (":9400", "s3cret", False)
+    assert "s3cret" not in repr(cfg)
+    assert parse(base).metrics_listen == ""
+    with pytest.raises(ConfigError, match=r"metrics_listen '9400' is not host:port"):
+        parse(base | {"metrics_listen": "9400", "metrics_open": True})
+    with pytest.raises(ConfigError, match=r"metrics_listen needs metrics_token"):
+        parse(base | {"metrics_listen": ":9400"})
+    with pytest.raises(ConfigError, match=r"metrics_open must be true or false"):
+        parse(base | {"metrics_listen": ":9400", "metrics_open": "yes"})
+    assert parse(base | {"metrics_listen": ":9400", "metrics_open": True}).metrics_open is True
+    monkeypatch.setenv(METRICS_TOKEN_ENV, "from-env")
+    assert parse(base | {"metrics_listen": "10.0.0.5:9400"}).metrics_token == "from-env"
+
+
+def test_cli_check_hides_the_metrics_token(tmp_path, capsys):
+    path = tmp_path / "agent.yaml"
+    path.write_text("control_plane: http://cp\nnode_id: n1\nmetrics_listen: ':9400'\nmetrics_token: scrape-s3cret\n")
+    assert cli.main(["--config", str(path), "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "scrape-s3cret" not in out
+    assert "metrics_token: (set)" in out
+    assert "metrics_listen: :9400" in out

@@ -10,7 +10,7 @@ def test_agent_modules_import_no_django():
     code = (
         "import sys\n"
         "import agents.node.__main__, agents.node.config, agents.node.engines, agents.node.echo\n"
-        "import agents.node.loop, agents.node.supervisor\n"
+        "import agents.node.loop, agents.node.supervisor, agents.node.metrics\n"
         "bad = sorted(m for m in sys.modules if m == 'django' or m.startswith('django.'))\n"
         "print(','.join(bad))\n"
     )
