@@ -117,3 +117,13 @@ def test_the_query_count_does_not_grow_with_the_fleet(client, now, django_assert
         doc = client.get(reverse("prometheus-targets")).json()
     assert len(doc) == 2 * count
     assert doc[count - 1]["labels"]["fabrics"] == f"ib-{(count - 1) % 2}"
+
+
+def test_the_targets_are_guarded_as_the_metrics_are(client, settings):
+    # They name every node and engine endpoint: a scraper's token or address, or a viewer of nodes.
+    settings.LLMGW_METRICS_TOKEN, settings.LLMGW_METRICS_ALLOW = "scrape-secret", []
+    refused = client.get("/api/v1/prometheus/targets")
+    assert (refused.status_code, refused["WWW-Authenticate"]) == (401, 'Bearer realm="llmgw-metrics"')
+    assert client.get("/api/v1/prometheus/targets", HTTP_AUTHORIZATION="Bearer wrong").status_code == 401
+    ok = client.get("/api/v1/prometheus/targets", HTTP_AUTHORIZATION="Bearer scrape-secret")
+    assert (ok.status_code, ok.json()) == (200, [])
