@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime as dt
 
+from django.contrib.admin.models import ADDITION, DELETION, LogEntry
 from django.contrib.auth.models import AbstractBaseUser
+from django.contrib.contenttypes.models import ContentType
 from django.db import IntegrityError, transaction
 from knox.models import get_digest_token
 from knox.settings import CONSTANTS, knox_settings
@@ -57,3 +59,19 @@ def revoke(user: AbstractBaseUser, name: str) -> int:
     """Delete `user`'s token named `name`; how many were deleted (0 or 1)."""
     deleted, _ = OperatorToken.objects.filter(user=user, name=name).delete()
     return deleted
+
+
+def record(user: AbstractBaseUser, name: str, *, created: bool, via: str) -> None:
+    """Keep a token's creation or revocation outside the admin in the admin's history, with who and how.
+
+    The admin records its own; a token made or revoked from the command line
+    would otherwise leave no trace of who could act as whom, and since when.
+    """
+    LogEntry.objects.create(
+        user=user,
+        content_type=ContentType.objects.get_for_model(OperatorToken),
+        object_id="",
+        object_repr=f"{user}: {name}"[:200],
+        action_flag=ADDITION if created else DELETION,
+        change_message=f"API token {name!r} {'created' if created else 'revoked'} ({via})",
+    )

@@ -7,6 +7,7 @@ import importlib
 import io
 
 import pytest
+from django.contrib.admin.models import ADDITION, DELETION, LogEntry
 from django.contrib.messages import get_messages
 from django.core.management import CommandError, call_command
 from django.db import connection
@@ -129,3 +130,13 @@ def test_the_plaintext_token_table_of_the_old_scheme_is_dropped():
         cur.execute("INSERT INTO authtoken_token VALUES ('0123456789abcdef0123456789abcdef01234567')")
         cur.execute(migration.DROP)
     assert "authtoken_token" not in connection.introspection.table_names()
+
+
+def test_the_command_line_leaves_who_and_when_in_the_admin_history(operator):
+    api_token("create", "--user", operator.username, "--name", "ci")
+    api_token("revoke", "--user", operator.username, "--name", "ci")
+    rows = list(LogEntry.objects.order_by("id").values_list("user_id", "action_flag", "change_message"))
+    assert rows == [
+        (operator.id, ADDITION, "API token 'ci' created (manage.py api_token)"),
+        (operator.id, DELETION, "API token 'ci' revoked (manage.py api_token)"),
+    ]

@@ -33,8 +33,10 @@ class Command(BaseCommand):
                 _, secret = tokens.create(who, name, now=timezone.now(), days=days)
             except tokens.TokenError as e:
                 raise CommandError(str(e)) from None
+            tokens.record(who, name, created=True, via="manage.py api_token")
             self.stdout.write(secret)
             return
         if not tokens.revoke(who, name):
             raise CommandError(f"--name: {user} has no token named {name!r}")
+        tokens.record(who, name, created=False, via="manage.py api_token")
         self.stderr.write(f"revoked {user}'s token {name!r}")
