@@ -26,8 +26,18 @@ from django.conf import settings
 T = TypeVar("T")
 
 REPO = Path(settings.BASE_DIR)
-# What the test runner's environment must not leak into a "fresh" process.
-LEAKY = ("PYTHONPATH", "VIRTUAL_ENV", "DJANGO_SETTINGS_MODULE", "PYTHONHOME")
+# What the test runner's environment must not leak into a "fresh" process: under
+# `make test`, make's own variables too, or a child make reports itself as a sub-make.
+LEAKY = (
+    "PYTHONPATH",
+    "VIRTUAL_ENV",
+    "DJANGO_SETTINGS_MODULE",
+    "PYTHONHOME",
+    "MAKEFLAGS",
+    "MAKELEVEL",
+    "MFLAGS",
+    "MAKEOVERRIDES",
+)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
