@@ -352,7 +352,13 @@ class DataPlane:
         if settings.REDIS_URL:
             self.redis = aioredis.Redis.from_url(settings.REDIS_URL)
             self.limiter.redis = self.redis
-        await self.reload("all")
+        try:
+            await self.reload("all")
+        except Exception:
+            # A database that is down, or not migrated yet, must not keep the front door
+            # from starting (and, under make run, take the other processes down with it):
+            # it starts knowing no keys or replicas, and the periodic refresh fills them in.
+            log.exception("gateway: could not load routes and keys at start; the periodic refresh will retry")
         self._tasks.append(asyncio.create_task(self._refresh_forever()))
         self._tasks.append(asyncio.create_task(self._flush_usage_forever()))
         self._tasks.append(asyncio.create_task(self._scrape_forever()))
