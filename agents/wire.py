@@ -28,6 +28,20 @@ MAX_SHARDS = 256
 MAX_LABELS = 64
 MAX_LIST = 256
 MAX_COMMANDS = 256
+# The InfiniBand port error counters watched, by their sysfs names: the doctor
+# judges them, the agent exports them. A rising link_downed is a link that
+# flapped; the others are a bad cable or port getting worse.
+IB_ERROR_COUNTERS = (
+    "symbol_error",
+    "link_downed",
+    "link_error_recovery",
+    "port_rcv_errors",
+    "port_rcv_remote_physical_errors",
+    "port_rcv_switch_relay_errors",
+    "port_xmit_discards",
+    "local_link_integrity_errors",
+    "excessive_buffer_overrun_errors",
+)
 MAX_SCAN_TEXT = 8 * 1024 * 1024
 
 Name = Annotated[str, StringConstraints(max_length=253)]

@@ -54,19 +54,7 @@ COUNTER_WINDOW = dt.timedelta(minutes=10)
 _COUNTER_KEY = "doctor:ibctr:"
 _COUNTER_TTL_S = 24 * 3600
 
-# The IB error counters watched, by their sysfs names. A rising link_downed
-# is a link that flapped; the others are a bad cable or port getting worse.
-ERROR_COUNTERS = (
-    "symbol_error",
-    "link_downed",
-    "link_error_recovery",
-    "port_rcv_errors",
-    "port_rcv_remote_physical_errors",
-    "port_rcv_switch_relay_errors",
-    "port_xmit_discards",
-    "local_link_integrity_errors",
-    "excessive_buffer_overrun_errors",
-)
+ERROR_COUNTERS = wire.IB_ERROR_COUNTERS
 FAIL_COUNTERS = frozenset({"link_downed"})
 
 

@@ -41,17 +41,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # RoCE netdev counters count bytes.
 DATA_COUNTERS = {"tx": (("port_xmit_data", 4), ("tx_bytes", 1)), "rx": (("port_rcv_data", 4), ("rx_bytes", 1))}
 # The port's error counters, as the doctor reads them.
-ERROR_COUNTERS = (
-    "symbol_error",
-    "link_downed",
-    "link_error_recovery",
-    "port_rcv_errors",
-    "port_rcv_remote_physical_errors",
-    "port_rcv_switch_relay_errors",
-    "port_xmit_discards",
-    "local_link_integrity_errors",
-    "excessive_buffer_overrun_errors",
-)
+ERROR_COUNTERS = wire.IB_ERROR_COUNTERS
 # Wear counters (-1 = not reported for this card) and flags, by metric.
 WEAR_COUNTERS = (
     ("llmgw_node_gpu_pcie_replays_total", "PCIe replays of the card.", (), ("pcie_replays",)),
