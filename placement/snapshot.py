@@ -521,7 +521,7 @@ def build(*, unique_ports: bool | None = None, now: dt.datetime | None = None) -
             fabrics=tuple(finfo),
             power_draw_w=draw,
             ports=frozenset(ports.get(node_id, ())),
-            silent_s=(min(int(silence), 10**9) or 1) if silence > lease else 0,
+            silent_s=(int(min(silence, 10**9)) or 1) if silence > lease else 0,
         )
     snap = Snapshot(
         nodes=out,

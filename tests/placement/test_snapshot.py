@@ -8,6 +8,7 @@ import pytest
 
 from inventory import telemetry
 from inventory.allocation import allocate
+from inventory.models import Node
 from inventory.nodes import change_state
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PowerBudget, Replica, Shard
@@ -267,3 +268,14 @@ def test_a_tray_with_an_unhealthy_card_takes_no_multi_node_nvlink_replica_and_sa
     assert result.reasons["b"] == (
         "out of NVLink: GPU 2 fabric health Unhealthy; no fabric: never hosts a multi-node replica; needs 2"
     )
+
+
+def test_a_ready_node_never_heard_from_is_refused_not_a_crash(now):
+    # A node row without a heartbeat (made by hand, or before its first one) has no lease at all.
+    make_node("quiet", now=now)
+    make_node("heard", now=now)
+    Node.objects.filter(id="quiet").update(last_seen=None)
+    snap = snapshots.build(now=now)
+    assert (snap.nodes["quiet"].silent_s, snap.nodes["quiet"].schedulable) == (10**9, False)
+    assert (snap.nodes["heard"].silent_s, snap.nodes["heard"].schedulable) == (0, True)
+    assert plan(ReplicaRequest(gpus_per_node=1), snap, explain=True).reasons["quiet"] == "never heard from"
