@@ -19,6 +19,8 @@ os.environ["DATABASE_URL"] = f"sqlite:///{_VAR / 'llmgw.sqlite3'}"
 os.environ["REDIS_URL"] = ""
 os.environ.setdefault("CELERY_BROKER_URL", "memory://")
 os.environ.setdefault("SECRET_KEY", "llmgw-test-key")
+# As in llmgw/settings_test.py: the test servers are scraped from loopback.
+os.environ.setdefault("LLMGW_METRICS_ALLOW", "127.0.0.1/32,::1/128")
 
 from llmgw.settings import *  # noqa: E402, F403
 from llmgw.settings import DATABASES  # noqa: E402
