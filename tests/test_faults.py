@@ -38,6 +38,8 @@ import httpx
 import psycopg
 import pytest
 
+from tests.test_control_plane_restart import _wait
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,20 +54,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _wait(cond, *, timeout: float, what, each=None):
-    """Poll cond until it returns something truthy; fail with what() after the deadline."""
-    end = time.monotonic() + timeout
-    while True:
-        if each is not None:
-            each()
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > end:
-            pytest.fail(f"not reached in {timeout:g}s: {what()}")
-        time.sleep(0.2)
 
 
 def _free_range(n: int) -> int:

@@ -242,20 +242,6 @@ def test_connection_reads_length_and_chunked_answers_and_reconnects():
 # --- against a real control plane -------------------------------------------------------------------------------
 
 
-def _wait(cond, *, timeout: float, what, each=None):
-    """Poll cond until it returns something truthy; fail with what() after the deadline."""
-    end = time.monotonic() + timeout
-    while True:
-        if each is not None:
-            each()
-        got = cond()
-        if got:
-            return got
-        if time.monotonic() > end:
-            pytest.fail(f"not reached in {timeout:g}s: {what()}")
-        time.sleep(0.2)
-
-
 @pytest.fixture
 def plane(transactional_db, tmp_path):
     from tests.test_control_plane_restart import ControlPlane, _kill_group
@@ -276,7 +262,7 @@ def test_fifty_virtual_nodes_against_a_real_control_plane(plane, settings):
     from inventory.models import GPU, Node
     from placement.models import Deployment, EngineProfile, Replica
     from placement.tasks import reconcile_task
-    from tests.test_control_plane_restart import JOIN
+    from tests.test_control_plane_restart import JOIN, _wait
 
     plane.start()
     fleet = Fleet(control_plane=plane.url, join_token=JOIN, nodes=50, interval=1.0, load_s=0.2, ready_s=0.5, seed=3)
