@@ -13,7 +13,8 @@ from django import forms
 from django.contrib import admin, messages
 from django.utils import timezone
 
-from agents import credentials, wire
+import wire
+from agents import credentials
 from agents.models import Command, JoinToken, NodeCredential
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
-from agents import wire
+import wire
 from agents.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 

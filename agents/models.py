@@ -13,7 +13,7 @@ from django.db.models import Q
 
 
 class CommandKind(models.TextChoices):
-    """The commands an agent answers (agents.wire)."""
+    """The commands an agent answers (wire)."""
 
     START_SHARD = "start_shard"
     STOP_SHARD = "stop_shard"
@@ -31,7 +31,7 @@ class Command(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     node = models.ForeignKey("inventory.Node", on_delete=models.CASCADE, related_name="commands")
     kind = models.CharField(max_length=32, choices=CommandKind.choices)
-    # The wire message (agents.wire.StartShard etc.) without its id.
+    # The wire message (wire.StartShard etc.) without its id.
     payload = models.JSONField()
     created_at = models.DateTimeField(db_index=True)
     # First and latest delivery in a heartbeat answer, and how often.

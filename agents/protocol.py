@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-from agents import commands, credentials, wire
+import wire
+from agents import commands, credentials
 from agents.credentials import JoinAuth, NodeAuth
 from inventory import fabric as fabric_rules
 from inventory import heartbeat as hb_rules

@@ -29,7 +29,8 @@ from rest_framework.parsers import JSONParser
 from rest_framework.renderers import JSONRenderer
 from rest_framework.views import APIView
 
-from agents import credentials, limits, protocol, wire
+import wire
+from agents import credentials, limits, protocol
 from llmgw import validation
 
 KiB = 1024

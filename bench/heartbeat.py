@@ -42,7 +42,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
-from agents import wire
+import wire
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -41,7 +41,7 @@ def _guid(node: int, hca: int, *, port: bool) -> str:
 
 
 def _port(node: int, hca: int) -> dict:
-    from agents import wire
+    import wire
 
     counters = {
         "symbol_error": node % 3,

@@ -27,7 +27,7 @@ from typing import Any
 from django.conf import settings
 from django.core.cache import cache
 
-from agents import wire
+import wire
 from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules
 from inventory import scans, telemetry

@@ -18,7 +18,7 @@ from typing import Any
 
 from django.db import connection
 
-from agents import wire
+import wire
 from agents.models import NodeCredential
 from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules

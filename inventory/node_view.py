@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import wire
+import wire
 from agents.models import NodeCredential
 from inventory import gpus as gpu_rules
 from inventory import scans, telemetry

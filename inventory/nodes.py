@@ -29,7 +29,7 @@ from inventory.models import (
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
 
-    from agents import wire
+    import wire
 
 
 class TransitionError(Exception):

@@ -18,7 +18,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from agents import wire
+import wire
 from inventory import telemetry
 from inventory.models import NODE_TRANSITIONS, Allocation, Node, NodeState
 from inventory.nodes import TransitionError, change_state, set_operator_labels

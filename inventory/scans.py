@@ -18,7 +18,8 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-from agents import commands, wire
+import wire
+from agents import commands
 from agents.models import Command, CommandKind
 from inventory import fabric as fabric_rules
 from inventory import telemetry

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 from django.db import connection, transaction
 
-from agents import commands, shard_states, wire
+import wire
+from agents import commands
 from agents.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
+from wire import shard_states
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
-from agents import shard_states
-from agents.wire import ShardState as WireShardState
+from wire import ShardState as WireShardState
+from wire import shard_states
 
 
 class Engine(models.TextChoices):

@@ -32,13 +32,15 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import IntegrityError, OperationalError, transaction
 from django.db.models import Max, OuterRef, Subquery
 
-from agents import commands, shard_states, wire
+import wire
+from agents import commands
 from inventory import allocation
 from inventory.models import Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import record_event
 from placement import inflight, planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
+from wire import shard_states
 
 log = logging.getLogger(__name__)
 

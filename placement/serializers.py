@@ -1,6 +1,6 @@
 """Placement's API shapes: input validators apart from output serializers.
 
-Every bound an input enforces is read from the wire schema (agents/wire.py),
+Every bound an input enforces is read from the wire schema (wire/),
 the one place the protocol's limits live: a profile, a deployment, a hold or
 a budget the API accepts always becomes a StartShard the agent accepts, and
 a value the database's checks would refuse is a 400 naming its field
@@ -15,7 +15,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from agents import wire
+import wire
 from placement import secrets
 from placement.models import Deployment, Engine, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.planner import BINPACK, SPREAD

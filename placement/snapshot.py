@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from sortedcontainers import SortedList
 
-from agents import shard_states
+from wire import shard_states
 
 if TYPE_CHECKING:
     from placement.planner import Plan

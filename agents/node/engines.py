@@ -10,7 +10,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from agents import wire
+import wire
 
 ENGINES = ("vllm", "sglang", "llama-server", "echo")
 # Accepted spellings of the engine name in a profile.

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from agents import wire
+import wire
 from agents.node.loop import AGENT_VERSION, FABRIC_EVERY_S, backoff_delay
 from agents.node.simulate import NS, PROFILES_DIR, ZERO_UUID, derive_fabrics, shipped_profiles
 

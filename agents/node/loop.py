@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 import httpx
 import pydantic
 
-from agents import wire
+import wire
 from agents.node.config import Config
 from agents.node.metrics import Latest, MetricsServer, metrics_addr
 from agents.node.netif import interface_addr

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from agents import wire
+import wire
 from agents.node.config import parse_listen
 
 log = logging.getLogger("llmgw.agent.metrics")

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agents import wire
+import wire
 
 
 @dataclass(frozen=True)

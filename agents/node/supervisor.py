@@ -26,9 +26,10 @@ from pathlib import Path
 
 import httpx
 
-from agents import shard_states, wire
+import wire
 from agents.node import engines
 from agents.node.netif import interface_addr
+from wire import shard_states
 
 log = logging.getLogger("llmgw.agent.supervisor")
 

@@ -1,15 +1,15 @@
 """Build hook for llmgw-agent: of the agents package, ship only what the node runs.
 
 agents/ is also the control plane's Django app (views, models, migrations);
-a node gets its __init__, the wire schema and the shard state machine, never
-the Django modules, so
-nothing installed on a node can import Django by accident.
+a node gets its __init__ and agents/node/ (the wire schema is the `wire`
+package of its own), never the Django modules, so nothing installed on a node
+can import Django by accident.
 """
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-AGENT_MODULES_OF_AGENTS = {"__init__", "wire", "shard_states"}
+AGENT_MODULES_OF_AGENTS = {"__init__"}
 
 
 class AgentBuildPy(build_py):

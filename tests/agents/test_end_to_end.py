@@ -8,7 +8,8 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from agents import commands, wire
+import wire
+from agents import commands
 from inventory import liveness
 from inventory.models import Node, NodeState
 from placement.models import Shard

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agents import commands, wire
+import wire
+from agents import commands
 from tests.agents.conftest import heartbeat_payload, make_shard, post
 
 pytestmark = pytest.mark.django_db

@@ -9,7 +9,8 @@ import pytest
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
-from agents import commands, credentials, wire
+import wire
+from agents import commands, credentials
 from agents.models import Command, JoinToken, NodeCredential
 from agents.views import MAX_HEARTBEAT_BODY
 from inventory import telemetry

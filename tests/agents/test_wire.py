@@ -3,7 +3,7 @@
 import pydantic
 import pytest
 
-from agents import wire
+import wire
 
 
 def test_wear_counts_default_to_not_reported():

@@ -4,7 +4,7 @@ import datetime as dt
 
 import pytest
 
-from agents import wire
+import wire
 from inventory import fabric
 from inventory.models import FabricScan, SMChange
 

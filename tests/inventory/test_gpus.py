@@ -2,7 +2,7 @@
 
 import pytest
 
-from agents import wire
+import wire
 from inventory import gpus
 from tests.factories import gpu_payload, make_node
 

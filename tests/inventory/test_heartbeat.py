@@ -6,7 +6,8 @@ import datetime as dt
 
 import pytest
 
-from agents import protocol, wire
+import wire
+from agents import protocol
 from agents.credentials import NodeAuth
 from inventory import heartbeat as hb_rules
 from inventory import telemetry

@@ -192,7 +192,7 @@ def test_collector_exports_exactly_the_documented_names(client, cluster):
 
 def agent_metric_names() -> set[str]:
     """The families an agent serves for a node with every sensor, wear counter and port counter."""
-    from agents import wire
+    import wire
     from agents.node.metrics import render
 
     hb = wire.Heartbeat(

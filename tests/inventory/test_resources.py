@@ -5,7 +5,7 @@ import uuid
 import pytest
 from django.db import IntegrityError, transaction
 
-from agents import wire
+import wire
 from inventory import allocation, resources
 from inventory.models import AllocatedGPU, Allocation, LocalWeights, Node, Storage
 from tests.factories import gpu_payload, make_node

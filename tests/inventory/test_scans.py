@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agents import commands, wire
+import wire
+from agents import commands
 from agents.models import Command
 from inventory import fabric, scans
 from inventory.models import FabricScan

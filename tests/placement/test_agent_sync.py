@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-from agents import wire
+import wire
 from agents.models import Command
 from placement import agent_sync
 from placement.models import PlacementEvent, Shard

@@ -11,7 +11,7 @@ import psycopg
 import pytest
 from django.db import IntegrityError, connection, transaction
 
-from agents import shard_states, wire
+import wire
 from agents.models import Command
 from inventory import allocation
 from inventory.heartbeat import touch
@@ -23,6 +23,7 @@ from placement.models import Deployment, EngineProfile, PlacementEvent, Replica,
 from placement.reconciler import create_replicas, reconcile, release_orphans, start_failures
 from placement.tasks import LOCK_NAME, reconcile_task
 from tests.factories import make_node
+from wire import shard_states
 
 pytestmark = pytest.mark.django_db
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from agents import shard_states, wire
+import wire
 from agents.node import supervisor
 from placement import agent_sync, replicas
 from placement.models import PlacementEvent, Shard
 from tests.agents.conftest import make_shard
 from tests.factories import make_node
+from wire import shard_states
 
 EVERY = [s.value for s in wire.ShardState]
 

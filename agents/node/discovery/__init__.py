@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agents import wire
+import wire
 
 from . import health, host, imex, infiniband, nvidia_smi, storage, subnet, topo
 from .engines import probe_engines

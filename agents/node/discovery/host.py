@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from agents import wire
+import wire
 
 from .tools import read_text
 

@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-from agents import wire
+import wire
 
 from .subnet import canonical_guid
 from .tools import host_path

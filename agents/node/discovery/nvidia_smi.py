@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from agents import wire
+import wire
 
 from .readings import GPUReading
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid as uuidlib
 from typing import Any
 
-from agents import wire
+import wire
 
 from .readings import GPUReading
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from agents import wire
+import wire
 
 from .tools import host_path
 

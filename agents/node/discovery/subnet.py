@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from agents import wire
+import wire
 
 _SMINFO = re.compile(
     r"sminfo: sm lid (\S+) sm guid (0x[0-9A-Fa-f]+), activity count (\d+) priority (\d+)\s+state (\d+)\s*(\S*)",

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from agents import wire
+import wire
 
 
 def free_port() -> int:

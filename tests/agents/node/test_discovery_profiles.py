@@ -2,7 +2,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from agents import wire
+import wire
 from agents.node.discovery import discover, gpu_fabrics, ibnetdiscover, nvml, run_tool, sample
 from agents.node.discovery.tools import recording_name
 from inventory.gpus import imex_up, node_domain

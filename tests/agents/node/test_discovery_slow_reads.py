@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from agents import wire
+import wire
 from agents.node import discovery
 from agents.node.discovery import SLOW_READ_INTERVAL, sample
 from agents.node.discovery.tools import recording_name

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agents import wire
+import wire
 from agents.node import engines
 
 

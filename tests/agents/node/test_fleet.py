@@ -15,7 +15,7 @@ import time
 import pytest
 from django.utils import timezone
 
-from agents import wire
+import wire
 from agents.node import discovery
 from agents.node.fleet import (
     EDGES,

@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from agents import wire
+import wire
 from agents.node import config as config_mod
 from agents.node import loop as loop_mod
 from agents.node.loop import Agent, NeedsRegister, Refused, Unreachable, backoff_delay

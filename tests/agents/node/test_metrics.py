@@ -9,7 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agents import wire
+import wire
 from agents.node import config as config_mod
 from agents.node.loop import Agent, DiscoveryProbe
 from agents.node.metrics import Latest, MetricsServer, render

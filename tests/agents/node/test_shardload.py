@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from agents import wire
+import wire
 from agents.node.shardload import ProcStat, Sample, ShardMeter, parse_stat, read_stats, shard_loads
 
 # A real /proc/<pid>/stat line (Linux 6.x), with its fields as the kernel writes them.

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agents import wire
+import wire
 from agents.node import engines
 from agents.node.supervisor import Supervisor, TransitionError, proc_identity
 from tests.agents.node.helpers import echo_start, wait_for

@@ -9,7 +9,7 @@ agent can import it too.
 
 from __future__ import annotations
 
-from agents.wire import ShardState
+from wire import ShardState
 
 S = ShardState
 
