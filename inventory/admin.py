@@ -24,7 +24,7 @@ from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
 from inventory import gpus as gpu_rules
-from inventory import node_view, operations, telemetry
+from inventory import hooks, node_view, operations, telemetry
 from inventory.models import (
     GPU,
     Allocation,
@@ -425,9 +425,7 @@ class NodeAdmin(admin.ModelAdmin):
         node = self.get_object(request, object_id)
         extra = dict(extra_context or {})
         if node is not None:
-            from placement.models import Shard
-
-            shards = list(Shard.objects.filter(node=node).select_related("replica__deployment").order_by("-created_at"))
+            shards = hooks.workloads().node_shards(node)
             allocations = list(node.allocations.prefetch_related("gpus").order_by("created_at"))
             extra.update(
                 page=node_view.node_page(node, holders=node_view.gpu_holders(allocations, shards)),

@@ -29,6 +29,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
+from inventory import hooks
 from inventory.models import OPERATOR_STATES, ControlPlaneEvent, LivenessClock, Node, NodeState
 from inventory.nodes import change_state, record_event
 
@@ -84,8 +85,6 @@ def mark_unreachable(node_id: str, *, now: dt.datetime, cutoff: dt.datetime) -> 
 
 def mark_lost(node_id: str, *, now: dt.datetime, cutoff: dt.datetime) -> list[str] | None:
     """unreachable -> lost and its shards failed; None when the node came back or moved meanwhile."""
-    from placement import agent_sync
-
     with transaction.atomic():
         if not _lock_if_silent(node_id, NodeState.UNREACHABLE, cutoff):
             return None
@@ -97,9 +96,7 @@ def mark_lost(node_id: str, *, now: dt.datetime, cutoff: dt.datetime) -> list[st
             reason=_silence(now, cutoff),
             actor_name="system",
         )
-        failed = agent_sync.fail_node_shards(node_id, reason="node lost", now=now)
-        if failed:
-            agent_sync.queue_reconcile()
+        failed = hooks.workloads().fail_node(node_id, reason="node lost", now=now)
     return failed
 
 
@@ -122,14 +119,10 @@ def flag_operator_node(node_id: str, state: str, *, now: dt.datetime, cutoff: dt
 
 def fail_silent_operator_node(node_id: str, state: str, *, now: dt.datetime, cutoff: dt.datetime) -> list[str]:
     """A cordoned or draining node silent past the lost delay: its shards are dead, its state stays."""
-    from placement import agent_sync
-
     with transaction.atomic():
         if not _lock_if_silent(node_id, state, cutoff):
             return []
-        failed = agent_sync.fail_node_shards(node_id, reason="node lost", now=now)
-        if failed:
-            agent_sync.queue_reconcile()
+        failed = hooks.workloads().fail_node(node_id, reason="node lost", now=now)
     return failed
 
 
@@ -286,15 +279,12 @@ def sweep(*, now: dt.datetime) -> SweepResult:
     ).values_list("id", "state"):
         if flag_operator_node(node_id, state, now=now, cutoff=unreachable_cutoff):
             result.flagged.append(node_id)
-    from placement.agent_sync import TERMINAL
-    from placement.models import Shard
-
     # Only those with a shard not yet over: one query, not one per silent node.
     silent_with_shards = (
         Node.objects.filter(
             state__in=OPERATOR_STATES,
             last_seen__lt=lost_cutoff,
-            id__in=Shard.objects.exclude(state__in=TERMINAL).values("node_id"),
+            id__in=hooks.workloads().nodes_with_live_shards(),
         )
         .order_by("last_seen", "id")
         .values_list("id", "state")

@@ -19,15 +19,12 @@ from django.db import transaction
 from django.utils import timezone
 
 import wire
-from inventory import telemetry
+from inventory import hooks, telemetry
 from inventory.models import NODE_TRANSITIONS, Allocation, Node, NodeState
 from inventory.nodes import TransitionError, change_state, set_operator_labels
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
-
-# Shards in these states hold nothing any more: a drain has nothing left to move.
-FINISHED_SHARD_STATES = frozenset({"stopped", "failed"})
 
 # The same rule as the wire schema's label keys, so an operator label can be
 # anything an agent label can be, and nothing a selector could not match.
@@ -118,27 +115,9 @@ def live_replicas(node_ids: Iterable[str]) -> dict[str, list[AffectedReplica]]:
     """The replicas that have a shard not stopped or failed on each node, by node id.
 
     These are what a drain moves, and until none is left the drain is not done.
+    Placement answers (inventory/hooks.py): the inventory holds no replicas.
     """
-    from placement.models import Shard
-
-    ids = list(node_ids)
-    out: dict[str, dict[str, dict]] = {i: {} for i in ids}
-    rows = (
-        Shard.objects.filter(node_id__in=ids)
-        .exclude(state__in=FINISHED_SHARD_STATES)
-        .select_related("replica__deployment")
-        .order_by("node_id", "replica__deployment__name", "replica_id", "rank")
-    )
-    for s in rows:
-        entry = out[s.node_id].setdefault(
-            str(s.replica_id),
-            {"deployment": s.replica.deployment.name, "state": s.replica.state, "shards": []},
-        )
-        entry["shards"].append(f"rank {s.rank} ({s.state}, GPUs {','.join(map(str, s.gpu_indices)) or '-'})")
-    return {
-        node_id: [AffectedReplica(rid, e["deployment"], e["state"], tuple(e["shards"])) for rid, e in replicas.items()]
-        for node_id, replicas in out.items()
-    }
+    return hooks.workloads().live_replicas(node_ids)
 
 
 @dataclass(frozen=True)
@@ -277,10 +256,8 @@ def forget_refusal(node: Node) -> str:
     A node holding allocations or shards is still part of some replica: its
     rows are what tells the reconciler there is something to rebuild.
     """
-    from placement.models import Shard
-
     allocations = Allocation.objects.filter(node_id=node.id).count()
-    shards = Shard.objects.filter(node_id=node.id).count()
+    shards = hooks.workloads().shard_count(node.id)
     parts = []
     if allocations:
         parts.append(f"{allocations} allocation{'s' if allocations != 1 else ''}")

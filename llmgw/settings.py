@@ -330,8 +330,8 @@ CELERY_BEAT_SCHEDULE["inventory.schedule_fabric_scans"] = {
     "schedule": LLMGW_FABRIC_SCAN_INTERVAL,
 }
 
-# The liveness sweep: often enough that "unreachable" is seen within seconds
-# of LLMGW_UNREACHABLE_AFTER.
+# The liveness sweep (inventory/tasks.py; its name predates the move there):
+# often enough that "unreachable" is seen within seconds of LLMGW_UNREACHABLE_AFTER.
 LLMGW_LIVENESS_INTERVAL = env_seconds("LLMGW_LIVENESS_INTERVAL", 10.0)
 CELERY_BEAT_SCHEDULE["agents.liveness_sweep"] = {
     "task": "agents.liveness_sweep",

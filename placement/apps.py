@@ -6,3 +6,10 @@ class PlacementConfig(AppConfig):
 
     name = "placement"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        """Answer the inventory's hooks, and add placement's doctor checks and metric families to its registries."""
+        from inventory import hooks
+        from placement import workloads
+
+        hooks.register_workloads(workloads.WORKLOADS)

@@ -6,10 +6,10 @@ import datetime as dt
 
 import pytest
 
-from agents.tasks import liveness_sweep
 from inventory import liveness
 from inventory.models import ControlPlaneEvent, LivenessClock, Node, NodeEvent, NodeState
 from inventory.nodes import change_state
+from inventory.tasks import liveness_sweep
 from placement.models import PlacementEvent, Shard
 from tests.agents.conftest import make_shard
 from tests.factories import make_node
