@@ -1,7 +1,8 @@
 """llmgw's own Prometheus metrics, computed when /metrics is scraped.
 
 Only what the control plane alone knows: node state and heartbeat age, the
-cards each node has, holds and has joined to NVLink, replicas, the doctor.
+cards each node has, holds and has joined to NVLink, the doctor, and the
+families other apps register (`register`: placement's replicas).
 Each card's sensors and each port's counters are served by the node's own
 agent (agents.node.metrics), which Prometheus finds through the service
 discovery (placement.prometheus_sd): at ten thousand nodes the control plane
@@ -28,7 +29,7 @@ import datetime as dt
 import hmac
 import ipaddress
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,34 @@ def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+@dataclass(frozen=True)
+class FamilySource:
+    """Metric families another app adds to /metrics (placement's replicas): how to make them, how to fill them.
+
+    `families` makes them empty (describing a collector must not touch the
+    database); `fill` appends their samples at scrape time, in a constant
+    number of queries like the rest.
+    """
+
+    families: Callable[[], list[Family]]
+    fill: Callable[[list[Family], dt.datetime], None]
+
+
+_SOURCES: list[FamilySource] = []
+
+
+def register(source: FamilySource) -> None:
+    """Add a source's families to every scrape, after the inventory's own and before the doctor's (once each)."""
+    if source not in _SOURCES:
+        _SOURCES.append(source)
+
+
+def _in_order(own: dict[str, Family], added: list[list[Family]]) -> list[Family]:
+    """The inventory's families, then the registered ones in registration order, then the doctor's."""
+    doctor_family = own["doctor"]
+    return [*(f for k, f in own.items() if k != "doctor"), *(f for fs in added for f in fs), doctor_family]
+
+
 def _families() -> dict[str, Family]:
     return {
         "node_state": Family(
@@ -106,7 +135,6 @@ def _families() -> dict[str, Family]:
         "imex_up": Family(
             "llmgw_imex_up", "gauge", "1 when nvidia-imex is up (nodes that report IMEX only).", ("node",)
         ),
-        "replicas": Family("llmgw_replicas", "gauge", "Replicas of each deployment by state.", ("deployment", "state")),
         "doctor": Family(
             "llmgw_doctor_checks",
             "gauge",
@@ -124,8 +152,6 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     stays a few MB at ten thousand nodes. No telemetry is read unless the
     doctor's results are stale and its checks must run.
     """
-    from placement.models import Deployment, Replica, ReplicaState
-
     now = now or timezone.now()
     hit = doctor.cached(now=now)
     results = hit[1] if hit is not None else doctor.latest(now=now, fresh=True)[1]
@@ -149,12 +175,10 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
         if verdict:
             joined[node_id] = joined.get(node_id, 0) + n
     held = dict(AllocatedGPU.objects.values_list("node_id").annotate(n=Count("id")).order_by())
-    deployments = list(Deployment.objects.values_list("id", "name"))
-    counts = {
-        (d, s): c
-        for d, s, c in Replica.objects.values_list("deployment_id", "state").annotate(n=Count("id")).order_by()
-    }
     f = _families()
+    added = [source.families() for source in _SOURCES]
+    for source, families in zip(_SOURCES, added, strict=True):
+        source.fill(families, now)
     node_state, heartbeat_age, imex_up = f["node_state"].rows, f["heartbeat_age"].rows, f["imex_up"].rows
     gpus, allocated, nvlink_joined = f["gpus"].rows, f["allocated"].rows, f["nvlink_joined"].rows
     for nid, state, last_seen, imex_state in nodes:
@@ -167,13 +191,10 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
         gpus.append((labels, float(cards.get(nid, 0))))
         allocated.append((labels, float(held.get(nid, 0))))
         nvlink_joined.append((labels, float(joined.get(nid, 0))))
-    for dep_id, name in deployments:
-        for s in ReplicaState.values:
-            f["replicas"].rows.append(((name, s), float(counts.get((dep_id, s), 0))))
     for r in results:
         for value in doctor.Result:
             f["doctor"].rows.append(((r.name, str(value)), 1.0 if r.result == value else 0.0))
-    return list(f.values())
+    return _in_order(f, added)
 
 
 def render(families: list[Family]) -> str:
@@ -193,7 +214,7 @@ class LlmgwCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         """The families, without samples: registering must not touch the database."""
-        return iter([f.metric() for f in _families().values()])
+        return iter([f.metric() for f in _in_order(_families(), [s.families() for s in _SOURCES])])
 
     def collect(self) -> Iterator[Metric]:
         """Read the snapshot and yield every family."""

@@ -10,6 +10,8 @@ class PlacementConfig(AppConfig):
     def ready(self) -> None:
         """Answer the inventory's hooks, and add placement's doctor checks and metric families to its registries."""
         from inventory import hooks
-        from placement import workloads
+        from inventory import metrics as inventory_metrics
+        from placement import metrics, workloads
 
         hooks.register_workloads(workloads.WORKLOADS)
+        inventory_metrics.register(metrics.SOURCE)
