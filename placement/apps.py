@@ -9,9 +9,10 @@ class PlacementConfig(AppConfig):
 
     def ready(self) -> None:
         """Answer the inventory's hooks, and add placement's doctor checks and metric families to its registries."""
-        from inventory import hooks
+        from inventory import doctor, hooks
         from inventory import metrics as inventory_metrics
-        from placement import metrics, workloads
+        from placement import doctor_checks, metrics, workloads
 
         hooks.register_workloads(workloads.WORKLOADS)
         inventory_metrics.register(metrics.SOURCE)
+        doctor.register(doctor_checks.check_replicas_pending, load=doctor_checks.load_pending_replicas)

@@ -106,7 +106,7 @@ def test_replica_and_doctor_metrics(client, cluster):
     assert replicas[lbl(deployment="idle", state="ready")] == 0.0
     assert len(replicas) == 2 * len(ReplicaState.values)
     checks = m["llmgw_doctor_checks"]
-    assert len(checks) == 3 * len(doctor.CHECK_NAMES)
+    assert len(checks) == 3 * len(doctor.check_names())
     expected = {
         "nvlink_joined": "fail",
         "replicas_pending": "warn",
@@ -169,7 +169,7 @@ def test_scrape_query_count_at_1000_nodes(client, django_assert_num_queries):
     # Six samples a node (state, heartbeat age, cards, held, joined, IMEX), whatever its cards and ports.
     # (The process's own counters, such as cache errors, depend on what this process met before.)
     ours = {name: samples for name, samples in m.items() if name not in PROCESS_COUNTERS}
-    assert sum(len(samples) for samples in ours.values()) == 6 * 1000 + 3 * len(doctor.CHECK_NAMES)
+    assert sum(len(samples) for samples in ours.values()) == 6 * 1000 + 3 * len(doctor.check_names())
 
 
 METRIC_NAMES = {

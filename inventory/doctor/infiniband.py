@@ -1,0 +1,219 @@
+"""Checks on InfiniBand: physical fabrics, ports, subnet managers, error counters, scan coverage.
+
+Error counters: a counter's absolute value says little (a port up for a year
+has some symbol errors); a counter that rises does. The doctor keeps, per
+node, two generations of counter baselines in the cache ("doctor:ibctr:<node>"),
+rolled every `COUNTER_WINDOW`: the current values are compared with the
+older one, so a rise stays visible for one to two windows whoever runs the
+doctor and however often, and a counter that fell (a reset) is not a rise.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from django.conf import settings
+from django.core.cache import cache
+
+import wire
+from inventory import fabric as fabric_rules
+from inventory import scans, telemetry
+from inventory.doctor.loader import Inventory, counter_key
+from inventory.doctor.results import CheckResult, Result, verdict
+
+# How long one generation of counter baselines lasts (see the module docstring).
+COUNTER_WINDOW = dt.timedelta(minutes=10)
+_COUNTER_TTL_S = 24 * 3600
+
+ERROR_COUNTERS = wire.IB_ERROR_COUNTERS
+FAIL_COUNTERS = frozenset({"link_downed"})
+
+
+def check_ib_physical_fabric(inv: Inventory) -> CheckResult:
+    """A declared fabric whose adapters are cabled to two physical fabrics."""
+    found: dict[str, list[str]] = {}
+    for n in inv.nodes:
+        ports = inv.ports(n.id)
+        for f in inv.fabrics(n.id):
+            pf = fabric_rules.physical_fabric(f.hcas, ports, inv.canon)
+            if pf.known and not pf.consistent:
+                found.setdefault(n.id, []).append(f"fabric {f.name}: adapters on {', '.join(pf.keys)}")
+    return verdict(
+        "ib_physical_fabric",
+        found,
+        fails=set(found),
+        ok="every declared fabric sits on one physical fabric",
+        bad="{n} node(s) with a declared fabric cabled to two physical fabrics",
+        action="fix the cabling or the node's agent.yaml (fabrics: name, hcas): NCCL handed adapters on "
+        "two fabrics hangs instead of failing; the planner avoids such nodes meanwhile",
+    )
+
+
+def check_ib_ports(inv: Inventory) -> CheckResult:
+    """Ports of a declared fabric that are not active, or slower than the declared rate."""
+    found: dict[str, list[str]] = {}
+    fails: set[str] = set()
+    for n in inv.nodes:
+        by_hca: dict[str, list[Any]] = {}
+        for p in inv.ports(n.id):
+            by_hca.setdefault(p.hca, []).append(p)
+        for f in inv.fabrics(n.id):
+            for hca in f.hcas:
+                for p in by_hca.get(hca, []):
+                    label = scans.port_label(p.hca, p.port)
+                    if not fabric_rules.port_active(p):
+                        found.setdefault(n.id, []).append(f"{label} ({f.name}) is {p.state or 'down'}")
+                        fails.add(n.id)
+                    elif f.rate_gbps and p.rate_gbps and p.rate_gbps < f.rate_gbps:
+                        found.setdefault(n.id, []).append(
+                            f"{label} ({f.name}) at {p.rate_gbps} Gb/s, declared {f.rate_gbps} Gb/s"
+                        )
+    return verdict(
+        "ib_ports",
+        found,
+        fails=fails,
+        ok="every declared port is active at its declared rate",
+        bad="{n} node(s) with ports down or slow",
+        action="check the cable and the switch port (ibstat, ibportstate); a port that trains below its rate "
+        "usually has a bad cable or transceiver",
+    )
+
+
+def check_ib_subnet_manager(inv: Inventory) -> CheckResult:
+    """InfiniBand ports that see no master subnet manager, and recent SM failovers."""
+    found: dict[str, list[str]] = {}
+    fails: set[str] = set()
+    for n in inv.nodes:
+        for p in inv.ports(n.id):
+            if fabric_rules.port_active(p) and not fabric_rules.port_is_roce(p) and not p.sm_guid:
+                why = f": {p.sm_error}" if p.sm_error else ""
+                found.setdefault(n.id, []).append(f"{scans.port_label(p.hca, p.port)} sees no master SM{why}")
+                fails.add(n.id)
+    for c in inv.sm_changes:
+        found.setdefault(c.node_id, []).append(
+            f"{c.port} master SM {c.from_guid or '?'} -> {c.to_guid or '?'} at {c.at:%Y-%m-%d %H:%M:%S}"
+        )
+    return verdict(
+        "ib_subnet_manager",
+        found,
+        fails=fails,
+        ok="every InfiniBand port sees a master subnet manager, and none failed over in the last hour",
+        bad="{n} node(s) with subnet-manager trouble",
+        action="with no master SM the fabric cannot route new paths: start opensm (or the switch's SM) on "
+        "a standby; after a failover, find why the old master went (sminfo, the SM's log)",
+    )
+
+
+def _counter_snapshot(ports: list[Any]) -> dict[str, dict[str, int]]:
+    return {
+        scans.port_label(p.hca, p.port): {c: int(p.counters[c]) for c in ERROR_COUNTERS if c in p.counters}
+        for p in ports
+    }
+
+
+def check_ib_errors(inv: Inventory) -> CheckResult:
+    """Error counters that rose since the baseline (see the module docstring).
+
+    The baselines are rolled and written back to the cache.
+    """
+    now_s = inv.now.timestamp()
+    window = COUNTER_WINDOW.total_seconds()
+    found: dict[str, list[str]] = {}
+    fails: set[str] = set()
+    updates: dict[str, dict[str, Any]] = {}
+    for node_id in sorted(inv.telemetry):
+        current = _counter_snapshot(inv.ports(node_id))
+        if not current:
+            continue
+        stored = inv.counter_baselines.get(node_id) or {}
+        cur = stored.get("cur")
+        if cur is None:
+            stored = {"prev": None, "cur": {"at": now_s, "ports": current}}
+            updates[node_id] = stored
+        elif now_s - cur["at"] >= window:
+            stored = {"prev": cur, "cur": {"at": now_s, "ports": current}}
+            updates[node_id] = stored
+        base = stored.get("prev") or stored["cur"]
+        for label, counters in sorted(current.items()):
+            before = base["ports"].get(label, {})
+            for name, value in counters.items():
+                old = before.get(name)
+                if old is not None and value > old:
+                    found.setdefault(node_id, []).append(f"{label} {name} +{value - old}")
+                    if name in FAIL_COUNTERS:
+                        fails.add(node_id)
+    if updates:
+        telemetry.best_effort(
+            "doctor_baselines",
+            lambda: cache.set_many({counter_key(k): v for k, v in updates.items()}, timeout=_COUNTER_TTL_S),
+            None,
+        )
+        inv.counter_baselines.update(updates)
+    return verdict(
+        "ib_errors",
+        found,
+        fails=fails,
+        ok="no InfiniBand error counter is rising",
+        bad="{n} node(s) with rising InfiniBand error counters",
+        action="reseat or replace the cable of these ports (perfquery shows the counters; ibqueryerrors the "
+        "switch side); a rising link_downed is a link that flaps and breaks running jobs",
+    )
+
+
+def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
+    """Active InfiniBand ports that their fabric's latest ibnetdiscover map does not show."""
+    maps: dict[str, scans.FabricMap] = {}
+    found: dict[str, list[str]] = {}
+    # Fabrics with active ports and no map yet, and the nodes on them: "ok"
+    # there would claim coverage nobody has checked.
+    unscanned: dict[str, set[str]] = {}
+    for n in inv.nodes:
+        for p in inv.ports(n.id):
+            key = fabric_rules.fabric_key(p, inv.canon)
+            if not key.startswith("sm:"):
+                continue
+            scan = inv.scans.get(key)
+            if scan is None or not scan.output:
+                unscanned.setdefault(key, set()).add(n.id)
+                continue
+            if key not in maps:
+                maps[key] = scans.fabric_map(key, scan.output)
+            if maps[key].has_port(port_guid=p.port_guid, node_guid=p.node_guid) is False:
+                when = scan.output_at or scan.at
+                found.setdefault(n.id, []).append(
+                    f"{scans.port_label(p.hca, p.port)} ({p.port_guid or p.node_guid}) absent from the scan of "
+                    f"{key} taken {when:%Y-%m-%d %H:%M:%S}"
+                )
+    result = verdict(
+        "ib_scan_coverage",
+        found,
+        fails=set(),
+        ok="every active InfiniBand port appears in its fabric's latest scan",
+        bad="{n} node(s) with ports missing from their fabric's map",
+        action="a port the map lacks is cabled elsewhere or came up after the scan: compare `ibstat` on the "
+        "node with the switch's port, and wait for the next scan before recabling",
+    )
+    if not unscanned:
+        return result
+    never = [
+        f"{key}: never scanned ({len(ids)} node(s): {', '.join(sorted(ids))})" for key, ids in sorted(unscanned.items())
+    ]
+    what = (
+        f"{len(unscanned)} InfiniBand fabric(s) never scanned"
+        if result.result == Result.PASS
+        else f"{result.summary}; {len(unscanned)} fabric(s) never scanned"
+    )
+    todo = (
+        "no ibnetdiscover map has come back for these fabrics: check that Celery beat runs "
+        f"(a scan is asked every {settings.LLMGW_FABRIC_SCAN_INTERVAL} s) and that infiniband-diags is installed "
+        "on their nodes; an admin can read the error of a failed scan at /admin/fabrics/"
+    )
+    return CheckResult(
+        "ib_scan_coverage",
+        Result.WARN,
+        what,
+        f"{result.action}; {todo}" if result.action else todo,
+        sorted(set(result.nodes) | {i for ids in unscanned.values() for i in ids}),
+        result.details + never,
+    )
