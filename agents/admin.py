@@ -16,6 +16,7 @@ from django.utils import timezone
 import wire
 from agents import credentials
 from agents.models import Command, JoinToken, NodeCredential
+from llmgw.admin import ReadOnlyAdmin
 
 
 class JoinTokenForm(forms.ModelForm):
@@ -109,7 +110,7 @@ class NodeCredentialAdmin(admin.ModelAdmin):
 
 
 @admin.register(Command)
-class CommandAdmin(admin.ModelAdmin):
+class CommandAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     list_display = ["id", "node", "kind", "shard_id", "created_at", "deliveries", "acked_at"]
     list_filter = ["kind", ("acked_at", admin.EmptyFieldListFilter)]
     search_fields = ["id", "node__id", "shard_id"]
@@ -131,8 +132,4 @@ class CommandAdmin(admin.ModelAdmin):
         """The command as sent, with a StartShard profile's secrets masked."""
         return wire.masked_command(obj.payload)
 
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
+    deletable = True

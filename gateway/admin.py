@@ -16,6 +16,7 @@ from django.utils.html import format_html_join
 
 from gateway import figures, keys
 from gateway.models import ApiKey, KeyEvent, RoutedReplica, UsageMinute
+from llmgw.admin import ReadOnlyAdmin
 
 
 class ApiKeyForm(forms.ModelForm):
@@ -143,7 +144,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 
 @admin.register(UsageMinute)
-class UsageMinuteAdmin(admin.ModelAdmin):
+class UsageMinuteAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     list_display = ["minute", "key", "model", "requests", "prompt_tokens", "completion_tokens", "errors", "ttft_ms"]
     list_filter = ["model"]
     search_fields = ["key__name", "model"]
@@ -155,22 +156,13 @@ class UsageMinuteAdmin(admin.ModelAdmin):
         v = obj.mean_ttft_ms
         return "" if v is None else f"{v:.1f}"
 
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
-
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 @admin.register(RoutedReplica)
-class RoutedReplicaAdmin(admin.ModelAdmin):
+class RoutedReplicaAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     """Each serving or retiring replica with what the gateways see: engine load and cache, in-flight, ejection.
 
     The figures are read from Redis once per page, for that page's request.
@@ -206,12 +198,3 @@ class RoutedReplicaAdmin(admin.ModelAdmin):
             col("ejected", lambda f: f"for {f.ejected_for_s:.0f} s more" if f.ejected_for_s else "no"),
             col("failures in a row", lambda f: str(f.failures)),
         ]
-
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False

@@ -40,6 +40,7 @@ from inventory.models import (
 )
 from inventory.nodes import TransitionError
 from inventory.resources import free_gpu_indices
+from llmgw.admin import ReadOnlyAdmin
 
 ACTIONS = {
     "cordon": (operations.cordon, "cordoned"),
@@ -457,22 +458,17 @@ class NodeAdmin(admin.ModelAdmin):
 
 
 @admin.register(GPU)
-class GPUAdmin(admin.ModelAdmin):
+class GPUAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     list_display = ["__str__", "gpu_class", "uuid", "memory_total_mb", "fabric_state", "cluster_uuid", "ecc_errors"]
     list_filter = ["gpu_class", "fabric_state"]
     search_fields = ["uuid", "node__id", "name"]
     autocomplete_fields = ["node"]
     list_select_related = ["node"]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
+    deletable = True
 
 
 @admin.register(Allocation)
-class AllocationAdmin(admin.ModelAdmin):
+class AllocationAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     list_display = ["node", "replica_id", "shard_id", "gpu_list", "memory_gb", "cpu_cores", "power_w", "created_at"]
     search_fields = ["node__id", "replica_id", "shard_id"]
     autocomplete_fields = ["node"]
@@ -486,55 +482,28 @@ class AllocationAdmin(admin.ModelAdmin):
 
     # The reconciler claims and releases these in its own transactions: a
     # hand-made or hand-deleted claim would double-book or strand GPUs.
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 @admin.register(SMChange)
-class SMChangeAdmin(admin.ModelAdmin):
+class SMChangeAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     list_display = ["at", "node_id", "port", "from_guid", "to_guid"]
     search_fields = ["node_id", "from_guid", "to_guid"]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
+    deletable = True
 
 
 @admin.register(FabricScan)
-class FabricScanAdmin(admin.ModelAdmin):
+class FabricScanAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     list_display = ["key", "at", "node_id", "port", "took_s", "error"]
     search_fields = ["key", "node_id"]
-
-    def has_add_permission(self, request):
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
+    deletable = True
 
 
 @admin.register(NodeEvent)
-class NodeEventAdmin(admin.ModelAdmin):
+class NodeEventAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     list_display = ["at", "node", "kind", "actor_name", "message"]
     list_filter = ["kind"]
     search_fields = ["node__id", "message", "actor_name"]
     list_select_related = ["node"]
-
-    def has_add_permission(self, request):  # audit rows are written by llmgw alone
-        return False
-
-    def has_change_permission(self, request, obj=None):
-        return False
-
-    def has_delete_permission(self, request, obj=None):
-        return False
 
 
 for model in (FabricAttachment, Storage, LocalWeights, EngineInstall):

@@ -2,13 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.auth import get_user_model
+from django.http import HttpRequest
 from django.utils import timezone
 
 from llmgw import tokens
 from llmgw.models import OperatorToken
+
+
+class ReadOnlyAdmin:
+    """Rows llmgw writes alone (reports, audit trails, commands): an operator reads them, never types or edits one.
+
+    Mixed in before ModelAdmin. `deletable` lets an operator still delete
+    rows (pruning a report), which the admin's own delete permission then
+    decides.
+    """
+
+    deletable = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: these rows come from the control plane or the agents."""
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Never: what was recorded stays as it was recorded."""
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        """Only for `deletable` admins, and then as the user's permissions say."""
+        return self.deletable and super().has_delete_permission(request, obj)  # type: ignore[misc]
 
 
 class TokenCreateForm(forms.ModelForm):

@@ -19,6 +19,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
+from llmgw.admin import ReadOnlyAdmin
 from placement import audit, planner, reconciler, replicas, secrets, tasks
 from placement import deployments as deployment_actions
 from placement import snapshot as snapshots
@@ -183,7 +184,7 @@ class EventInline(admin.TabularInline):
 
 
 @admin.register(Replica)
-class ReplicaAdmin(admin.ModelAdmin):
+class ReplicaAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     list_display = ["__str__", "deployment", "state", "endpoint", "where", "reason", "created_at"]
     list_filter = ["state", "deployment"]
     search_fields = ["id", "deployment__name", "shards__node__id", "endpoint"]
@@ -210,14 +211,6 @@ class ReplicaAdmin(admin.ModelAdmin):
 
     # The reconciler owns replicas: an operator reads them, asks the planner,
     # and retires one; editing or deleting the row would lie about what runs.
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
 
     def can_retire(self, request) -> bool:
         """Whoever may change deployments may retire one of their replicas."""
@@ -309,7 +302,7 @@ class ReplicaAdmin(admin.ModelAdmin):
 
 
 @admin.register(Shard)
-class ShardAdmin(admin.ModelAdmin):
+class ShardAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     list_display = ["__str__", "node", "rank", "gpu_indices", "http_port", "state", "reason", "updated_at"]
     list_filter = ["state"]
     search_fields = ["id", "node__id", "replica__deployment__name"]
@@ -318,29 +311,16 @@ class ShardAdmin(admin.ModelAdmin):
     readonly_fields = [f.name for f in Shard._meta.fields]
 
     # Written by the reconciler and the agents' reports alone: a view, not a form.
-    def has_add_permission(self, request) -> bool:
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
-
-    def has_delete_permission(self, request, obj=None) -> bool:
-        return False
 
 
 @admin.register(PlacementEvent)
-class PlacementEventAdmin(admin.ModelAdmin):
+class PlacementEventAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     list_display = ["at", "kind", "deployment", "replica", "from_state", "to_state", "reason", "actor_name"]
     list_filter = ["kind", "to_state"]
     search_fields = ["reason", "deployment__name", "actor_name"]
     list_select_related = ["deployment", "replica"]
     readonly_fields = [f.name for f in PlacementEvent._meta.fields]
-
-    def has_add_permission(self, request) -> bool:  # written by llmgw alone
-        return False
-
-    def has_change_permission(self, request, obj=None) -> bool:
-        return False
+    deletable = True
 
 
 @admin.register(Hold)
