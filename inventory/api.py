@@ -10,7 +10,6 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import filters, status, viewsets
 from rest_framework.decorators import action
-from rest_framework.permissions import BasePermission
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
@@ -32,7 +31,7 @@ from inventory.serializers import (
     RackSerializer,
     StateConflictOut,
 )
-from llmgw.permissions import ModelPermissions
+from llmgw.permissions import ModelPermissions, PermissionsRequired, holds
 
 # Which permission each operator action needs, beyond seeing the node.
 ACTION_PERMISSIONS = {
@@ -50,16 +49,13 @@ class NodePermissions(ModelPermissions):
         perm = ACTION_PERMISSIONS.get(getattr(view, "action", None) or "")
         if perm is None:
             return super().has_permission(request, view)
-        user = request.user
-        return bool(user and user.is_authenticated and user.has_perms(["inventory.view_node", perm]))
+        return holds(request.user, ["inventory.view_node", perm])
 
 
-class CanViewNodes(BasePermission):
+class CanViewNodes(PermissionsRequired):
     """Seeing the NVLink domains, or where the doctor finds trouble, is seeing the nodes."""
 
-    def has_permission(self, request: Request, view) -> bool:
-        user = request.user
-        return bool(user and user.is_authenticated and user.has_perm("inventory.view_node"))
+    required = ("inventory.view_node",)
 
 
 def _nodes():

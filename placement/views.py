@@ -7,10 +7,10 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import status, viewsets
 from rest_framework.decorators import action
-from rest_framework.permissions import BasePermission
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from llmgw.permissions import PermissionsRequired
 from placement import audit, planner, replicas
 from placement import deployments as deployment_actions
 from placement import snapshot as snapshots
@@ -34,16 +34,13 @@ from placement.serializers import (
 )
 
 
-class CanChange(BasePermission):
+class CanChange(PermissionsRequired):
     """An action that changes a row needs the model's change permission (POST is not "add" here)."""
 
-    def has_permission(self, request, view) -> bool:
+    def perms(self, request, view) -> list[str]:
+        """The change permission of the view's model."""
         model = view.get_queryset().model
-        return bool(
-            request.user
-            and request.user.is_authenticated
-            and request.user.has_perm(f"{model._meta.app_label}.change_{model._meta.model_name}")
-        )
+        return [f"{model._meta.app_label}.change_{model._meta.model_name}"]
 
 
 class InOutViewSet(viewsets.ModelViewSet):
@@ -217,17 +214,10 @@ class PowerBudgetViewSet(AuditedViewSet):
     filterset_fields = ["label_key", "label_value"]
 
 
-class CanPlan(BasePermission):
+class CanPlan(PermissionsRequired):
     """A dry run reads the cluster: it needs to view profiles and deployments."""
 
-    def has_permission(self, request, view) -> bool:
-        user = request.user
-        return bool(
-            user
-            and user.is_authenticated
-            and user.has_perm("placement.view_engineprofile")
-            and user.has_perm("placement.view_deployment")
-        )
+    required = ("placement.view_engineprofile", "placement.view_deployment")
 
 
 class DryRunView(APIView):
