@@ -1,20 +1,11 @@
-"""The operator's cockpit for the inventory: the node list, node pages and actions.
-
-Actions are thin: each calls the function in inventory/operations.py that the
-REST API calls too, behind a confirmation page that lists what it affects.
-The inventory itself is the agents' report, so nodes are read-only here;
-what an operator changes is state, operator labels, and whether a node is
-remembered at all.
-"""
+"""The node admin: the list, the permissions to act, the node page and its labels."""
 
 from __future__ import annotations
 
 from django.contrib import admin, messages
 from django.contrib.admin.utils import quote
-from django.contrib.admin.views.main import ChangeList
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
-from django.db.models import Prefetch, Q
+from django.db.models import Prefetch
 from django.http import HttpRequest, HttpResponseRedirect
 from django.shortcuts import get_object_or_404
 from django.template.response import TemplateResponse
@@ -24,111 +15,17 @@ from django.utils.html import format_html, format_html_join
 from django.utils.http import urlencode
 
 from inventory import gpus as gpu_rules
-from inventory import hooks, node_view, operations, telemetry
+from inventory import hooks, node_view, operations
+from inventory.admin.filters import FabricFilter, GPUClassFilter, LabelFilter, NodeChangeList, NVLinkDomainFilter
+from inventory.admin.node_actions import NodeActions
 from inventory.models import (
     GPU,
-    Allocation,
-    EngineInstall,
     FabricAttachment,
-    FabricScan,
-    LocalWeights,
     Node,
     NodeEvent,
     NodeState,
-    SMChange,
-    Storage,
 )
-from inventory.nodes import TransitionError
 from inventory.resources import free_gpu_indices
-from llmgw.admin import ReadOnlyAdmin
-
-ACTIONS = {
-    "cordon": (operations.cordon, "cordoned"),
-    "uncordon": (operations.uncordon, "uncordoned"),
-    "drain": (operations.drain, "draining"),
-}
-
-
-class _HasRowFilter(admin.SimpleListFilter):
-    """Nodes with at least one row of `model` whose `field` is the chosen value; the choices are those in use."""
-
-    model: type[GPU] | type[FabricAttachment]
-    field: str
-
-    def lookups(self, request, model_admin):
-        values = self.model.objects.exclude(**{self.field: ""}).values_list(self.field, flat=True).distinct()
-        return [(v, v) for v in sorted(set(values))]
-
-    def queryset(self, request, queryset):
-        if self.value():
-            return queryset.filter(id__in=self.model.objects.filter(**{self.field: self.value()}).values("node_id"))
-        return queryset
-
-
-class GPUClassFilter(_HasRowFilter):
-    """Nodes with at least one card of a class."""
-
-    title = "GPU class"
-    parameter_name = "gpu_class"
-    model, field = GPU, "gpu_class"
-
-
-class FabricFilter(_HasRowFilter):
-    """Nodes attached to a declared fabric."""
-
-    title = "fabric"
-    parameter_name = "fabric"
-    model, field = FabricAttachment, "name"
-
-
-class NVLinkDomainFilter(admin.SimpleListFilter):
-    """Nodes in an NVLink domain, or in none."""
-
-    title = "NVLink domain"
-    parameter_name = "nvlink_domain"
-
-    def lookups(self, request, model_admin):
-        domains = Node.objects.exclude(nvlink_domain="").values_list("nvlink_domain", flat=True).distinct()
-        return [("-", "none"), *[(d, d) for d in sorted(set(domains))]]
-
-    def queryset(self, request, queryset):
-        v = self.value()
-        if v == "-":
-            return queryset.filter(nvlink_domain="")
-        if v:
-            return queryset.filter(nvlink_domain=v)
-        return queryset
-
-
-class LabelFilter(admin.SimpleListFilter):
-    """Nodes by effective label, key=value."""
-
-    title = "label"
-    parameter_name = "label"
-
-    def lookups(self, request, model_admin):
-        pairs = set()
-        for labels in Node.objects.values_list("labels", flat=True):
-            pairs.update(f"{k}={v}" for k, v in (labels or {}).items())
-        return [(p, p) for p in sorted(pairs)]
-
-    def queryset(self, request, queryset):
-        if not self.value():
-            return queryset
-        key, _, value = self.value().partition("=")
-        if not operations.LABEL_KEY.match(key):
-            return queryset.none()
-        return queryset.filter(Q(**{f"labels__{key}": value}))
-
-
-class NodeChangeList(ChangeList):
-    """The node list, with each shown node's telemetry fetched in one round trip."""
-
-    def get_results(self, request):
-        super().get_results(request)
-        found = telemetry.get_many(n.id for n in self.result_list)
-        for n in self.result_list:
-            n.cached_telemetry = found.get(n.id)
 
 
 class FabricInline(admin.TabularInline):
@@ -143,7 +40,7 @@ class FabricInline(admin.TabularInline):
 
 
 @admin.register(Node)
-class NodeAdmin(admin.ModelAdmin):
+class NodeAdmin(NodeActions):
     list_display = [
         "id",
         "state_column",
@@ -294,91 +191,6 @@ class NodeAdmin(admin.ModelAdmin):
             return format_html('<span class="lg-ok">{}</span>', 0)
         return format_html('<span class="lg-bad" title="{}">{}</span>', "\n".join(problems), len(problems))
 
-    # --- actions, each with a page saying what it will do
-
-    def _confirm(self, request: HttpRequest, queryset, name: str):
-        impacts = operations.impact(name, queryset.order_by("id"), now=timezone.now())
-        if request.POST.get("post") == "yes":
-            fn, done_word = ACTIONS[name]
-            now = timezone.now()
-            done, refused = [], []
-            for i in impacts:
-                if not i.allowed:
-                    refused.append(f"{i.node_id}: {i.reason}")
-                    continue
-                try:
-                    fn(i.node_id, now=now, actor=request.user, reason=request.POST.get("reason", "").strip()[:500])
-                    done.append(i.node_id)
-                except TransitionError as exc:
-                    refused.append(str(exc))
-            if done:
-                self.message_user(request, f"{done_word}: {', '.join(done)}", messages.SUCCESS)
-            if refused:
-                self.message_user(request, "not changed: " + "; ".join(refused), messages.WARNING)
-            return None
-        context = {
-            **self.admin_site.each_context(request),
-            "title": f"{name.capitalize()} nodes?",
-            "action": name,
-            "action_name": f"{name}_nodes",
-            "impacts": impacts,
-            "moving": sum(len(i.replicas) for i in impacts if i.allowed),
-            "opts": self.model._meta,
-            "queryset": queryset,
-            "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
-        }
-        return TemplateResponse(request, "admin/inventory/node/action_confirmation.html", context)
-
-    @admin.action(permissions=["cordon"], description="Cordon: no new replicas on these nodes")
-    def cordon_nodes(self, request, queryset):
-        return self._confirm(request, queryset, "cordon")
-
-    @admin.action(permissions=["cordon"], description="Uncordon: give these nodes back to placement")
-    def uncordon_nodes(self, request, queryset):
-        return self._confirm(request, queryset, "uncordon")
-
-    @admin.action(permissions=["drain"], description="Drain: move these nodes' replicas elsewhere")
-    def drain_nodes(self, request, queryset):
-        return self._confirm(request, queryset, "drain")
-
-    @admin.action(permissions=["forget"], description="Forget these nodes (refused while they hold anything)")
-    def forget_nodes(self, request, queryset):
-        nodes = list(queryset.order_by("id"))
-        verdicts = [(n, operations.forget_refusal(n)) for n in nodes]
-        if request.POST.get("post") == "yes":
-            forgotten, refused = [], []
-            for n, refusal in verdicts:
-                if refusal:
-                    refused.append(refusal)
-                    continue
-                try:
-                    with transaction.atomic():  # the log entry only if the node really went
-                        self.log_deletions(request, Node.objects.filter(id=n.id))
-                        operations.forget(n.id)
-                except operations.ForgetRefused as exc:
-                    refused.append(str(exc))
-                    continue
-                forgotten.append(n.id)
-            if forgotten:
-                self.message_user(request, f"forgotten: {', '.join(forgotten)}", messages.SUCCESS)
-            if refused:
-                self.message_user(request, "refused: " + "; ".join(refused), messages.ERROR)
-            return None
-        context = {
-            **self.admin_site.each_context(request),
-            "title": "Forget nodes?",
-            "action": "forget",
-            "action_name": "forget_nodes",
-            "forget": verdicts,
-            "opts": self.model._meta,
-            "queryset": queryset,
-            "action_checkbox_name": admin.helpers.ACTION_CHECKBOX_NAME,
-        }
-        return TemplateResponse(request, "admin/inventory/node/action_confirmation.html", context)
-
-    def delete_model(self, request, obj):
-        operations.forget(obj.id)
-
     # --- the node page
 
     def get_urls(self):
@@ -455,56 +267,3 @@ class NodeAdmin(admin.ModelAdmin):
                 + urlencode({"node": node.id}),
             )
         return super().change_view(request, object_id, form_url, extra_context=extra)
-
-
-@admin.register(GPU)
-class GPUAdmin(ReadOnlyAdmin, admin.ModelAdmin):
-    list_display = ["__str__", "gpu_class", "uuid", "memory_total_mb", "fabric_state", "cluster_uuid", "ecc_errors"]
-    list_filter = ["gpu_class", "fabric_state"]
-    search_fields = ["uuid", "node__id", "name"]
-    autocomplete_fields = ["node"]
-    list_select_related = ["node"]
-    deletable = True
-
-
-@admin.register(Allocation)
-class AllocationAdmin(ReadOnlyAdmin, admin.ModelAdmin):
-    list_display = ["node", "replica_id", "shard_id", "gpu_list", "memory_gb", "cpu_cores", "power_w", "created_at"]
-    search_fields = ["node__id", "replica_id", "shard_id"]
-    autocomplete_fields = ["node"]
-
-    def get_queryset(self, request):
-        return super().get_queryset(request).prefetch_related("gpus")
-
-    @admin.display(description="GPUs")
-    def gpu_list(self, obj: Allocation) -> str:
-        return ",".join(map(str, obj.gpu_indices)) or "-"
-
-    # The reconciler claims and releases these in its own transactions: a
-    # hand-made or hand-deleted claim would double-book or strand GPUs.
-
-
-@admin.register(SMChange)
-class SMChangeAdmin(ReadOnlyAdmin, admin.ModelAdmin):
-    list_display = ["at", "node_id", "port", "from_guid", "to_guid"]
-    search_fields = ["node_id", "from_guid", "to_guid"]
-    deletable = True
-
-
-@admin.register(FabricScan)
-class FabricScanAdmin(ReadOnlyAdmin, admin.ModelAdmin):
-    list_display = ["key", "at", "node_id", "port", "took_s", "error"]
-    search_fields = ["key", "node_id"]
-    deletable = True
-
-
-@admin.register(NodeEvent)
-class NodeEventAdmin(ReadOnlyAdmin, admin.ModelAdmin):
-    list_display = ["at", "node", "kind", "actor_name", "message"]
-    list_filter = ["kind"]
-    search_fields = ["node__id", "message", "actor_name"]
-    list_select_related = ["node"]
-
-
-for model in (FabricAttachment, Storage, LocalWeights, EngineInstall):
-    admin.site.register(model, list_display=["__str__"], search_fields=["node__id"])
