@@ -8,7 +8,7 @@ from inventory import doctor
 from inventory.doctor import Result
 from placement import doctor_checks
 from placement.models import Deployment, EngineProfile, Replica
-from tests.inventory.test_doctor import assert_result, run
+from tests.inventory.doctor.helpers import assert_result, run
 
 pytestmark = pytest.mark.django_db
 
