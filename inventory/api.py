@@ -1,4 +1,4 @@
-"""The inventory REST API: nodes, GPUs, NVLink domains, and the operator's actions.
+"""The inventory REST API: nodes, GPUs, NVLink domains, the doctor, and the operator's actions.
 
 Thin callers: every rule is in inventory/operations.py, shared with the admin.
 """
@@ -7,28 +7,29 @@ from __future__ import annotations
 
 from django.db.models import Prefetch
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import filters, status, viewsets
 from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from inventory import nvlink_view, operations
+from inventory import doctor, nvlink_view, operations
 from inventory.filters import GPUFilter, NodeFilter
 from inventory.models import GPU, Node
 from inventory.nodes import TransitionError
 from inventory.serializers import (
-    ActionInput,
-    ActionInputErrors,
+    ActionIn,
+    ActionInErrors,
+    DoctorReportOut,
     DrainOut,
-    GPUSerializer,
-    LabelsInput,
-    LabelsInputErrors,
+    GPUOut,
+    LabelsIn,
+    LabelsInErrors,
     LabelsOut,
     NodeActionOut,
-    NodeSerializer,
-    RackSerializer,
+    NodeOut,
+    RackOut,
     StateConflictOut,
 )
 from llmgw.permissions import ModelPermissions, PermissionsRequired, holds
@@ -67,7 +68,7 @@ def _nodes():
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
     """Nodes with their GPUs and fabrics; cordon, uncordon, drain and labels as actions."""
 
-    serializer_class = NodeSerializer
+    serializer_class = NodeOut
     permission_classes = [NodePermissions]
     filterset_class = NodeFilter
     filter_backends = [*viewsets.ReadOnlyModelViewSet.filter_backends, filters.SearchFilter]
@@ -79,7 +80,7 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         return _nodes()
 
     def _transition(self, request: Request, pk: str, fn, name: str) -> Response:
-        body = ActionInput(data=request.data)
+        body = ActionIn(data=request.data)
         body.is_valid(raise_exception=True)
         node = self.get_object()
         affected = operations.live_replicas([node.id])[node.id] if name == "drain" else []
@@ -93,30 +94,30 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
             return Response(DrainOut({"node": node, "replicas_to_move": affected}).data)
         return Response(NodeActionOut({"node": node}).data)
 
-    @extend_schema(request=ActionInput, responses={200: NodeActionOut, 400: ActionInputErrors, 409: StateConflictOut})
+    @extend_schema(request=ActionIn, responses={200: NodeActionOut, 400: ActionInErrors, 409: StateConflictOut})
     @action(detail=True, methods=["post"])
     def cordon(self, request: Request, pk: str | None = None) -> Response:
         """Exclude the node from new placement; what runs there keeps running."""
         return self._transition(request, pk, operations.cordon, "cordon")
 
-    @extend_schema(request=ActionInput, responses={200: NodeActionOut, 400: ActionInputErrors, 409: StateConflictOut})
+    @extend_schema(request=ActionIn, responses={200: NodeActionOut, 400: ActionInErrors, 409: StateConflictOut})
     @action(detail=True, methods=["post"])
     def uncordon(self, request: Request, pk: str | None = None) -> Response:
         """Give a cordoned or draining node back to placement."""
         return self._transition(request, pk, operations.uncordon, "uncordon")
 
-    @extend_schema(request=ActionInput, responses={200: DrainOut, 400: ActionInputErrors, 409: StateConflictOut})
+    @extend_schema(request=ActionIn, responses={200: DrainOut, 400: ActionInErrors, 409: StateConflictOut})
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, pk: str | None = None) -> Response:
         """Move the node's replicas elsewhere; the answer lists those that will move."""
         return self._transition(request, pk, operations.drain, "drain")
 
-    @extend_schema(request=LabelsInput, responses={200: LabelsOut, 400: LabelsInputErrors})
+    @extend_schema(request=LabelsIn, responses={200: LabelsOut, 400: LabelsInErrors})
     @action(detail=True, methods=["put", "patch"])
     def labels(self, request: Request, pk: str | None = None) -> Response:
         """Replace (PUT) or change (PATCH; null removes) the node's operator labels."""
         partial = request.method == "PATCH"
-        body = LabelsInput(data=request.data, context={"partial": partial})
+        body = LabelsIn(data=request.data, context={"partial": partial})
         body.is_valid(raise_exception=True)
         node = self.get_object()
         labels = body.validated_data["labels"]
@@ -140,7 +141,7 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
 class GPUViewSet(viewsets.ReadOnlyModelViewSet):
     """Every GPU of the cluster; filter by node, class or fabric state, search by UUID."""
 
-    serializer_class = GPUSerializer
+    serializer_class = GPUOut
     queryset = GPU.objects.order_by("node_id", "index")
     filterset_class = GPUFilter
     filter_backends = [*viewsets.ReadOnlyModelViewSet.filter_backends, filters.SearchFilter]
@@ -152,6 +153,24 @@ class NVLinkView(APIView):
 
     permission_classes = [CanViewNodes]
 
-    @extend_schema(responses={200: RackSerializer(many=True)})
+    @extend_schema(responses={200: RackOut(many=True)})
     def get(self, request: Request) -> Response:
-        return Response(RackSerializer(nvlink_view.racks(), many=True).data)
+        return Response(RackOut(nvlink_view.racks(), many=True).data)
+
+
+class DoctorView(APIView):
+    """The doctor's checks: their latest run, at most settings.LLMGW_DOCTOR_CACHE seconds old.
+
+    `at` says when they ran; `?fresh=1` runs them now.
+    """
+
+    permission_classes = [CanViewNodes]
+
+    @extend_schema(
+        responses=DoctorReportOut,
+        parameters=[OpenApiParameter("fresh", bool, description="run the checks now rather than reuse a recent run")],
+    )
+    def get(self, request: Request) -> Response:
+        fresh = request.query_params.get("fresh", "").lower() in ("1", "true", "yes")
+        at, results = doctor.latest(now=timezone.now(), fresh=fresh)
+        return Response(DoctorReportOut(doctor.report(results, now=at)).data)

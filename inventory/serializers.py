@@ -5,7 +5,7 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema_serializer
 from rest_framework import serializers
 
-from inventory import operations
+from inventory import doctor, operations
 from inventory.models import GPU, FabricAttachment, Node
 from inventory.resources import free_gpu_indices
 
@@ -13,7 +13,7 @@ from inventory.resources import free_gpu_indices
 # Named apart from the wire schema's GPU and FabricAttachment (what an agent sends),
 # which share the API document.
 @extend_schema_serializer(component_name="NodeGPU")
-class GPUSerializer(serializers.ModelSerializer):
+class GPUOut(serializers.ModelSerializer):
     """A GPU as the API shows it."""
 
     node = serializers.CharField(source="node_id", read_only=True)
@@ -48,7 +48,7 @@ class GPUSerializer(serializers.ModelSerializer):
 
 
 @extend_schema_serializer(component_name="NodeFabric")
-class FabricAttachmentSerializer(serializers.ModelSerializer):
+class FabricAttachmentOut(serializers.ModelSerializer):
     """A node's declared fabric."""
 
     class Meta:
@@ -57,14 +57,15 @@ class FabricAttachmentSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class NodeSerializer(serializers.ModelSerializer):
+@extend_schema_serializer(component_name="Node")
+class NodeOut(serializers.ModelSerializer):
     """A node with its GPUs, fabrics, labels and how many GPUs are free.
 
     Needs `gpus`, `fabrics` and `allocated_gpus` prefetched (the viewset does).
     """
 
-    gpus = GPUSerializer(many=True, read_only=True)
-    fabrics = FabricAttachmentSerializer(many=True, read_only=True)
+    gpus = GPUOut(many=True, read_only=True)
+    fabrics = FabricAttachmentOut(many=True, read_only=True)
     reachable = serializers.BooleanField(read_only=True)
     imex_up = serializers.SerializerMethodField()
     gpus_total = serializers.SerializerMethodField()
@@ -114,13 +115,15 @@ class NodeSerializer(serializers.ModelSerializer):
         return sorted({g.gpu_class for g in node.gpus.all() if g.gpu_class})
 
 
-class ActionInput(serializers.Serializer):
+@extend_schema_serializer(component_name="ActionInput")
+class ActionIn(serializers.Serializer):
     """What an operator may say with cordon, uncordon or drain."""
 
     reason = serializers.CharField(required=False, allow_blank=True, max_length=500, default="")
 
 
-class LabelsInput(serializers.Serializer):
+@extend_schema_serializer(component_name="LabelsInput")
+class LabelsIn(serializers.Serializer):
     """Operator labels: PUT replaces them all; PATCH sets some and removes those given as null."""
 
     labels = serializers.DictField(child=serializers.CharField(allow_blank=True, allow_null=True, max_length=63))
@@ -149,7 +152,8 @@ class LabelsInput(serializers.Serializer):
         return checked
 
 
-class AffectedReplicaSerializer(serializers.Serializer):
+@extend_schema_serializer(component_name="AffectedReplica")
+class AffectedReplicaOut(serializers.Serializer):
     """A replica an action touches."""
 
     replica_id = serializers.CharField()
@@ -161,13 +165,13 @@ class AffectedReplicaSerializer(serializers.Serializer):
 class NodeActionOut(serializers.Serializer):
     """The answer to cordon and uncordon: the node as the action left it."""
 
-    node = NodeSerializer(read_only=True)
+    node = NodeOut(read_only=True)
 
 
 class DrainOut(NodeActionOut):
     """The answer to drain: the node, and the replicas that will move off it."""
 
-    replicas_to_move = AffectedReplicaSerializer(many=True, read_only=True)
+    replicas_to_move = AffectedReplicaOut(many=True, read_only=True)
 
 
 class LabelsOut(serializers.Serializer):
@@ -178,13 +182,15 @@ class LabelsOut(serializers.Serializer):
     effective_labels = serializers.DictField(child=serializers.CharField(), read_only=True)
 
 
-class ActionInputErrors(serializers.Serializer):
+@extend_schema_serializer(component_name="ActionInputErrors")
+class ActionInErrors(serializers.Serializer):
     """400 from cordon, uncordon or drain: what is wrong with the reason."""
 
     reason = serializers.ListField(child=serializers.CharField(), read_only=True)
 
 
-class LabelsInputErrors(serializers.Serializer):
+@extend_schema_serializer(component_name="LabelsInputErrors")
+class LabelsInErrors(serializers.Serializer):
     """400 from a labels change: the problems of each label by key, or of the `labels` field itself (a list)."""
 
     labels = serializers.JSONField(read_only=True)
@@ -196,7 +202,8 @@ class StateConflictOut(serializers.Serializer):
     state = serializers.ListField(child=serializers.CharField(), read_only=True)
 
 
-class CardSerializer(serializers.Serializer):
+@extend_schema_serializer(component_name="Card")
+class CardOut(serializers.Serializer):
     """One GPU on an NVLink tray."""
 
     index = serializers.IntegerField()
@@ -207,7 +214,8 @@ class CardSerializer(serializers.Serializer):
     uuid = serializers.CharField()
 
 
-class TraySerializer(serializers.Serializer):
+@extend_schema_serializer(component_name="Tray")
+class TrayOut(serializers.Serializer):
     """One node of an NVLink domain."""
 
     node_id = serializers.CharField()
@@ -218,16 +226,38 @@ class TraySerializer(serializers.Serializer):
     imex_channels = serializers.IntegerField()
     imex_up = serializers.BooleanField()
     state = serializers.CharField()
-    cards = CardSerializer(many=True)
+    cards = CardOut(many=True)
     reasons = serializers.ListField(child=serializers.CharField())
     warnings = serializers.ListField(child=serializers.CharField())
 
 
-class RackSerializer(serializers.Serializer):
+@extend_schema_serializer(component_name="Rack")
+class RackOut(serializers.Serializer):
     """One NVLink domain ("" for cards that name none) with its trays."""
 
     domain = serializers.CharField()
     cluster_uuid = serializers.CharField()
     clique = serializers.CharField()
     joined = serializers.IntegerField()
-    trays = TraySerializer(many=True)
+    trays = TrayOut(many=True)
+
+
+@extend_schema_serializer(component_name="CheckResult")
+class CheckResultOut(serializers.Serializer):
+    """One check's answer."""
+
+    name = serializers.CharField()
+    result = serializers.ChoiceField(choices=[r.value for r in doctor.Result])
+    summary = serializers.CharField()
+    action = serializers.CharField(allow_blank=True)
+    nodes = serializers.ListField(child=serializers.CharField())
+    details = serializers.ListField(child=serializers.CharField())
+
+
+@extend_schema_serializer(component_name="DoctorReport")
+class DoctorReportOut(serializers.Serializer):
+    """The doctor's report: the worst verdict and every check."""
+
+    at = serializers.DateTimeField()
+    result = serializers.ChoiceField(choices=[r.value for r in doctor.Result])
+    checks = CheckResultOut(many=True)

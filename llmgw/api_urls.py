@@ -3,8 +3,7 @@
 from django.urls import include, path, re_path
 from rest_framework.routers import DefaultRouter
 
-from inventory.api import GPUViewSet, NodeViewSet, NVLinkView
-from inventory.doctor_api import DoctorView
+from inventory.api import DoctorView, GPUViewSet, NodeViewSet, NVLinkView
 from placement import prometheus_sd
 from placement import views as placement_views
 
