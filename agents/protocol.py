@@ -15,11 +15,11 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 import wire
-from agents import commands, credentials
+from agents import credentials
 from agents.credentials import JoinAuth, NodeAuth
 from inventory import fabric as fabric_rules
 from inventory import heartbeat as hb_rules
-from inventory import telemetry
+from inventory import outbox, telemetry
 from inventory.nodes import upsert_node
 from placement import agent_sync
 
@@ -107,7 +107,7 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
             sync = agent_sync.adopt_running(reg.node_id, reg.running_shards, now=now)
             if sync.changed:
                 agent_sync.queue_reconcile()
-            pending = commands.pending(reg.node_id, now=now)
+            pending = outbox.pending(reg.node_id, now=now)
     except IntegrityError as exc:
         # Two registrations of one new node id racing: the loser retries.
         raise Refused(409, "a concurrent registration of this node won; retry") from exc
@@ -180,7 +180,7 @@ def _record(
     applied = dict((previous or {}).get("applied") or {})
     pending_rows = None
     if hb.acks:
-        commands.acknowledge(node_id, hb.acks, now=now)
+        outbox.acknowledge(node_id, hb.acks, now=now)
     if hb.shards:
         # The pending commands come with the shards' read: one round trip fewer (after the acks, so
         # what they acknowledged is not delivered again).
@@ -202,7 +202,7 @@ def _record(
         hb_rules.apply_imex(node_id, hb.imex, touched=touched, now=now)
     if hb.ib_ports:
         hb_rules.record_sm_changes(node_id, hb.ib_ports, previous, now=now)
-    return commands.pending(node_id, now=now, rows=pending_rows), applied
+    return outbox.pending(node_id, now=now, rows=pending_rows), applied
 
 
 def _answer(
@@ -228,7 +228,7 @@ def upload_scan(caller: Caller, scan: wire.ScanUpload, *, now: dt.datetime) -> d
     """
     _own(caller, scan.node_id)
     with transaction.atomic():
-        why = commands.claim_scan(scan.node_id, scan.command_id, scan.key, hca=scan.hca, port=scan.port, now=now)
+        why = outbox.claim_scan(scan.node_id, scan.command_id, scan.key, hca=scan.hca, port=scan.port, now=now)
         if why:
             raise Refused(403, why)
         row = fabric_rules.set_scan(

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from django.db import connection, transaction
 
 import wire
-from agents import commands
-from agents.models import Command, CommandKind
+from inventory import outbox
+from inventory.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
 from wire import shard_states
@@ -65,7 +65,7 @@ def _fence(node_id: str, reported: list[tuple[str, str, str, str]], result: Sync
     if not targets:
         return 0
     queued = 0
-    key_len = commands.SHARD_KEY_LEN
+    key_len = outbox.SHARD_KEY_LEN
     already = set(
         Command.objects.filter(
             node_id=node_id,
@@ -80,7 +80,7 @@ def _fence(node_id: str, reported: list[tuple[str, str, str, str]], result: Sync
             continue
         already.add(shard_id[:key_len])
         message = wire.StopShard(shard_id=shard_id, replica_id=replica_id, reason=reason[:MAX_REASON])
-        commands.enqueue(node_id, message, now=now)
+        outbox.enqueue(node_id, message, now=now)
         queued += 1
     return queued
 
@@ -142,7 +142,7 @@ def _shard_rows(
     else:
         # One round trip for both reads: each row says which it answers (0: a shard, 1: a command, in
         # queue order); a command's payload stands beside a shard's state.
-        commands_sql = commands.pending_select(
+        commands_sql = outbox.pending_select(
             before="1, row_number() OVER (ORDER BY created_at, id), ", after=", NULL, NULL, NULL, NULL, NULL"
         )
         shard_columns = "s.id, s.state, NULL::jsonb, s.reason, s.exit_code, s.replica_id, r.deployment_id, r.state"
@@ -179,7 +179,7 @@ def record_shard_states(
     node comes back from a partition without restarting its agent.
 
     With pending_limit, the read of the shards also reads the node's pending
-    commands (agents/commands.py pending_select): result.pending, None when
+    commands (inventory/outbox.py pending_select): result.pending, None when
     not read or when a fence queued one since (read them again).
     """
     result = SyncResult()

@@ -1,4 +1,4 @@
-"""The command queue: what the control plane wants each agent to do.
+"""The command outbox: what the control plane wants each agent to do, delivered in heartbeat answers.
 
 Callers enqueue inside their own transaction, so a command exists exactly
 when the decision that made it was committed (the reconciler writes
@@ -16,7 +16,7 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
 import wire
-from agents.models import Command, CommandKind
+from inventory.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 
 # Command.shard_id's width: the key a command is found by (a shard id of ours is a UUID).
