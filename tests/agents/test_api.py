@@ -11,8 +11,8 @@ from prometheus_client import REGISTRY
 
 import wire
 from agents import credentials
+from agents.api import MAX_HEARTBEAT_BODY
 from agents.models import JoinToken, NodeCredential
-from agents.views import MAX_HEARTBEAT_BODY
 from inventory import outbox, telemetry
 from inventory.models import GPU, Command, FabricScan, Node, NodeEvent
 from tests.agents.conftest import heartbeat_payload, make_shard, post
