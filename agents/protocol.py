@@ -1,6 +1,8 @@
 """The agent conversation: registration, heartbeats, scan uploads, credential rotation.
 
-The views parse and authenticate; these functions decide. Each request is
+The endpoints (agents/api.py) parse the body, once, into a Body; these
+functions authenticate and decide, and raise a bad body's refusal only after
+the authentication's, so a stranger learns nothing from the order. Each request is
 applied whole or not at all (one transaction); what goes to the cache is
 written only after the transaction committed.
 """
@@ -8,8 +10,8 @@ written only after the transaction committed.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
@@ -22,6 +24,8 @@ from inventory import heartbeat as hb_rules
 from inventory import outbox, telemetry
 from inventory.nodes import upsert_node
 from placement import agent_sync
+
+M = TypeVar("M", bound=wire.Message)
 
 
 class Refused(Exception):
@@ -41,6 +45,21 @@ class Refused(Exception):
 UNAUTHENTICATED = Refused(401, "missing or invalid credentials")
 # Deliberately the same words whichever node was named, and whether it exists.
 NOT_YOURS = Refused(403, "this credential does not authorise requests about that node")
+
+
+@dataclass(frozen=True)
+class Body(Generic[M]):
+    """A request's body as its endpoint parsed it: the message, or the refusal it earns (raised by `message()`)."""
+
+    parsed: M | None = None
+    refused: Refused | None = None
+
+    def message(self) -> M:
+        """The message; raises the body's refusal (415, 413, 400) when there is none."""
+        if self.refused is not None:
+            raise self.refused
+        assert self.parsed is not None
+        return self.parsed
 
 
 @dataclass(frozen=True)
@@ -147,15 +166,13 @@ def heartbeat(caller: Caller, hb: wire.Heartbeat, *, now: dt.datetime) -> wire.H
     return _answer(auth, hb, previous, applied, pending, now=now)
 
 
-def heartbeat_request(
-    token: str | None, read: Callable[[], wire.Heartbeat], *, now: dt.datetime
-) -> wire.HeartbeatResponse:
-    """A heartbeat from its bearer token on: authenticate, read the body (`read`), and do what heartbeat does.
+def heartbeat_request(token: str | None, body: Body[wire.Heartbeat], *, now: dt.datetime) -> wire.HeartbeatResponse:
+    """A heartbeat from its bearer token on: authenticate, take the parsed body, and do what heartbeat does.
 
     A steady-state heartbeat costs two statements whatever it carries: the
     credential lookup with the lease update, and the read of the shards it
     reports with its pending commands. Telemetry goes to the cache. The refusals come in the endpoints' order: 401, then
-    whatever `read` refuses (415, 413, 400), then 403; a refused heartbeat
+    the body's (415, 413, 400), then 403; a refused heartbeat
     leaves nothing written, the lease renewal included (it is rolled back).
     """
     if token is None:
@@ -165,7 +182,7 @@ def heartbeat_request(
         if found is None:
             raise UNAUTHENTICATED
         auth, touched = found
-        hb = read()
+        hb = body.message()
         _own(Caller(node=auth), hb.node_id)
         previous = telemetry.get(hb.node_id)
         pending, applied = _record(hb, touched, previous, now=now)
