@@ -15,7 +15,8 @@ from django.utils import timezone
 
 import wire
 from agents import credentials
-from agents.models import Command, JoinToken, NodeCredential
+from agents.models import JoinToken, NodeCredential
+from inventory.models import Command
 from llmgw.admin import ReadOnlyAdmin
 
 

@@ -29,7 +29,9 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from agents.models import JoinToken, NodeCredential
-from inventory.heartbeat import Touched, touch_credential_holder
+from inventory.heartbeat import NodeLookup, Touched, touch_found
+from inventory.models import Node
+from inventory.node_view import CredentialBox
 from inventory.nodes import record_event
 from llmgw.db import prepared_cursor
 
@@ -112,6 +114,28 @@ def authenticate_and_touch(token: str, *, now: dt.datetime, durable: bool = True
         return None
     (node_id, current, previous, requested), touched = found
     return _node_auth(node_id, h, current, previous, requested), touched
+
+
+def touch_credential_holder(
+    token_hash: str, *, now: dt.datetime, durable: bool = True
+) -> tuple[tuple[str, str, str | None, dt.datetime | None], Touched] | None:
+    """The lease renewal (inventory/heartbeat.py touch) of the node holding a credential, found in the same statement.
+
+    Found by its current or previous hash. Returns the credential's (node id,
+    token hash, previous hash, rotation requested at) and the touched node;
+    None when no node holds that hash.
+    """
+    lookup = NodeLookup(
+        table=NodeCredential._meta.db_table,
+        where="c.token_hash = %s OR c.previous_hash = %s",
+        params=(token_hash, token_hash),
+        columns=("node_id", "token_hash", "previous_hash", "rotation_requested_at"),
+    )
+    found = touch_found(lookup, now=now, durable=durable)
+    if found is None:
+        return None
+    (node_id, current, previous, requested), touched = found
+    return (node_id, current, previous, requested), touched
 
 
 def _node_auth(node_id: str, h: str, current: str, previous: str | None, requested) -> NodeAuth:
@@ -281,3 +305,21 @@ def create_join_token(
 def revoke_join_token(token_id: int, *, now: dt.datetime) -> bool:
     """Stop a join token from admitting anyone else."""
     return bool(JoinToken.objects.filter(id=token_id, revoked_at__isnull=True).update(revoked_at=now))
+
+
+def credential_box(node: Node) -> CredentialBox:
+    """What the node page's Credential box says about `node`'s credential (one query).
+
+    Registered with inventory/node_view.py, which draws the box.
+    """
+    cred = NodeCredential.objects.filter(node_id=node.id).first()
+    if cred is None:
+        return CredentialBox(present=False)
+    return CredentialBox(
+        present=True,
+        issued_at=cred.issued_at,
+        issued_by=cred.issued_by,
+        rotation_requested_at=cred.rotation_requested_at,
+        rotation_pending=cred.previous_hash is not None,
+        last_used=node.last_seen,
+    )

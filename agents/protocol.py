@@ -1,6 +1,8 @@
 """The agent conversation: registration, heartbeats, scan uploads, credential rotation.
 
-The views parse and authenticate; these functions decide. Each request is
+The endpoints (agents/api.py) parse the body, once, into a Body; these
+functions authenticate and decide, and raise a bad body's refusal only after
+the authentication's, so a stranger learns nothing from the order. Each request is
 applied whole or not at all (one transaction); what goes to the cache is
 written only after the transaction committed.
 """
@@ -8,20 +10,22 @@ written only after the transaction committed.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
 import wire
-from agents import commands, credentials
+from agents import credentials
 from agents.credentials import JoinAuth, NodeAuth
 from inventory import fabric as fabric_rules
 from inventory import heartbeat as hb_rules
-from inventory import telemetry
+from inventory import outbox, telemetry
 from inventory.nodes import upsert_node
 from placement import agent_sync
+
+M = TypeVar("M", bound=wire.Message)
 
 
 class Refused(Exception):
@@ -41,6 +45,20 @@ class Refused(Exception):
 UNAUTHENTICATED = Refused(401, "missing or invalid credentials")
 # Deliberately the same words whichever node was named, and whether it exists.
 NOT_YOURS = Refused(403, "this credential does not authorise requests about that node")
+
+
+@dataclass(frozen=True)
+class Body(Generic[M]):
+    """A request's body as its endpoint parsed it: the message, or the refusal it earns (raised by `message()`)."""
+
+    parsed: M | None = None
+    refused: Refused | None = None
+
+    def message(self) -> M:
+        """The message; raises the body's refusal (415, 413, 400) when there is none."""
+        if self.parsed is None:
+            raise self.refused or Refused(400, "invalid request body")
+        return self.parsed
 
 
 @dataclass(frozen=True)
@@ -107,7 +125,7 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
             sync = agent_sync.adopt_running(reg.node_id, reg.running_shards, now=now)
             if sync.changed:
                 agent_sync.queue_reconcile()
-            pending = commands.pending(reg.node_id, now=now)
+            pending = outbox.pending(reg.node_id, now=now)
     except IntegrityError as exc:
         # Two registrations of one new node id racing: the loser retries.
         raise Refused(409, "a concurrent registration of this node won; retry") from exc
@@ -147,15 +165,13 @@ def heartbeat(caller: Caller, hb: wire.Heartbeat, *, now: dt.datetime) -> wire.H
     return _answer(auth, hb, previous, applied, pending, now=now)
 
 
-def heartbeat_request(
-    token: str | None, read: Callable[[], wire.Heartbeat], *, now: dt.datetime
-) -> wire.HeartbeatResponse:
-    """A heartbeat from its bearer token on: authenticate, read the body (`read`), and do what heartbeat does.
+def heartbeat_request(token: str | None, body: Body[wire.Heartbeat], *, now: dt.datetime) -> wire.HeartbeatResponse:
+    """A heartbeat from its bearer token on: authenticate, take the parsed body, and do what heartbeat does.
 
     A steady-state heartbeat costs two statements whatever it carries: the
     credential lookup with the lease update, and the read of the shards it
     reports with its pending commands. Telemetry goes to the cache. The refusals come in the endpoints' order: 401, then
-    whatever `read` refuses (415, 413, 400), then 403; a refused heartbeat
+    the body's (415, 413, 400), then 403; a refused heartbeat
     leaves nothing written, the lease renewal included (it is rolled back).
     """
     if token is None:
@@ -165,7 +181,7 @@ def heartbeat_request(
         if found is None:
             raise UNAUTHENTICATED
         auth, touched = found
-        hb = read()
+        hb = body.message()
         _own(Caller(node=auth), hb.node_id)
         previous = telemetry.get(hb.node_id)
         pending, applied = _record(hb, touched, previous, now=now)
@@ -180,7 +196,7 @@ def _record(
     applied = dict((previous or {}).get("applied") or {})
     pending_rows = None
     if hb.acks:
-        commands.acknowledge(node_id, hb.acks, now=now)
+        outbox.acknowledge(node_id, hb.acks, now=now)
     if hb.shards:
         # The pending commands come with the shards' read: one round trip fewer (after the acks, so
         # what they acknowledged is not delivered again).
@@ -202,7 +218,7 @@ def _record(
         hb_rules.apply_imex(node_id, hb.imex, touched=touched, now=now)
     if hb.ib_ports:
         hb_rules.record_sm_changes(node_id, hb.ib_ports, previous, now=now)
-    return commands.pending(node_id, now=now, rows=pending_rows), applied
+    return outbox.pending(node_id, now=now, rows=pending_rows), applied
 
 
 def _answer(
@@ -228,7 +244,7 @@ def upload_scan(caller: Caller, scan: wire.ScanUpload, *, now: dt.datetime) -> d
     """
     _own(caller, scan.node_id)
     with transaction.atomic():
-        why = commands.claim_scan(scan.node_id, scan.command_id, scan.key, hca=scan.hca, port=scan.port, now=now)
+        why = outbox.claim_scan(scan.node_id, scan.command_id, scan.key, hca=scan.hca, port=scan.port, now=now)
         if why:
             raise Refused(403, why)
         row = fabric_rules.set_scan(

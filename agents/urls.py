@@ -2,11 +2,11 @@
 
 from django.urls import path
 
-from agents import views
+from agents import api
 
 urlpatterns = [
-    path("register", views.RegisterView.as_view(), name="agent-register"),
-    path("heartbeat", views.HeartbeatView.as_view(), name="agent-heartbeat"),
-    path("scans", views.ScanUploadView.as_view(), name="agent-scans"),
-    path("rotate", views.RotateView.as_view(), name="agent-rotate"),
+    path("register", api.RegisterView.as_view(), name="agent-register"),
+    path("heartbeat", api.HeartbeatView.as_view(), name="agent-heartbeat"),
+    path("scans", api.ScanUploadView.as_view(), name="agent-scans"),
+    path("rotate", api.RotateView.as_view(), name="agent-rotate"),
 ]

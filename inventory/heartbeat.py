@@ -19,7 +19,6 @@ from typing import Any
 from django.db import connection
 
 import wire
-from agents.models import NodeCredential
 from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules
 from inventory.models import GPU, EngineInstall, Node, NodeState
@@ -87,54 +86,65 @@ def touch(node_id: str, *, now: dt.datetime, durable: bool = True) -> Touched | 
     return _touched(node_id, row, now=now)
 
 
-def touch_credential_holder(
-    token_hash: str, *, now: dt.datetime, durable: bool = True
-) -> tuple[tuple[str, str, str | None, dt.datetime | None], Touched] | None:
-    """touch() for the node holding a credential, found by its current or previous hash, in the same statement.
+@dataclass(frozen=True)
+class NodeLookup:
+    """A row of another table that names a node (its `node_id` column), found by `where` over alias `c`.
+
+    Lets the app above (agents, for a node credential) find the node a
+    heartbeat speaks for in the lease renewal's own statement, without
+    inventory knowing that table.
+    """
+
+    table: str
+    where: str
+    params: tuple
+    # Returned, in this order; `node_id` first.
+    columns: tuple[str, ...]
+
+
+def touch_found(lookup: NodeLookup, *, now: dt.datetime, durable: bool = True) -> tuple[tuple, Touched] | None:
+    """touch() for the node `lookup` finds, in the same statement.
 
     A heartbeat's authentication and its lease renewal are then one round
-    trip. Returns the credential's (node id, token hash, previous hash,
-    rotation requested at) and the touched node; None when no node holds
-    that hash. The caller decides what the credential may do, and rolls the
+    trip. Returns the looked-up row's columns and the touched node; None when
+    no row matches. The caller decides what the row allows, and rolls the
     lease back when it refuses the request.
     """
     if connection.vendor != "postgresql":
-        return _touch_credential_holder_portable(token_hash, now=now)
-    from_items = ", ".join([f"{NodeCredential._meta.db_table} AS c", *_relax(durable)])
+        return _touch_found_portable(lookup, now=now)
+    from_items = ", ".join([f"{lookup.table} AS c", *_relax(durable)])
+    returning = ", ".join(f"c.{col}" for col in lookup.columns)
     with prepared_cursor() as cur:
         cur.execute(
             f"UPDATE {Node._meta.db_table} AS n SET last_seen = %s, unreachable_since = NULL FROM {from_items} "
-            "WHERE (c.token_hash = %s OR c.previous_hash = %s) AND n.id = c.node_id "
-            "RETURNING c.node_id, c.token_hash, c.previous_hash, c.rotation_requested_at, "
-            "n.state, n.imex_state, n.imex_channels, n.nvlink_domain",
-            [now, token_hash, token_hash],
+            f"WHERE ({lookup.where}) AND n.id = c.node_id "
+            f"RETURNING {returning}, n.state, n.imex_state, n.imex_channels, n.nvlink_domain",
+            [now, *lookup.params],
         )
         row = cur.fetchone()
     if row is None:
         return None
-    return (row[0], row[1], row[2], row[3]), _touched(row[0], row[4:], now=now)
+    width = len(lookup.columns)
+    return tuple(row[:width]), _touched(row[0], row[width:], now=now)
 
 
-def _touch_credential_holder_portable(
-    token_hash: str, *, now: dt.datetime
-) -> tuple[tuple[str, str, str | None, dt.datetime | None], Touched] | None:
+def _touch_found_portable(lookup: NodeLookup, *, now: dt.datetime) -> tuple[tuple, Touched] | None:
     # SQLite's RETURNING may name only the updated table, never one of the
     # FROM clause ("no such column: c.node_id"): the embedded default answered
     # every heartbeat with a 500. It has no network round trip to spare, so
-    # the credential is read first and the lease renewed by touch().
+    # the row is read first and the lease renewed by touch().
     with prepared_cursor() as cur:
         cur.execute(
-            f"SELECT node_id, token_hash, previous_hash, rotation_requested_at FROM {NodeCredential._meta.db_table} "
-            "WHERE token_hash = %s OR previous_hash = %s LIMIT 1",
-            [token_hash, token_hash],
+            f"SELECT {', '.join(lookup.columns)} FROM {lookup.table} AS c WHERE {lookup.where} LIMIT 1",
+            list(lookup.params),
         )
-        cred = cur.fetchone()
-    if cred is None:
+        found = cur.fetchone()
+    if found is None:
         return None
-    touched = touch(cred[0], now=now)
+    touched = touch(found[0], now=now)
     if touched is None:
         return None
-    return (cred[0], cred[1], cred[2], cred[3]), touched
+    return tuple(found), touched
 
 
 def port_key(port: Any) -> str:

@@ -7,12 +7,11 @@ list, the node page and the API agree on what a "problem" is.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import wire
-from agents.models import NodeCredential
 from inventory import gpus as gpu_rules
 from inventory import scans, telemetry
 from inventory.models import GPU, Node
@@ -264,16 +263,19 @@ class CredentialBox:
     last_used: dt.datetime | None = None
 
 
+# Who says what a node's credential is: the app that issues credentials
+# (agents registers it in its AppConfig.ready); inventory knows no credential table.
+_credential_source: Callable[[Node], CredentialBox] | None = None
+
+
+def register_credential_source(source: Callable[[Node], CredentialBox]) -> None:
+    """Name the function that describes a node's credential for its page (one per process)."""
+    global _credential_source
+    _credential_source = source
+
+
 def credential_box(node: Node) -> CredentialBox:
-    """What the node page's Credential box says about `node`'s credential (one query)."""
-    cred = NodeCredential.objects.filter(node_id=node.id).first()
-    if cred is None:
+    """What the node page's Credential box says about `node`'s credential; none when no app issues credentials."""
+    if _credential_source is None:
         return CredentialBox(present=False)
-    return CredentialBox(
-        present=True,
-        issued_at=cred.issued_at,
-        issued_by=cred.issued_by,
-        rotation_requested_at=cred.rotation_requested_at,
-        rotation_pending=cred.previous_hash is not None,
-        last_used=node.last_seen,
-    )
+    return _credential_source(node)

@@ -19,11 +19,9 @@ from django.conf import settings
 from django.db import transaction
 
 import wire
-from agents import commands
-from agents.models import Command, CommandKind
 from inventory import fabric as fabric_rules
-from inventory import telemetry
-from inventory.models import Node, NodeState
+from inventory import outbox, telemetry
+from inventory.models import Command, CommandKind, Node, NodeState
 
 # --- parsing ----------------------------------------------------------------
 
@@ -367,7 +365,7 @@ def schedule_fabric_scans(*, now: dt.datetime) -> list[ScanOrder]:
     with transaction.atomic():
         for order in orders:
             outstanding.filter(payload__key=order.key).delete()
-            commands.enqueue(
+            outbox.enqueue(
                 order.node_id,
                 wire.ScanFabric(
                     key=order.key, hca=order.hca, port=order.port, timeout_s=settings.LLMGW_FABRIC_SCAN_TIMEOUT

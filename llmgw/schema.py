@@ -43,7 +43,7 @@ def _answer(name: str, description: str) -> dict[str, Any]:
 def declare_refusals(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict[str, Any]:
     """drf-spectacular postprocessing hook: add the refusals each operator operation can answer.
 
-    The agent endpoints (/api/v1/agent/) declare their own (agents/views.py)
+    The agent endpoints (/api/v1/agent/) declare their own (agents/api.py)
     and are left as they are; a status an operation already declares is kept.
     """
     result.setdefault("components", {}).setdefault("schemas", {}).update(SCHEMAS)

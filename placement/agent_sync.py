@@ -11,12 +11,14 @@ import logging
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from django.db import connection, transaction
+from django.db.models import QuerySet
 
 import wire
-from agents import commands
-from agents.models import Command, CommandKind
+from inventory import outbox
+from inventory.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
 from wire import shard_states
@@ -52,8 +54,8 @@ class SyncResult:
     fenced: list[str] = field(default_factory=list)
     changed: list[tuple[str, str, str]] = field(default_factory=list)  # (shard id, from, to)
     failed_missing: list[str] = field(default_factory=list)
-    # The node's pending commands as (id, kind, payload), when read with the shards.
-    pending: list[tuple] | None = None
+    # The node's pending commands, when read with the shards.
+    pending: list[outbox.PendingCommand] | None = None
 
 
 def _fence(node_id: str, reported: list[tuple[str, str, str, str]], result: SyncResult, *, now: dt.datetime) -> int:
@@ -65,7 +67,7 @@ def _fence(node_id: str, reported: list[tuple[str, str, str, str]], result: Sync
     if not targets:
         return 0
     queued = 0
-    key_len = commands.SHARD_KEY_LEN
+    key_len = outbox.SHARD_KEY_LEN
     already = set(
         Command.objects.filter(
             node_id=node_id,
@@ -80,31 +82,31 @@ def _fence(node_id: str, reported: list[tuple[str, str, str, str]], result: Sync
             continue
         already.add(shard_id[:key_len])
         message = wire.StopShard(shard_id=shard_id, replica_id=replica_id, reason=reason[:MAX_REASON])
-        commands.enqueue(node_id, message, now=now)
+        outbox.enqueue(node_id, message, now=now)
         queued += 1
     return queued
 
 
-def _set_states(changes: list[tuple[dict, str, str, int | None, str]], *, now: dt.datetime, actor: str) -> list:
+def _set_states(changes: list[tuple[ShardRow, str, str, int | None, str]], *, now: dt.datetime, actor: str) -> list:
     """Compare-and-set each shard's state; an event row for each that moved. Returns the moves made."""
     events = []
     moved = []
     for row, new, reason, exit_code, kind in changes:
-        n = Shard.objects.filter(id=row["id"], state=row["state"]).update(
+        n = Shard.objects.filter(id=row.id, state=row.state).update(
             state=new, reason=reason, exit_code=exit_code, updated_at=now
         )
         if not n:
             # Someone else moved it first; their move stands.
             continue
-        moved.append((str(row["id"]), row["state"], new))
+        moved.append((str(row.id), row.state, new))
         events.append(
             PlacementEvent(
                 at=now,
-                deployment_id=row["replica__deployment_id"],
-                replica_id=row["replica_id"],
-                shard_id=row["id"],
+                deployment_id=row.deployment_id,
+                replica_id=row.replica_id,
+                shard_id=row.id,
                 kind=kind,
-                from_state=row["state"],
+                from_state=row.state,
                 to_state=new,
                 reason=reason,
                 actor_name=actor,
@@ -115,18 +117,42 @@ def _set_states(changes: list[tuple[dict, str, str, int | None, str]], *, now: d
     return moved
 
 
+class ShardRow(NamedTuple):
+    """One shard of a node as the control plane holds it, with its replica's deployment and state."""
+
+    id: uuid.UUID
+    state: str
+    reason: str
+    exit_code: int | None
+    replica_id: uuid.UUID
+    deployment_id: int
+    replica_state: str
+
+
+# The ORM's names of ShardRow's fields, in order.
 _ROW_FIELDS = ("id", "state", "reason", "exit_code", "replica_id", "replica__deployment_id", "replica__state")
 
 
-def _shard_rows(
-    node_id: str, ids: list[uuid.UUID], *, pending_limit: int | None = None
-) -> tuple[dict[uuid.UUID, dict], list[tuple] | None]:
+def _orm_rows(shards: QuerySet) -> list[ShardRow]:
+    return [ShardRow(*values) for values in shards.values_list(*_ROW_FIELDS)]
+
+
+@dataclass
+class NodeRead:
+    """What one read found of a node: the shards asked about, and its pending commands when asked for them."""
+
+    shards: dict[uuid.UUID, ShardRow]
+    # None when not read.
+    pending: list[outbox.PendingCommand] | None
+
+
+def read_shards(node_id: str, ids: list[uuid.UUID], *, pending_limit: int | None = None) -> NodeRead:
     """The node's rows of these shards, and with pending_limit (PostgreSQL) its pending commands in the same statement.
 
-    Hand-written SQL: this read runs on every heartbeat that lists shards. The
-    pending commands are None when not read.
+    Hand-written SQL: this read runs on every heartbeat that lists shards,
+    and the pending commands riding along spare the heartbeat a round trip.
     """
-    shard, replica = Shard._meta.db_table, Replica._meta.db_table
+    shard, replica, command = Shard._meta.db_table, Replica._meta.db_table, Command._meta.db_table
     pk = Shard._meta.pk
     columns = "s.id, s.state, s.reason, s.exit_code, s.replica_id, r.deployment_id, r.state"
     source = f"{shard} s JOIN {replica} r ON r.id = s.replica_id WHERE s.node_id = %s AND s.id "
@@ -142,28 +168,49 @@ def _shard_rows(
     else:
         # One round trip for both reads: each row says which it answers (0: a shard, 1: a command, in
         # queue order); a command's payload stands beside a shard's state.
-        commands_sql = commands.pending_select(
-            before="1, row_number() OVER (ORDER BY created_at, id), ", after=", NULL, NULL, NULL, NULL, NULL"
+        commands_sql = (
+            "SELECT 1, row_number() OVER (ORDER BY created_at, id), id, kind, payload, NULL, NULL, NULL, NULL, NULL "
+            f"FROM {command} WHERE node_id = %s AND acked_at IS NULL ORDER BY created_at, id LIMIT %s"
         )
         shard_columns = "s.id, s.state, NULL::jsonb, s.reason, s.exit_code, s.replica_id, r.deployment_id, r.state"
         sql = f"SELECT 0, 0, {shard_columns} FROM {source}= ANY(%s) UNION ALL ({commands_sql}) ORDER BY 1, 2"
         params = [node_id, list(ids), node_id, pending_limit]
-    rows: dict[uuid.UUID, dict] = {}
-    pending: list[tuple] | None = None if pending_limit is None else []
+    read = NodeRead(shards={}, pending=None if pending_limit is None else [])
     with prepared_cursor() as cur:
         cur.execute(sql, params)
         for row in cur.fetchall():
-            if pending is not None:
+            if read.pending is not None:
                 part, _, *row = row
                 if part == 1:
-                    pending.append((row[0], row[1], row[2]))
+                    read.pending.append(outbox.PendingCommand(row[0], row[1], row[2]))
                     continue
                 del row[2]
-            d = dict(zip(_ROW_FIELDS, row, strict=True))
-            d["id"] = pk.to_python(d["id"])
-            d["replica_id"] = pk.to_python(d["replica_id"])
-            rows[d["id"]] = d
-    return rows, pending
+            found = ShardRow(*row)
+            found = found._replace(id=pk.to_python(found.id), replica_id=pk.to_python(found.replica_id))
+            read.shards[found.id] = found
+    return read
+
+
+def fence_reason(row: ShardRow | None, reported: wire.ShardState, *, at_registration: bool) -> str | None:
+    """Why a shard an agent reports must be stopped, or None when the control plane keeps it.
+
+    The one classification of reported shards, for heartbeats and
+    registrations alike: unknown to the control plane, or written off by it
+    (its replica released or deleted, or the shard itself over). At a
+    heartbeat only a shard reported alive is worth fencing, and a replica's
+    state is the reconciler's to act on; a registration fences all of it.
+    """
+    if row is None:
+        return UNKNOWN
+    if at_registration:
+        if row.replica_state in GONE_REPLICA:
+            return f"replica is {row.replica_state}"
+        if row.state in TERMINAL:
+            return f"shard is {row.state}: {row.reason}"
+        return None
+    if row.state in TERMINAL and reported in LIVE:
+        return f"shard is {row.state} in the control plane: {row.reason}"
+    return None
 
 
 def record_shard_states(
@@ -179,7 +226,7 @@ def record_shard_states(
     node comes back from a partition without restarting its agent.
 
     With pending_limit, the read of the shards also reads the node's pending
-    commands (agents/commands.py pending_select): result.pending, None when
+    commands (read_shards): result.pending, None when
     not read or when a fence queued one since (read them again).
     """
     result = SyncResult()
@@ -190,24 +237,21 @@ def record_shard_states(
             reports[sid] = s
     if not reports:
         return result
-    rows, result.pending = _shard_rows(node_id, list(reports), pending_limit=pending_limit)
+    read = read_shards(node_id, list(reports), pending_limit=pending_limit)
+    result.pending = read.pending
     changes = []
     fence = []
     for sid, s in reports.items():
-        row = rows.get(sid)
+        row = read.shards.get(sid)
         state = wire.ShardState(s.state)
-        if row is None:
-            fence.append((str(sid), s.replica_id, UNKNOWN, state))
+        why = fence_reason(row, state, at_registration=False)
+        if why is not None:
+            fence.append((str(sid), s.replica_id if row is None else str(row.replica_id), why, state))
             continue
-        old = row["state"]
-        if old in TERMINAL and state in LIVE:
-            fence.append(
-                (str(sid), str(row["replica_id"]), f"shard is {old} in the control plane: {row['reason']}", state)
-            )
-            continue
+        old = row.state
         if allowed(old, state):
             changes.append((row, str(state), s.reason, s.exit_code, "shard_state"))
-        elif old == state and (s.reason != row["reason"] or s.exit_code != row["exit_code"]) and old not in TERMINAL:
+        elif old == state and (s.reason != row.reason or s.exit_code != row.exit_code) and old not in TERMINAL:
             # Same state, new detail (a loading shard's progress): the row, no event.
             Shard.objects.filter(id=sid, state=old).update(reason=s.reason, exit_code=s.exit_code, updated_at=now)
     result.changed = _set_states(changes, now=now, actor="agent")
@@ -239,24 +283,21 @@ def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt
             fence.append((r.shard_id, r.replica_id, UNKNOWN, wire.ShardState(r.state)))
         else:
             reports[sid] = r
-    rows = {r["id"]: r for r in Shard.objects.filter(node_id=node_id).values(*_ROW_FIELDS)}
+    rows = {row.id: row for row in _orm_rows(Shard.objects.filter(node_id=node_id))}
     changes = []
     for sid, r in reports.items():
         row = rows.get(sid)
         state = wire.ShardState(r.state)
-        if row is None:
-            fence.append((str(sid), r.replica_id, UNKNOWN, state))
-        elif row["replica__state"] in GONE_REPLICA:
-            fence.append((str(sid), str(row["replica_id"]), f"replica is {row['replica__state']}", state))
-        elif row["state"] in TERMINAL:
-            fence.append((str(sid), str(row["replica_id"]), f"shard is {row['state']}: {row['reason']}", state))
+        why = fence_reason(row, state, at_registration=True)
+        if why is not None:
+            fence.append((str(sid), r.replica_id if row is None else str(row.replica_id), why, state))
         else:
             result.adopted.append(str(sid))
-            if row["state"] != state:
+            if row.state != state:
                 changes.append((row, str(state), "adopted at registration", None, "adopted"))
     # Known live shards the agent did not report.
     missing = [
-        row for sid, row in rows.items() if sid not in reports and row["state"] in (LIVE - {shard_states.S.PENDING})
+        row for sid, row in rows.items() if sid not in reports and row.state in (LIVE - {shard_states.S.PENDING})
     ]
     if missing:
         waiting = set(
@@ -264,15 +305,15 @@ def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt
                 node_id=node_id,
                 kind=CommandKind.START_SHARD,
                 acked_at__isnull=True,
-                shard_id__in=[str(r["id"]) for r in missing],
+                shard_id__in=[str(r.id) for r in missing],
             ).values_list("shard_id", flat=True)
         )
         for row in missing:
-            if str(row["id"]) not in waiting:
+            if str(row.id) not in waiting:
                 changes.append(
                     (row, wire.ShardState.FAILED.value, "not running when the agent registered", None, "shard_state")
                 )
-                result.failed_missing.append(str(row["id"]))
+                result.failed_missing.append(str(row.id))
     result.changed = _set_states(changes, now=now, actor="agent")
     _fence(node_id, fence, result, now=now)
     return result
@@ -284,7 +325,7 @@ def fail_node_shards(node_id: str, *, reason: str, now: dt.datetime) -> list[str
     The reconciler then releases those replicas whole and rebuilds them: one
     dead shard makes the others useless.
     """
-    rows = list(Shard.objects.filter(node_id=node_id).exclude(state__in=TERMINAL).values(*_ROW_FIELDS))
+    rows = _orm_rows(Shard.objects.filter(node_id=node_id).exclude(state__in=TERMINAL))
     moved = _set_states(
         [(row, wire.ShardState.FAILED.value, reason, None, "shard_state") for row in rows], now=now, actor="system"
     )

@@ -33,8 +33,7 @@ from django.db import IntegrityError, OperationalError, transaction
 from django.db.models import Max, OuterRef, Subquery
 
 import wire
-from agents import commands
-from inventory import allocation
+from inventory import allocation, outbox
 from inventory.models import Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import record_event
 from placement import inflight, planner, replicas
@@ -76,10 +75,10 @@ class _Replica:
 def _stop_shards(shards: list[dict[str, Any]], *, reason: str, now: dt.datetime) -> None:
     """Cancel what was not delivered and tell the agents to stop the rest."""
     for s in shards:
-        commands.cancel_for_shard(str(s["id"]))
+        outbox.cancel_for_shard(str(s["id"]))
         if s["state"] in replicas.SHARD_DONE:
             continue
-        commands.enqueue(
+        outbox.enqueue(
             s["node_id"],
             wire.StopShard(
                 shard_id=str(s["id"]), replica_id=str(s["replica_id"]), grace_s=STOP_GRACE_S, reason=reason[:2000]
@@ -651,10 +650,10 @@ def write_placement(
     Shard.objects.bulk_create(shards)
     for s, shard in zip(result.shards, shards, strict=True):
         if s.install_engine:
-            commands.enqueue(
+            outbox.enqueue(
                 s.node_id, wire.InstallEngine(engine=profile.engine, version=profile.engine_version), now=now
             )
-        commands.enqueue(
+        outbox.enqueue(
             s.node_id,
             wire.StartShard(
                 replica_id=str(row.id),

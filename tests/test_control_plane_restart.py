@@ -28,9 +28,8 @@ from django.core.cache import cache
 from django.db import connection
 from django.utils import timezone
 
-from agents.models import Command
 from inventory import liveness
-from inventory.models import Allocation, Node, NodeEvent
+from inventory.models import Allocation, Command, Node, NodeEvent
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
 from tests.ports import free_port_range
 

@@ -9,7 +9,7 @@ agent can import it too.
 
 from __future__ import annotations
 
-from wire import ShardState
+from wire.common import ShardState
 
 S = ShardState
 

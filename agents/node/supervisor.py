@@ -11,17 +11,13 @@ a start time and command line are not), and offers them for adoption.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import re
-import shutil
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
@@ -29,80 +25,15 @@ import httpx
 import wire
 from agents.node import engines
 from agents.node.netif import interface_addr
-from wire import shard_states
+from agents.node.processes import log_tail, proc_identity, rotate_log, signal_group
+from agents.node.shards import TERMINAL, TRANSITIONS, S, Shard, ShardRecords, TransitionError, safe_name
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
-S = wire.ShardState
-TRANSITIONS: dict[S, frozenset[S]] = {
-    S.PENDING: frozenset({S.STARTING, S.FAILED, S.STOPPED}),
-    S.STARTING: frozenset({S.LOADING, S.READY, S.FAILED, S.DRAINING}),
-    S.LOADING: frozenset({S.READY, S.FAILED, S.DRAINING}),
-    S.READY: frozenset({S.FAILED, S.DRAINING}),
-    S.DRAINING: frozenset({S.STOPPED}),
-    S.STOPPED: frozenset(),
-    S.FAILED: frozenset(),
-}
-TERMINAL = frozenset(S(s) for s in shard_states.TERMINAL)
 LOG_TAIL_LINES = 20
 
-
-class TransitionError(RuntimeError):
-    """A shard state change that the state machine does not allow."""
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name)[:200] or "_"
-
-
-def proc_identity(pid: int, *, proc: Path = Path("/proc")) -> tuple[int, list[str]] | None:
-    """(start time in clock ticks, argv) of a live process, None when gone or a zombie."""
-    try:
-        stat = (proc / str(pid) / "stat").read_text()
-        cmdline = (proc / str(pid) / "cmdline").read_bytes()
-    except (FileNotFoundError, ProcessLookupError, PermissionError, OSError):
-        return None
-    # The command name may hold spaces and parentheses: fields start after the last ")".
-    rest = stat[stat.rfind(")") + 2 :].split()
-    if not rest or rest[0] in ("Z", "X"):
-        return None
-    return int(rest[19]), [a.decode(errors="replace") for a in cmdline.split(b"\0") if a]
-
-
-@dataclass
-class Shard:
-    """One shard as the supervisor keeps it (and records it in the state directory)."""
-
-    shard_id: str
-    replica_id: str = ""
-    command_id: str = ""
-    rank: int = 0
-    gpu_indices: list[int] = field(default_factory=list)
-    hcas: list[str] = field(default_factory=list)
-    http_port: int | None = None
-    leader_addr: str = ""
-    model: str = ""
-    profile: str = ""
-    pool: str = ""
-    fabric: str = ""
-    profile_fp: str = ""
-    argv: list[str] = field(default_factory=list)
-    health_path: str | None = "/health"
-    state: str = S.PENDING.value
-    reason: str = ""
-    exit_code: int | None = None
-    pid: int | None = None
-    proc_start: int | None = None
-    started_at: float = 0.0
-    startup_timeout_s: float = 1800.0
-    ended_at: float | None = None
-    # When a signalled process gets SIGKILL.
-    kill_at: float | None = None
-    adopted: bool = False
-
-    @property
-    def st(self) -> S:
-        return S(self.state)
+# Part of this module's interface: callers and tests take them from here.
+__all__ = ["TERMINAL", "TRANSITIONS", "Shard", "Supervisor", "TransitionError", "proc_identity"]
 
 
 class Supervisor:
@@ -127,6 +58,7 @@ class Supervisor:
         self.shard_dir = self.dir / "shards"
         self.log_dir = self.dir / "logs"
         self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self.records = ShardRecords(self.shard_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.engine_versions = dict(engine_versions or {})
         self.mgmt_interface = mgmt_interface
@@ -148,24 +80,16 @@ class Supervisor:
         self._http = httpx.Client(timeout=health_timeout_s, trust_env=False)
         self._adopt()
 
-    # --- records ----------------------------------------------------------
-
     def log_path(self, shard_id: str) -> Path:
         """Where a shard's engine writes its output."""
-        return self.log_dir / f"{_safe(shard_id)}.log"
-
-    def _record_path(self, shard_id: str) -> Path:
-        return self.shard_dir / f"{_safe(shard_id)}.json"
+        return self.log_dir / f"{safe_name(shard_id)}.log"
 
     def _save(self, shard: Shard) -> None:
-        path = self._record_path(shard.shard_id)
         if shard.st in TERMINAL and not self._alive(shard):
             # Nothing left to adopt.
-            path.unlink(missing_ok=True)
+            self.records.remove(shard.shard_id)
             return
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(shard)))
-        os.replace(tmp, path)
+        self.records.write(shard)
 
     def _move(self, shard: Shard, new: S, *, reason: str = "") -> None:
         old = shard.st
@@ -184,9 +108,9 @@ class Supervisor:
         self._save(shard)
 
     def _adopt(self) -> None:
-        for path in sorted(self.shard_dir.glob("*.json")):
+        for path in self.records.paths():
             try:
-                shard = Shard(**json.loads(path.read_text()))
+                shard = self.records.read(path)
             except (OSError, ValueError, TypeError) as e:
                 log.warning("ignoring unreadable shard record %s: %s", path.name, e)
                 path.unlink(missing_ok=True)
@@ -209,8 +133,6 @@ class Supervisor:
                 shard.state = S.LOADING.value
             self.shards[shard.shard_id] = shard
             log.info("shard %s: found running (pid %s, %s), adopting", shard.shard_id, shard.pid, shard.state)
-
-    # --- processes --------------------------------------------------------
 
     def _alive(self, shard: Shard) -> bool:
         """Whether the shard's process still runs; records its exit code when it has ended."""
@@ -237,29 +159,11 @@ class Supervisor:
         return ident is not None and ident[0] == shard.proc_start
 
     def _signal(self, shard: Shard, sig: int) -> None:
-        if shard.pid is None:
-            return
-        try:
-            # Its own session: the pid is the process group; signal the engine's workers too.
-            if os.getpgid(shard.pid) == shard.pid:
-                os.killpg(shard.pid, sig)
-            else:
-                os.kill(shard.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
+        if shard.pid is not None:
+            signal_group(shard.pid, sig)
 
     def _rotate(self, path: Path) -> None:
-        """Copy-and-truncate rotation: the engine keeps its file open (O_APPEND) across it."""
-        if not path.exists() or path.stat().st_size == 0:
-            return
-        for i in range(self.log_backups - 1, 0, -1):
-            older = path.with_name(f"{path.name}.{i}")
-            if older.exists():
-                os.replace(older, path.with_name(f"{path.name}.{i + 1}"))
-        if self.log_backups > 0:
-            shutil.copyfile(path, path.with_name(f"{path.name}.1"))
-        with open(path, "r+b") as f:
-            f.truncate(0)
+        rotate_log(path, self.log_backups)
 
     def _rotate_if_big(self, shard: Shard) -> None:
         """Rotate a running shard's log once it outgrows log_max_bytes."""
@@ -272,19 +176,7 @@ class Supervisor:
 
     def log_tail(self, shard_id: str, lines: int = LOG_TAIL_LINES) -> list[str]:
         """The last lines of a shard's log."""
-        path = self.log_path(shard_id)
-        try:
-            with open(path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 64 * 1024))
-                data = f.read()
-        except OSError:
-            return []
-        out = data.decode(errors="replace").splitlines()[-lines:]
-        return [line[:4000] for line in out]
-
-    # --- commands ---------------------------------------------------------
+        return log_tail(self.log_path(shard_id), lines)
 
     def start(self, cmd: wire.StartShard) -> Shard:
         """Start a shard; a shard already running under that id is left as it is (idempotent)."""
@@ -416,8 +308,6 @@ class Supervisor:
             log.info("shard %s: SIGTERM sent, SIGKILL in %.0fs if still running", shard_id, grace_s)
             return shard
 
-    # --- watching ---------------------------------------------------------
-
     def _healthy(self, shard: Shard) -> bool:
         if shard.health_path is None:
             return True
@@ -480,8 +370,6 @@ class Supervisor:
                         self._signal(shard, signal.SIGTERM)
                         shard.kill_at = now + self.kill_grace_s
                         self._move(shard, S.FAILED, reason=f"not ready after {shard.startup_timeout_s:g}s")
-
-    # --- reports ----------------------------------------------------------
 
     def statuses(self) -> list[wire.ShardStatus]:
         """Every shard's state for a heartbeat; a failed one carries the end of its log."""

@@ -9,8 +9,7 @@ import pytest
 from django.utils import timezone
 
 import wire
-from agents import commands
-from inventory import liveness
+from inventory import liveness, outbox
 from inventory.models import Node, NodeState
 from placement.models import Shard
 from tests.agents.conftest import JOIN, heartbeat_payload, make_shard
@@ -41,7 +40,7 @@ def test_agent_conversation_over_http(live_server, settings):
         assert take_over.status_code == 403
 
         # A command is delivered until acknowledged, never after.
-        cmd = commands.enqueue("node-a", wire.InstallEngine(engine="vllm", version="0.11.0"), now=timezone.now())
+        cmd = outbox.enqueue("node-a", wire.InstallEngine(engine="vllm", version="0.11.0"), now=timezone.now())
         for _ in range(2):
             got = http.post("/heartbeat", json=heartbeat_payload(), headers=auth).json()["commands"]
             assert [c["id"] for c in got] == [str(cmd.id)]

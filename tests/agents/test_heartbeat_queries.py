@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import wire
-from agents import commands
+from inventory import outbox
 from tests.agents.conftest import heartbeat_payload, make_shard, post
 
 pytestmark = pytest.mark.django_db
@@ -45,7 +45,7 @@ def test_steady_state_heartbeat_query_count(client, joined, now, django_assert_n
 def test_heartbeat_with_a_command_and_an_ack(client, joined, now, django_assert_num_queries):
     shards = [make_shard("node-a", now=now) for _ in range(4)]
     post(client, "heartbeat", realistic(shards, at=1.0, counters=10), joined)
-    cmd = commands.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=now)
+    cmd = outbox.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=now)
     # + marking the delivered command.
     with django_assert_num_queries(5):
         assert len(post(client, "heartbeat", realistic(shards, at=2.0, counters=10), joined).json()["commands"]) == 1

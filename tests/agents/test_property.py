@@ -9,8 +9,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents.models import Command, JoinToken, NodeCredential
-from inventory.models import GPU, EngineInstall, FabricAttachment, FabricScan, Node, NodeEvent, SMChange, Storage
+from agents.models import JoinToken, NodeCredential
+from inventory.models import (
+    GPU,
+    Command,
+    EngineInstall,
+    FabricAttachment,
+    FabricScan,
+    Node,
+    NodeEvent,
+    SMChange,
+    Storage,
+)
 from placement.models import PlacementEvent, Shard
 from tests.agents.conftest import heartbeat_payload, post
 from tests.factories import register_payload

@@ -15,8 +15,8 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from agents.models import Command
 from gateway import notify
+from inventory.models import Command
 from placement.models import Deployment, EngineProfile, Replica
 from placement.reconciler import reconcile
 from tests.factories import make_node, report_shard_state

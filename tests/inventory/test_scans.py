@@ -8,10 +8,8 @@ from pathlib import Path
 import pytest
 
 import wire
-from agents import commands
-from agents.models import Command
-from inventory import fabric, scans
-from inventory.models import FabricScan
+from inventory import fabric, outbox, scans
+from inventory.models import Command, FabricScan
 from inventory.nodes import change_state
 from tests.factories import make_node
 from tests.inventory.ibports import SM_A, SM_B, SM_OTHER, ib_port, put
@@ -189,8 +187,8 @@ def test_schedule_sends_one_scan_per_fabric_and_not_twice(two_nodes, now):
 
 def test_schedule_asks_again_once_acknowledged(two_nodes, now):
     scans.schedule_fabric_scans(now=now)
-    [cmd] = commands.pending("node-a", now=now)
-    commands.acknowledge("node-a", [cmd.id], now=now + dt.timedelta(seconds=5))
+    [cmd] = outbox.pending("node-a", now=now)
+    outbox.acknowledge("node-a", [cmd.id], now=now + dt.timedelta(seconds=5))
     later = now + dt.timedelta(minutes=10)
     assert len(scans.schedule_fabric_scans(now=later)) == 1
     assert Command.objects.filter(kind="scan_fabric", acked_at__isnull=True).count() == 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from django.conf import settings
 
-from agents.models import Command
 from inventory import tasks
+from inventory.models import Command
 from tests.factories import make_node
 from tests.inventory.ibports import SM_OTHER, ib_port, put
 

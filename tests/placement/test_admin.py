@@ -9,8 +9,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from agents.models import Command
-from inventory.models import Allocation, Node
+from inventory.models import Allocation, Command, Node
 from inventory.nodes import change_state
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, PlacementEvent, PowerBudget, Replica

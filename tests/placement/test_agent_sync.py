@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 import wire
-from agents.models import Command
+from inventory.models import Command
 from placement import agent_sync
 from placement.models import PlacementEvent, Shard
 from tests.agents.conftest import make_shard
@@ -80,9 +80,9 @@ def test_shards_not_reported_at_registration_are_failed_unless_still_to_start(no
     vanished = make_shard("node-a", now=now, state="ready")
     pending = make_shard("node-a", now=now, state="pending")
     starting = make_shard("node-a", now=now, state="starting")
-    from agents import commands
+    from inventory import outbox
 
-    commands.enqueue(
+    outbox.enqueue(
         "node-a",
         wire.StartShard(
             replica_id=str(starting.replica_id),
@@ -169,7 +169,7 @@ def test_queue_reconcile_only_when_the_reconciler_exists(now, django_capture_on_
 
 
 def test_a_fenced_shard_that_is_draining_is_not_fenced_again(now):
-    from agents import commands
+    from inventory import outbox
 
     make_node("node-a", now=now)
     stranger = str(uuid.uuid4())
@@ -178,7 +178,7 @@ def test_a_fenced_shard_that_is_draining_is_not_fenced_again(now):
     result = agent_sync.record_shard_states("node-a", reports, now=now)
     assert sorted(result.fenced) == sorted([stranger, str(written_off.id)])
     # The agent applies the stops and acknowledges them; its shards drain until their processes end.
-    commands.acknowledge("node-a", [str(c.id) for c in Command.objects.all()], now=now)
+    outbox.acknowledge("node-a", [str(c.id) for c in Command.objects.all()], now=now)
     draining = [status(stranger, "draining", replica_id="r"), status(written_off.id, "draining")]
     for _ in range(3):
         assert agent_sync.record_shard_states("node-a", draining, now=now).fenced == []

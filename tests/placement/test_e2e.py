@@ -19,9 +19,8 @@ import pytest
 from django.core.cache import cache
 from django.utils import timezone
 
-from agents.models import Command
 from inventory import liveness
-from inventory.models import NodeEvent
+from inventory.models import Command, NodeEvent
 from inventory.nodes import change_state
 from placement.models import Deployment, EngineProfile, Replica, Shard
 from placement.reconciler import reconcile

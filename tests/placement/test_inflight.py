@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from agents.models import Command
+from inventory.models import Command
 from placement import inflight
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica
 from placement.reconciler import reconcile

@@ -7,8 +7,7 @@ import threading
 import pytest
 from django.db import connection, connections
 
-from agents.models import Command
-from inventory.models import AllocatedGPU, Allocation
+from inventory.models import AllocatedGPU, Allocation, Command
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Replica, Shard
 from placement.reconciler import _place, reconcile

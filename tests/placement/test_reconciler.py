@@ -12,10 +12,9 @@ import pytest
 from django.db import IntegrityError, connection, transaction
 
 import wire
-from agents.models import Command
 from inventory import allocation
 from inventory.heartbeat import touch
-from inventory.models import AllocatedGPU, Allocation, NodeEvent
+from inventory.models import AllocatedGPU, Allocation, Command, NodeEvent
 from inventory.nodes import change_state as node_state
 from llmgw import locks
 from placement import agent_sync

@@ -6,7 +6,7 @@ import pytest
 from django.test import Client
 from rest_framework.test import APIClient
 
-from agents.models import Command
+from inventory.models import Command
 from placement import secrets
 from placement.models import Deployment, EngineProfile, PlacementEvent
 from placement.reconciler import reconcile
@@ -114,7 +114,7 @@ def test_queued_start_shards_carry_the_secret_but_the_admin_shows_the_mask(admin
     assert cmd.payload["profile"]["env"]["HF_TOKEN"] == "hf_live_123"
     c = Client()
     c.force_login(admin_user)
-    page = c.get(f"/admin/agents/command/{cmd.id}/change/")
+    page = c.get(f"/admin/inventory/command/{cmd.id}/change/")
     assert page.status_code == 200
     no_secret_in(page.content)
     assert b"HF_TOKEN" in page.content

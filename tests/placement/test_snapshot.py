@@ -124,7 +124,7 @@ def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
         ("a", 0, list(range(8)), ["mlx5_0", "mlx5_1"]),
         ("b", 1, list(range(8)), ["mlx5_0", "mlx5_1"]),
     ]
-    from agents.models import Command
+    from inventory.models import Command
 
     p = Command.objects.get(node_id="b").payload
     assert (p["leader_addr"], p["leader_port"], p["nnodes"], p["fabric"]) == ("10.0.0.97", 18001, 2, "ib0")
@@ -150,7 +150,7 @@ def test_nvlink_domain_replica_gets_mnnvl(now):
     reconcile(now=now)
     rep = Replica.objects.get()
     assert rep.nvlink_domain == "c0ffee00-0000-0000-0000-000000000001/7"
-    from agents.models import Command
+    from inventory.models import Command
 
     payloads = [c.payload for c in Command.objects.order_by("node_id")]
     assert [p["profile"]["env"] for p in payloads] == [{"NCCL_MNNVL_ENABLE": "1"}] * 2

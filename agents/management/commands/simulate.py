@@ -12,6 +12,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
+from agents.credentials import create_join_token
 from agents.node.simulate import Fleet, shipped_profiles
 
 
@@ -82,8 +83,6 @@ class Command(BaseCommand):
 
     def _new_join_token(self, nodes: int) -> str:
         """A join token in this control plane's own database, for `make demo` against `make run`."""
-        from agents.credentials import create_join_token
-
         now = timezone.now()
         token, secret = create_join_token(
             name=f"simulate-{now:%Y%m%d-%H%M%S}", expires_at=now + dt.timedelta(days=1), max_uses=nodes, now=now

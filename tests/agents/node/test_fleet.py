@@ -257,9 +257,8 @@ def plane(transactional_db, tmp_path):
 
 @pytest.mark.slow
 def test_fifty_virtual_nodes_against_a_real_control_plane(plane, settings):
-    from agents.models import Command
     from inventory import liveness, telemetry
-    from inventory.models import GPU, Node
+    from inventory.models import GPU, Command, Node
     from placement.models import Deployment, EngineProfile, Replica
     from placement.tasks import reconcile_task
     from tests.test_control_plane_restart import JOIN, _wait

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 import wire
+from agents.node import commands as commands_mod
 from agents.node import config as config_mod
-from agents.node import loop as loop_mod
 from agents.node.loop import Agent, NeedsRegister, Refused, Unreachable, backoff_delay
 from tests.agents.node.helpers import echo_start, wait_for
 
@@ -384,7 +384,7 @@ def test_scan_fabric_uploads_ibnetdiscover_text(make_agent, cp):
         'Switch 36 "S-0002c903"',
     )
     assert probe.scans == [("mlx5_0", 1, 30.0)]
-    wait_for(lambda: "c-5" in agent._applied)
+    wait_for(lambda: "c-5" in agent.journal)
     agent.heartbeat()
     agent.heartbeat()
     assert probe.scans == [("mlx5_0", 1, 30.0)]  # once
@@ -520,7 +520,7 @@ def test_an_answer_with_more_commands_than_the_wire_allows_is_refused_whole(make
 
 
 def test_starts_are_capped_per_heartbeat_and_the_rest_come_again(make_agent, cp, monkeypatch):
-    monkeypatch.setattr(loop_mod, "MAX_STARTS_PER_ANSWER", 3)
+    monkeypatch.setattr(commands_mod, "MAX_STARTS_PER_ANSWER", 3)
     agent = make_agent()
     agent.step()
     cp.pending = [echo_start(f"s{i}", load=30, id=f"c-{i}").model_dump() for i in range(7)]

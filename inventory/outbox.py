@@ -1,4 +1,4 @@
-"""The command queue: what the control plane wants each agent to do.
+"""The command outbox: what the control plane wants each agent to do, delivered in heartbeat answers.
 
 Callers enqueue inside their own transaction, so a command exists exactly
 when the decision that made it was committed (the reconciler writes
@@ -11,12 +11,13 @@ import datetime as dt
 import json
 import uuid
 from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
 import wire
-from agents.models import Command, CommandKind
+from inventory.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 
 # Command.shard_id's width: the key a command is found by (a shard id of ours is a UUID).
@@ -34,37 +35,50 @@ def enqueue(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:
     )
 
 
-def pending_select(*, before: str = "", after: str = "") -> str:
-    """The SQL reading a node's pending commands (parameters: node id, limit), as (before) id, kind, payload (after).
+class PendingCommand(NamedTuple):
+    """A pending command as read from the outbox: its id, kind and payload (JSON text or decoded)."""
 
-    For a caller folding this read into a statement of its own, to spare a
-    round trip (placement/agent_sync.py); `before` and `after` are extra
-    columns of that caller's.
-    """
-    return (
-        f"SELECT {before}id, kind, payload{after} FROM {Command._meta.db_table} "
-        "WHERE node_id = %s AND acked_at IS NULL ORDER BY created_at, id LIMIT %s"
-    )
+    id: Any
+    kind: str
+    payload: Any
+
+
+def pending_rows(node_id: str, *, limit: int = wire.MAX_COMMANDS) -> list[PendingCommand]:
+    """A node's pending commands, oldest first, as read (none marked delivered)."""
+    # Hand-written SQL: every heartbeat asks, and most find nothing.
+    with prepared_cursor() as cur:
+        cur.execute(
+            f"SELECT id, kind, payload FROM {Command._meta.db_table} "
+            "WHERE node_id = %s AND acked_at IS NULL ORDER BY created_at, id LIMIT %s",
+            [node_id, limit],
+        )
+        return [PendingCommand(*row) for row in cur.fetchall()]
 
 
 def pending(
-    node_id: str, *, now: dt.datetime, limit: int = wire.MAX_COMMANDS, rows: list[tuple] | None = None
+    node_id: str,
+    *,
+    now: dt.datetime,
+    limit: int = wire.MAX_COMMANDS,
+    rows: list[PendingCommand] | None = None,
 ) -> list[WireCommand]:
     """The unacknowledged commands for a node, oldest first, as wire messages.
 
     Marks them delivered; they stay pending until acknowledged. `rows` are
-    the (id, kind, payload) of pending_select's read when the caller made it
-    already, in the same transaction.
+    the node's pending commands when the caller read them already, in the
+    same transaction (placement/agent_sync.py reads them with the shards).
     """
     if rows is None:
-        # Hand-written SQL: every heartbeat asks, and most find nothing.
-        with prepared_cursor() as cur:
-            cur.execute(pending_select(), [node_id, limit])
-            rows = cur.fetchall()
+        rows = pending_rows(node_id, limit=limit)
     if not rows:
         return []
     found = [
-        Command(id=uuid.UUID(str(i)), kind=k, payload=json.loads(p) if isinstance(p, str) else p) for i, k, p in rows
+        Command(
+            id=uuid.UUID(str(r.id)),
+            kind=r.kind,
+            payload=json.loads(r.payload) if isinstance(r.payload, str) else r.payload,
+        )
+        for r in rows
     ]
     ids = [r.id for r in found]
     # One statement: a heartbeat's cost must not grow with its commands.

@@ -17,6 +17,7 @@ bearer-token agents do not.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -147,19 +148,27 @@ class AgentEndpoint(APIView):
     def serve(self, django_request: HttpRequest) -> HttpResponse:
         """Answer one agent request (a Django request: no DRF wrapping)."""
         now = timezone.now()
+        token = credentials.bearer(django_request.META.get("HTTP_AUTHORIZATION"))
+        body = self.parse(django_request)
         try:
-            caller = protocol.authenticate(
-                credentials.bearer(django_request.META.get("HTTP_AUTHORIZATION")),
-                now=now,
-                allow_join=self.allow_join,
-            )
-            msg = self.read(django_request)
-            result = self.handle(caller, msg, now=now)
+            result = self.call(token, body, now=now)
         except protocol.Refused as exc:
             return problem(exc.status, exc.detail, exc.errors)
         return self.answer(result)
 
-    def read(self, django_request: HttpRequest):
+    def call(self, token: str | None, body: protocol.Body, *, now: dt.datetime) -> BaseModel | dict:
+        """The protocol's answer: authenticate, then the body's refusal if it earned one, then `handle`."""
+        caller = protocol.authenticate(token, now=now, allow_join=self.allow_join)
+        return self.handle(caller, body.message(), now=now)
+
+    def parse(self, django_request: HttpRequest) -> protocol.Body:
+        """The request's message, or the refusal (415, 413, 400 naming each field) of a body that cannot be one."""
+        try:
+            return protocol.Body(parsed=self.read(django_request))
+        except protocol.Refused as exc:
+            return protocol.Body(refused=exc)
+
+    def read(self, django_request: HttpRequest) -> wire.Message:
         """The request's message; raises Refused (415, 413, 400 naming each field) for a body it cannot be."""
         if django_request.content_type != "application/json":
             raise protocol.Refused(415, "the body must be application/json")
@@ -236,16 +245,10 @@ class HeartbeatView(AgentEndpoint):
     max_body = MAX_HEARTBEAT_BODY
     problems = staticmethod(limits.heartbeat_problems)
 
-    def serve(self, django_request: HttpRequest) -> HttpResponse:
+    def call(self, token: str | None, body: protocol.Body, *, now: dt.datetime) -> BaseModel | dict:
         # The credential lookup is the lease renewal's own statement
         # (protocol.heartbeat_request); the refusals come in the same order.
-        now = timezone.now()
-        token = credentials.bearer(django_request.META.get("HTTP_AUTHORIZATION"))
-        try:
-            result = protocol.heartbeat_request(token, lambda: self.read(django_request), now=now)
-        except protocol.Refused as exc:
-            return problem(exc.status, exc.detail, exc.errors)
-        return self.answer(result)
+        return protocol.heartbeat_request(token, body, now=now)
 
 
 @documented(

@@ -10,11 +10,11 @@ from django.utils import timezone
 from prometheus_client import REGISTRY
 
 import wire
-from agents import commands, credentials
-from agents.models import Command, JoinToken, NodeCredential
-from agents.views import MAX_HEARTBEAT_BODY
-from inventory import telemetry
-from inventory.models import GPU, FabricScan, Node, NodeEvent
+from agents import credentials
+from agents.api import MAX_HEARTBEAT_BODY
+from agents.models import JoinToken, NodeCredential
+from inventory import outbox, telemetry
+from inventory.models import GPU, Command, FabricScan, Node, NodeEvent
 from tests.agents.conftest import heartbeat_payload, make_shard, post
 from tests.factories import register_payload
 
@@ -313,7 +313,7 @@ def test_a_refused_heartbeat_renews_no_lease_and_wakes_no_node(client, join_toke
 
 
 def test_commands_are_delivered_until_acknowledged_never_after(client, joined, now):
-    cmd = commands.enqueue("node-a", wire.InstallEngine(engine="vllm", version="0.11.0"), now=now)
+    cmd = outbox.enqueue("node-a", wire.InstallEngine(engine="vllm", version="0.11.0"), now=now)
     first = post(client, "heartbeat", heartbeat_payload(), joined).json()["commands"]
     assert first == [
         {"kind": "install_engine", "id": str(cmd.id), "engine": "vllm", "version": "0.11.0", "variant": ""}
@@ -337,10 +337,10 @@ def test_commands_come_in_queue_order_with_a_fence_the_same_heartbeat_queued(
     # Queued before the heartbeat (its fence is stamped with the request's own time).
     before = timezone.now() - dt.timedelta(minutes=1)
     queued = [
-        commands.enqueue("node-a", wire.InstallEngine(engine=f"e{i}"), now=before + dt.timedelta(seconds=s))
+        outbox.enqueue("node-a", wire.InstallEngine(engine=f"e{i}"), now=before + dt.timedelta(seconds=s))
         for i, s in enumerate([3, 1, 2])
     ]
-    acked = commands.enqueue("node-a", wire.InstallEngine(engine="acked"), now=before)
+    acked = outbox.enqueue("node-a", wire.InstallEngine(engine="acked"), now=before)
     shards = [
         {"shard_id": str(shard.id), "replica_id": str(shard.replica_id), "state": "ready"},
         {"shard_id": stranger, "replica_id": "r", "state": "ready"},
@@ -364,13 +364,13 @@ def test_commands_come_in_queue_order_with_a_fence_the_same_heartbeat_queued(
 
 def test_acks_of_another_nodes_commands_are_ignored(client, join_token, joined, now):
     post(client, "register", register_payload("node-b"), join_token)
-    theirs = commands.enqueue("node-b", wire.InstallEngine(engine="vllm"), now=now)
+    theirs = outbox.enqueue("node-b", wire.InstallEngine(engine="vllm"), now=now)
     assert post(client, "heartbeat", heartbeat_payload(acks=[str(theirs.id), "not-a-uuid"]), joined).status_code == 200
     assert Command.objects.get(id=theirs.id).acked_at is None
 
 
 def test_scan_upload_keeps_the_text_and_acknowledges(client, joined, now):
-    cmd = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    cmd = outbox.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
     resp = post(
         client,
         "scans",
@@ -390,7 +390,7 @@ def test_scan_upload_keeps_the_text_and_acknowledges(client, joined, now):
     scan = FabricScan.objects.get(key="sm:0x1")
     assert (scan.node_id, scan.port, scan.output, scan.took_s) == ("node-a", "mlx5_0/1", "Switch 36 ...", 2.5)
     assert Command.objects.get(id=cmd.id).acked_at is not None
-    again = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    again = outbox.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
     body = {"node_id": "node-a", "command_id": str(again.id), "key": "sm:0x1", "error": "timeout"}
     failed = post(client, "scans", body, joined).json()
     assert failed["error"] == "timeout" and failed["has_output"] is True
@@ -402,8 +402,8 @@ def _scan(cmd_id, key="sm:0x1", **extra) -> dict:
 
 def test_scan_upload_without_a_command_of_this_node_is_403_and_writes_nothing(client, join_token, joined, now):
     post(client, "register", register_payload("node-b"), join_token)
-    theirs = commands.enqueue("node-b", wire.ScanFabric(key="sm:0x2", hca="mlx5_0"), now=now)
-    mine = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    theirs = outbox.enqueue("node-b", wire.ScanFabric(key="sm:0x2", hca="mlx5_0"), now=now)
+    mine = outbox.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
     FabricScan.objects.create(key="sm:0x2", at=now, node_id="node-b", output="the real map")
     cases = [
         ({"node_id": "node-a", "key": "sm:0x2", "output": "# forged"}, "must name the scan command"),
@@ -423,7 +423,7 @@ def test_scan_upload_without_a_command_of_this_node_is_403_and_writes_nothing(cl
 
 
 def test_a_scan_command_is_answered_once(client, joined, now):
-    cmd = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    cmd = outbox.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
     assert post(client, "scans", _scan(cmd.id, output="first"), joined).status_code == 200
     resp = post(client, "scans", _scan(cmd.id, output="# replayed"), joined)
     assert resp.status_code == 403
@@ -506,7 +506,7 @@ def test_nul_characters_from_an_agent_are_400_naming_the_field(client, joined, p
 
 
 def test_nul_in_scan_text_is_400(client, joined, now):
-    cmd = commands.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
+    cmd = outbox.enqueue("node-a", wire.ScanFabric(key="sm:0x1", hca="mlx5_0"), now=now)
     body = {"node_id": "node-a", "command_id": str(cmd.id), "key": "sm:0x1", "output": "Switch\x00"}
     resp = post(client, "scans", body, joined)
     assert resp.status_code == 400

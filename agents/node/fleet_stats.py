@@ -1,0 +1,63 @@
+"""The fleet's counts and latency histograms (buckets about 5% apart, 0.1 ms to 60 s)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+# Latency histogram: bucket upper edges in seconds, 0.1 ms to 60 s, about 5% apart.
+EDGES: list[float] = []
+_e = 0.0001
+while _e < 60.0:
+    EDGES.append(round(_e, 7))
+    _e *= 1.05
+EDGES.append(float("inf"))
+
+
+def histogram_percentile(counts: list[int], p: float) -> float:
+    """The `p`th percentile (0-100) of a histogram over EDGES: the upper edge of the bucket it falls in."""
+    total = sum(counts)
+    if not total:
+        return 0.0
+    rank = p / 100 * total
+    seen = 0
+    for edge, n in zip(EDGES, counts, strict=True):
+        seen += n
+        if seen >= rank and n:
+            return edge
+    return EDGES[-1]
+
+
+@dataclass
+class Stats:
+    """What the fleet has done so far; cumulative, so two snapshots give the rates between them."""
+
+    registered: int = 0
+    register_refused: Counter = field(default_factory=Counter)
+    heartbeats: int = 0
+    heartbeat_errors: Counter = field(default_factory=Counter)
+    unreachable: int = 0
+    answers_dropped: int = 0
+    commands: Counter = field(default_factory=Counter)
+    latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
+    register_latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
+
+    def observe(self, hist: list[int], seconds: float) -> None:
+        """Count one request's latency."""
+        hist[bisect.bisect_left(EDGES, seconds)] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready copy."""
+        return {
+            "registered": self.registered,
+            "register_refused": dict(self.register_refused),
+            "heartbeats": self.heartbeats,
+            "heartbeat_errors": dict(self.heartbeat_errors),
+            "unreachable": self.unreachable,
+            "answers_dropped": self.answers_dropped,
+            "commands": dict(self.commands),
+            "latency": list(self.latency),
+            "register_latency": list(self.register_latency),
+        }

@@ -1,0 +1,44 @@
+"""What the agent needs from hardware discovery, and the real thing (agents.node.discovery)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import wire
+
+
+class Probe(Protocol):
+    """What the loop needs from hardware discovery (agents.node.discovery, or a test's own)."""
+
+    def discover(self) -> Any: ...
+    def sample(self, previous: Any = None) -> Any: ...
+    def gpu_fabrics(self) -> list[wire.GPUFabricReport]: ...
+    def ibnetdiscover(self, *, hca: str, port: int, timeout: float) -> Any: ...
+
+
+class DiscoveryProbe:
+    """The real probe: agents.node.discovery, on the live machine or a fixture root."""
+
+    def __init__(self, *, root: str | Path | None, model_dirs: list[str]) -> None:
+        from agents.node import discovery  # imported here so the loop runs (and is tested) without it
+
+        self._d = discovery
+        self.root = Path(root) if root else None
+        self.model_dirs = list(model_dirs)
+
+    def discover(self) -> Any:
+        """The node's whole inventory, for a registration."""
+        return self._d.discover(root=self.root, model_dirs=self.model_dirs)
+
+    def sample(self, previous: Any = None) -> Any:
+        """One heartbeat's sensors (rates from `previous`)."""
+        return self._d.sample(root=self.root, previous=previous)
+
+    def gpu_fabrics(self) -> list[wire.GPUFabricReport]:
+        """The GPUs' NVLink fabric state."""
+        return self._d.gpu_fabrics(root=self.root)
+
+    def ibnetdiscover(self, *, hca: str, port: int, timeout: float) -> Any:
+        """A fabric scan from one port."""
+        return self._d.ibnetdiscover(hca=hca, port=port, timeout=timeout, root=self.root)
