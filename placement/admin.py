@@ -19,7 +19,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
-from placement import audit, planner, replicas, retiring, secrets, snapshot_db, tasks
+from placement import audit, planner, queueing, replicas, retiring, secrets, snapshot_db
 from placement import deployments as deployment_actions
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, ReplicaState, Shard
 
@@ -265,8 +265,6 @@ class ReplicaAdmin(admin.ModelAdmin):
         why not, node by node. Nothing is written."""
         replica = get_object_or_404(Replica.objects.select_related("deployment__profile"), pk=pk)
         if not self.has_view_permission(request, replica):
-            from django.core.exceptions import PermissionDenied
-
             raise PermissionDenied
         dep = replica.deployment
         req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
@@ -291,7 +289,7 @@ class ReplicaAdmin(admin.ModelAdmin):
         if request.method == "POST":
             reason = request.POST.get("reason", "").strip()[:200]
             if retiring.retire_replica(replica.pk, now=timezone.now(), actor=request.user, reason=reason):
-                tasks.queue_reconcile()
+                queueing.queue_reconcile()
                 self.message_user(request, f"retired {replica}: its shards are told to stop", messages.SUCCESS)
             else:
                 self.message_user(request, f"not retired: {replica} is {replica.state}", messages.WARNING)
