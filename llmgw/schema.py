@@ -29,7 +29,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 WRITES = ("post", "put", "patch")
 METHODS = ("get", "post", "put", "patch", "delete")
-# Deletes refused while something still uses the row (placement/views.py).
+# Deletes refused while something still uses the row (placement/api.py).
 CONFLICTS = ("/api/v1/profiles/{id}/", "/api/v1/deployments/{id}/")
 
 

@@ -20,9 +20,8 @@ from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
 from llmgw.admin import ReadOnlyAdmin
-from placement import audit, planner, reconciler, replicas, secrets, tasks
+from placement import audit, planner, queueing, replicas, retiring, secrets, snapshot_db
 from placement import deployments as deployment_actions
-from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, ReplicaState, Shard
 
 
@@ -259,12 +258,10 @@ class ReplicaAdmin(ReadOnlyAdmin, admin.ModelAdmin):
         why not, node by node. Nothing is written."""
         replica = get_object_or_404(Replica.objects.select_related("deployment__profile"), pk=pk)
         if not self.has_view_permission(request, replica):
-            from django.core.exceptions import PermissionDenied
-
             raise PermissionDenied
         dep = replica.deployment
         req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
-        result = planner.plan(req, snapshots.build(now=timezone.now()), policy=dep.policy, explain=True)
+        result = planner.plan(req, snapshot_db.build(now=timezone.now()), policy=dep.policy, explain=True)
         context = {
             **self.admin_site.each_context(request),
             "title": f"Where would {dep.name} go now",
@@ -284,8 +281,8 @@ class ReplicaAdmin(ReadOnlyAdmin, admin.ModelAdmin):
         page = reverse("admin:placement_replica_change", args=[replica.pk])
         if request.method == "POST":
             reason = request.POST.get("reason", "").strip()[:200]
-            if reconciler.retire_replica(replica.pk, now=timezone.now(), actor=request.user, reason=reason):
-                tasks.queue_reconcile()
+            if retiring.retire_replica(replica.pk, now=timezone.now(), actor=request.user, reason=reason):
+                queueing.queue_reconcile()
                 self.message_user(request, f"retired {replica}: its shards are told to stop", messages.SUCCESS)
             else:
                 self.message_user(request, f"not retired: {replica} is {replica.state}", messages.WARNING)

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from django.db import connection, transaction
+from django.db import connection
 from django.db.models import QuerySet
 
 import wire
@@ -21,6 +21,7 @@ from inventory import outbox
 from inventory.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
+from placement.queueing import queue_reconcile as queue_reconcile  # the heartbeat and liveness queue here
 from wire import shard_states
 
 log = logging.getLogger(__name__)
@@ -330,21 +331,3 @@ def fail_node_shards(node_id: str, *, reason: str, now: dt.datetime) -> list[str
         [(row, wire.ShardState.FAILED.value, reason, None, "shard_state") for row in rows], now=now, actor="system"
     )
     return [m[0] for m in moved]
-
-
-def queue_reconcile() -> bool:
-    """Ask the reconciler to run once this transaction commits, if this build has one."""
-    from llmgw.celery import app
-
-    try:
-        import placement.tasks  # noqa: F401
-    except ModuleNotFoundError as exc:
-        # Only the module's absence means "no reconciler here"; a broken one must fail loudly.
-        if exc.name != "placement.tasks":
-            raise
-        return False
-    task = app.tasks.get("placement.reconcile")
-    if task is None:
-        return False
-    transaction.on_commit(lambda: task.apply_async(), robust=True)
-    return True

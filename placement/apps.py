@@ -8,10 +8,11 @@ class PlacementConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        """Answer the inventory's hooks, and add placement's doctor checks and metric families to its registries."""
+        """Answer the inventory's hooks, add placement's doctor checks and metric families to its registries, and
+        register the reconcile task with Celery, so that queueing a pass finds it by name in every process."""
         from inventory import doctor, hooks
         from inventory import metrics as inventory_metrics
-        from placement import doctor_checks, metrics, workloads
+        from placement import doctor_checks, metrics, tasks, workloads  # noqa: F401
 
         hooks.register_workloads(workloads.WORKLOADS)
         inventory_metrics.register(metrics.SOURCE)

@@ -7,23 +7,17 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
-from placement import replicas
+from placement import queueing, replicas
 from placement.models import Deployment, PlacementEvent
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
 
 
-def _queue() -> None:
-    from placement.tasks import queue_reconcile
-
-    queue_reconcile()
-
-
 def record(dep: Deployment, kind: str, reason: str, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> None:
     """An operator's change to a deployment, as an event; a reconcile follows the commit."""
     replicas.event(kind, now=now, deployment_id=dep.id, reason=reason, actor=actor).save()
-    _queue()
+    queueing.queue_reconcile()
 
 
 def live_replicas(dep: Deployment) -> int:

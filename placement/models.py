@@ -170,7 +170,7 @@ class Replica(models.Model):
     updated_at = models.DateTimeField()
     ready_at = models.DateTimeField(null=True, blank=True)
     # When a retiring replica's shards were told to stop: a serving replica
-    # drains its requests first (placement.reconciler.stop_when_idle).
+    # drains its requests first (placement.retiring.stop_when_idle).
     stop_requested_at = models.DateTimeField(null=True, blank=True)
     # A pending replica is not placed before this (a backoff after failed starts or a failed placement).
     not_before = models.DateTimeField(null=True, blank=True)

@@ -6,11 +6,10 @@ import datetime as dt
 import logging
 
 from celery import shared_task
-from django.db import transaction
 from django.utils import timezone
 
 from llmgw import locks
-from placement import reconciler
+from placement import queueing, reconciler
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +18,7 @@ SOFT_LIMIT_S = 60
 HARD_LIMIT_S = 90
 
 
-@shared_task(name="placement.reconcile", soft_time_limit=SOFT_LIMIT_S, time_limit=HARD_LIMIT_S, ignore_result=True)
+@shared_task(name=queueing.TASK_NAME, soft_time_limit=SOFT_LIMIT_S, time_limit=HARD_LIMIT_S, ignore_result=True)
 def reconcile_task(now: str | dt.datetime | None = None) -> dict | None:
     """One reconcile pass, unless one is already running (then this one is redundant).
 
@@ -35,8 +34,3 @@ def reconcile_task(now: str | dt.datetime | None = None) -> dict | None:
             return None
         report = reconciler.reconcile(now=now or timezone.now())
     return dict(report.__dict__)
-
-
-def queue_reconcile() -> None:
-    """Queue a pass once the caller's transaction commits (a deployment changed)."""
-    transaction.on_commit(reconcile_task.delay)

@@ -65,42 +65,7 @@ ALLOWLIST: dict[str, str] = {}
 
 # Violations known when this test was written, fixed by work in progress
 # elsewhere: "file: rule: detail". Remove an entry when its violation goes.
-PENDING: frozenset[str] = frozenset(
-    {
-        # The agent protocol's side: the Command model moves into inventory,
-        # NodeCredential with it, the node agent and the wire schema split.
-        "agents/management/commands/simulate.py: import inside a function: agents.credentials",
-        "agents/node/__main__.py: import inside a function: agents.node.loop",
-        "agents/node/fleet.py: import inside a function: agents.node.discovery",
-        "agents/node/fleet.py: long module: jobs kept apart by comment banners",
-        "agents/node/loop.py: import inside a function: agents.node.discovery",
-        "agents/node/loop.py: long module: jobs kept apart by comment banners",
-        "agents/node/supervisor.py: long module: jobs kept apart by comment banners",
-        "inventory/heartbeat.py: against the direction: agents.models",
-        "inventory/node_view.py: against the direction: agents.models",
-        "inventory/scans.py: against the direction: agents.commands",
-        "inventory/scans.py: against the direction: agents.models",
-        "inventory/scans.py: long module: jobs kept apart by comment banners",
-        "placement/agent_sync.py: against the direction: agents.commands",
-        "placement/agent_sync.py: against the direction: agents.models",
-        "placement/agent_sync.py: against the direction: llmgw.celery",
-        "placement/agent_sync.py: import inside a function: llmgw.celery",
-        "placement/agent_sync.py: import inside a function: placement.tasks",
-        "wire/__init__.py: long module: jobs kept apart by comment banners",
-        # Placement: the reconciler in steps, the snapshot split from its loader, one queue_reconcile.
-        "placement/deployments.py: import inside a function: placement.tasks",
-        "placement/reconciler.py: against the direction: agents.commands",
-        "placement/snapshot.py: import inside a function: inventory.fabric",
-        "placement/snapshot.py: import inside a function: inventory.gpus",
-        "placement/snapshot.py: import inside a function: inventory.models",
-        "placement/snapshot.py: import inside a function: inventory.resources",
-        "placement/snapshot.py: import inside a function: inventory.scans",
-        "placement/snapshot.py: import inside a function: inventory.telemetry",
-        "placement/snapshot.py: import inside a function: placement.models",
-        # The gateway's data plane (not part of this restructuring).
-        "gateway/dataplane.py: long module: jobs kept apart by comment banners",
-    }
-)
+PENDING: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

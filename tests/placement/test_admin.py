@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from inventory.models import Allocation, Command, Node
 from inventory.nodes import change_state
-from placement import snapshot as snapshots
+from placement import snapshot_db
 from placement.models import Deployment, EngineProfile, PlacementEvent, PowerBudget, Replica
 from placement.reconciler import reconcile
 from tests.factories import make_node
@@ -91,7 +91,7 @@ def test_power_budgets_show_what_is_claimed_under_each(operator, now):
     # Ordered by key then value: rack=r1, r2, r3, then the PDU.
     assert cells == ["4,900 (12%)", "350", "0 (0%)", "3,850 (128%)"]
     # The planner's own count.
-    assert snapshots.build().budget_used == {
+    assert snapshot_db.build().budget_used == {
         ("rack", "r1"): 4900.5,
         ("rack", "r2"): 350.0,
         ("topology.llmgw.io/pdu", "p1"): 3850.5,

@@ -159,15 +159,6 @@ def test_fail_node_shards(now):
     assert (ev.from_state, ev.to_state, ev.reason, ev.actor_name) == ("ready", "failed", "node lost", "system")
 
 
-def test_queue_reconcile_only_when_the_reconciler_exists(now, django_capture_on_commit_callbacks):
-    from llmgw.celery import app
-
-    with django_capture_on_commit_callbacks() as callbacks:
-        queued = agent_sync.queue_reconcile()
-    assert queued == ("placement.reconcile" in app.tasks)
-    assert len(callbacks) == (1 if queued else 0)
-
-
 def test_a_fenced_shard_that_is_draining_is_not_fenced_again(now):
     from inventory import outbox
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from placement.fit import choose_gpus
 from placement.models import EngineProfile
-from placement.planner import NoPlace, Plan, ReplicaRequest, choose_gpus, plan, summarize
+from placement.planner import NoPlace, Plan, ReplicaRequest, plan, summarize
 from placement.snapshot import FabricInfo, GPUInfo, HoldInfo, NodeInfo, Snapshot
 
 H100 = "H100-80GB"

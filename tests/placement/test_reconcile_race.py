@@ -8,9 +8,10 @@ import pytest
 from django.db import connection, connections
 
 from inventory.models import AllocatedGPU, Allocation, Command
-from placement import snapshot as snapshots
+from placement import snapshot_db
 from placement.models import Deployment, EngineProfile, Replica, Shard
-from placement.reconciler import _place, reconcile
+from placement.placing import place
+from placement.reconciler import reconcile
 from tests.factories import make_node
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -51,10 +52,10 @@ def test_two_placements_from_stale_snapshots_cannot_double_book(now):
         def run():
             dep = Deployment.objects.select_related("profile").get(id=deps[i].id)
             row = Replica.objects.get(id=rows[i].id)
-            snap = snapshots.build()
+            snap = snapshot_db.build()
             # Both have seen node a with eight free cards before either writes.
             barrier.wait(timeout=30)
-            outcomes[i] = _place(row, dep, snap, {}, now=now)
+            outcomes[i] = place(row, dep, snap, {}, now=now)
 
         return run
 

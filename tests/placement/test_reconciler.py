@@ -18,8 +18,9 @@ from inventory.models import AllocatedGPU, Allocation, Command, NodeEvent
 from inventory.nodes import change_state as node_state
 from llmgw import locks
 from placement import agent_sync
+from placement.backoff import start_failures
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
-from placement.reconciler import create_replicas, reconcile, release_orphans, start_failures
+from placement.reconciler import create_replicas, reconcile, release_orphans
 from placement.tasks import LOCK_NAME, reconcile_task
 from tests.factories import make_node
 from wire import shard_states

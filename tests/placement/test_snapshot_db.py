@@ -10,7 +10,7 @@ from inventory import telemetry
 from inventory.allocation import allocate
 from inventory.models import Node
 from inventory.nodes import change_state
-from placement import snapshot as snapshots
+from placement import snapshot_db
 from placement.models import Deployment, EngineProfile, Hold, PowerBudget, Replica, Shard
 from placement.planner import ReplicaRequest, plan
 from placement.reconciler import reconcile
@@ -63,7 +63,7 @@ def test_builds_nodes_with_claims_fabrics_and_holds(now):
     Hold.objects.create(scope="label", label_key="rack", label_value="r9")
     PowerBudget.objects.create(label_key="rack", label_value="r1", budget_w=40_000)
 
-    snap = snapshots.build()
+    snap = snapshot_db.build()
     a, b = snap.nodes["a"], snap.nodes["b"]
     assert a.free == frozenset(range(2, 8))
     assert (a.memory_total_gb, a.memory_claimed_gb, a.cpu_count, a.cpu_claimed) == (1953, 100, 224, 4)
@@ -85,14 +85,14 @@ def test_holds_keep_new_work_off(now):
     Hold.objects.create(scope="label", label_key="rack", label_value="r12")
     Hold.objects.create(scope="node", node=node_b)
     Hold.objects.create(scope="fabric", fabric="ib0")
-    result = plan(ReplicaRequest(gpus_per_node=1), snapshots.build())
+    result = plan(ReplicaRequest(gpus_per_node=1), snapshot_db.build())
     assert result.reasons == {"a": "held: rack=r12", "b": "held: node", "c": "held: fabric ib0"}
 
 
 def test_inconsistent_fabric_from_telemetry(now):
     fabric_node("a", now)
     telemetry.put("a", {"ib_ports": [ib_port("mlx5_0", SM_A), ib_port("mlx5_1", SM_B)]})
-    f = snapshots.build().nodes["a"].fabrics[0]
+    f = snapshot_db.build().nodes["a"].fabrics[0]
     assert (f.consistent, f.keys) == (False, (f"sm:{SM_A}", f"sm:{SM_B}"))
 
 
@@ -100,11 +100,11 @@ def test_query_count_does_not_grow_with_nodes(now, django_assert_num_queries):
     for i in range(3):
         fabric_node(f"n{i}", now, weights=[{"path": "/m"}], storage=[{"path": "/d", "free_bytes": 1, "total_bytes": 2}])
     with django_assert_num_queries(11):
-        snapshots.build()
+        snapshot_db.build()
     for i in range(3, 9):
         fabric_node(f"n{i}", now)
     with django_assert_num_queries(11):
-        snapshots.build()
+        snapshot_db.build()
 
 
 def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
@@ -162,7 +162,7 @@ def test_a_domain_whose_imex_is_down_takes_no_multi_node_replica(now):
         make_node(
             n, now=now, gpus=[gpu_payload(i, fabric=JOINED) for i in range(4)], imex={"state": "DOWN", "channels": 0}
         )
-    snap = snapshots.build()
+    snap = snapshot_db.build()
     assert (snap.nodes["a"].nvlink_domain, snap.nodes["a"].imex_up) == ("c0ffee00-0000-0000-0000-000000000001/7", False)
     result = plan(ReplicaRequest(gpus_per_node=4, nodes=2), snap)
     assert result.reasons["a"] == (
@@ -187,7 +187,7 @@ def test_nodes_sharing_a_management_address_get_distinct_ports_without_any_setti
         ("c", 18002),
         ("d", 18000),
     ]
-    assert snapshots.build().host_ports == {"127.0.0.1": {18000, 18001, 18002}, "10.0.0.4": {18000}}
+    assert snapshot_db.build().host_ports == {"127.0.0.1": {18000, 18001, 18002}, "10.0.0.4": {18000}}
 
 
 def test_ports_unique_across_the_cluster_for_a_fleet_on_one_host(now, settings):
@@ -198,9 +198,9 @@ def test_ports_unique_across_the_cluster_for_a_fleet_on_one_host(now, settings):
     Deployment.objects.create(name="d", served_model="d", profile=prof, replicas=2)
     reconcile(now=now)
     assert sorted(Shard.objects.values_list("node_id", "http_port")) == [("a", 18000), ("b", 18001)]
-    snap = snapshots.build()
+    snap = snapshot_db.build()
     assert snap.cluster_ports == {18000, 18001}
-    assert snapshots.build(unique_ports=False).cluster_ports is None
+    assert snapshot_db.build(unique_ports=False).cluster_ports is None
 
 
 def test_failed_or_unsupported_engine_installs_block_the_engine(now):
@@ -216,27 +216,27 @@ def test_failed_or_unsupported_engine_installs_block_the_engine(now):
             {"engine": "tgi", "version": "3.2", "state": "ready"},
         ],
     )
-    a = snapshots.build().nodes["a"]
+    a = snapshot_db.build().nodes["a"]
     assert dict(a.engines_blocked) == {
         "vllm": "engine vllm failed: no wheel for aarch64",
         "sglang": "engine sglang unsupported",
     }
     assert a.engines == frozenset({"llamacpp", "tgi"})
-    assert plan(ReplicaRequest(engine="vllm"), snapshots.build()).reasons == {
+    assert plan(ReplicaRequest(engine="vllm"), snapshot_db.build()).reasons == {
         "a": "engine vllm failed: no wheel for aarch64"
     }
 
 
 def test_a_node_with_only_shared_storage_has_unknown_local_disk(now):
     make_node("a", now=now, storage=[{"path": "/filer", "free_bytes": 10**15, "total_bytes": 10**15, "shared": True}])
-    snap = snapshots.build()
+    snap = snapshot_db.build()
     assert (snap.nodes["a"].disk_free_bytes, snap.nodes["a"].disk_known) == (0, False)
     assert plan(ReplicaRequest(model_path="org/model", disk_gb=140), snap).node_ids == ["a"]
 
 
 def test_a_local_filesystem_reporting_zero_bytes_is_unknown_local_disk(now):
     make_node("a", now=now, storage=[{"path": "/data", "free_bytes": 0, "total_bytes": 0}])
-    snap = snapshots.build()
+    snap = snapshot_db.build()
     assert (snap.nodes["a"].disk_free_bytes, snap.nodes["a"].disk_known) == (0, False)
     assert plan(ReplicaRequest(model_path="org/model", disk_gb=140), snap).node_ids == ["a"]
 
@@ -244,12 +244,12 @@ def test_a_local_filesystem_reporting_zero_bytes_is_unknown_local_disk(now):
 def test_a_node_that_looked_for_weights_and_found_none_is_excluded_from_a_local_path(now):
     make_node("looked-empty", now=now, gpus=1, weights=[])
     make_node("never-looked", now=now, gpus=1)
-    snap = snapshots.build()
+    snap = snapshot_db.build()
     assert (snap.nodes["looked-empty"].weights, snap.nodes["never-looked"].weights) == (frozenset(), None)
     assert plan(ReplicaRequest(model_path="/models/llama-70b"), snap).node_ids == ["never-looked"]
     # With the node that never looked out of the way, the one that looked is refused, saying why.
     change_state("never-looked", "cordoned", now=now)
-    refused = plan(ReplicaRequest(model_path="/models/llama-70b"), snapshots.build())
+    refused = plan(ReplicaRequest(model_path="/models/llama-70b"), snapshot_db.build())
     assert refused.reasons["looked-empty"] == "weights /models/llama-70b not present"
 
 
@@ -259,7 +259,7 @@ def test_a_tray_with_an_unhealthy_card_takes_no_multi_node_nvlink_replica_and_sa
         if n == "b":
             cards[2]["fabric"] = {**JOINED, "health": "Unhealthy"}
         make_node(n, now=now, gpus=cards, imex={"state": "UP", "channels": 1})
-    snap = snapshots.build()
+    snap = snapshot_db.build()
     assert (snap.nodes["a"].nvlink_domain, snap.nodes["b"].nvlink_domain) == (
         "c0ffee00-0000-0000-0000-000000000001/7",
         "",
@@ -275,7 +275,7 @@ def test_a_ready_node_never_heard_from_is_refused_not_a_crash(now):
     make_node("quiet", now=now)
     make_node("heard", now=now)
     Node.objects.filter(id="quiet").update(last_seen=None)
-    snap = snapshots.build(now=now)
+    snap = snapshot_db.build(now=now)
     assert (snap.nodes["quiet"].silent_s, snap.nodes["quiet"].schedulable) == (10**9, False)
     assert (snap.nodes["heard"].silent_s, snap.nodes["heard"].schedulable) == (0, True)
     assert plan(ReplicaRequest(gpus_per_node=1), snap, explain=True).reasons["quiet"] == "never heard from"

@@ -1,0 +1,200 @@
+"""Giving replicas up: a failed one released at once, a planned stop drained first.
+
+A replica that is stopped on purpose (scaled down, replaced, retired by an
+operator) keeps its GPUs until its processes have ended, and its shards are
+told to stop only once no router sends it requests, so a drain, a scale-down
+or a rolling update fails no request. A node being drained is recorded as
+drained once nothing runs on it any more.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.base_user import AbstractBaseUser
+from django.db import transaction
+from django.db.models import OuterRef, Subquery
+
+import wire
+from inventory import allocation, outbox
+from inventory.models import Allocation, Node, NodeEvent, NodeState
+from inventory.nodes import record_event
+from placement import inflight, replicas
+from placement.models import Replica, ReplicaState, Shard
+
+RS = ReplicaState
+SERVING = (RS.READY, RS.DEGRADED)
+# The shard columns a pass reads for each live replica.
+SHARD_FIELDS = ("id", "replica_id", "node_id", "rank", "state", "reason", "created_at", "http_port", "node__state")
+
+
+@dataclass
+class LiveReplica:
+    """A replica row with its shards (as value rows, ordered by rank), as a pass sees it."""
+
+    row: Replica
+    shards: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _stop_shards(shards: list[dict[str, Any]], *, reason: str, now: dt.datetime) -> None:
+    """Cancel what was not delivered and tell the agents to stop the rest."""
+    for s in shards:
+        outbox.cancel_for_shard(str(s["id"]))
+        if s["state"] in replicas.SHARD_DONE:
+            continue
+        outbox.enqueue(
+            s["node_id"],
+            wire.StopShard(
+                shard_id=str(s["id"]), replica_id=str(s["replica_id"]), grace_s=STOP_GRACE_S, reason=reason[:2000]
+            ),
+            now=now,
+        )
+
+
+# How long a stopping replica keeps its GPUs when its agent never says its
+# shards ended: the StopShard grace period and then some.
+STOP_GRACE_S = 30.0
+DRAIN_TIMEOUT_S = STOP_GRACE_S + 60.0
+
+
+def _gone(s: dict[str, Any]) -> bool:
+    """Whether a shard's process is over (or unreachable for good)."""
+    return s["state"] in replicas.SHARD_DONE or s["node__state"] == NodeState.LOST
+
+
+def retire(
+    rep: LiveReplica, new_state: str, *, reason: str, now: dt.datetime, actor: AbstractBaseUser | None = None
+) -> bool:
+    """Give a replica up whole: its shards told to stop and its allocations released.
+
+    A planned stop (scale down, replaced) whose processes still run goes
+    through DRAINING and keeps its GPUs until they have ended: an agent
+    refuses to start a new shard on cards an old one still holds. A failed
+    replica is released at once, so it is placed again without waiting.
+    """
+    stopping = new_state == RS.STOPPED and not all(_gone(s) for s in rep.shards)
+    serving = rep.row.state in SERVING
+    with transaction.atomic():
+        target = RS.DRAINING if stopping else new_state
+        if not replicas.change_state(rep.row, target, now=now, reason=reason, actor=actor):
+            return False
+        if stopping and serving:
+            # Its requests finish first; stop_when_idle sends the stops.
+            rep.row.updated_at = now
+            stop_when_idle(rep, now=now, routers=inflight.totals())
+        else:
+            _stop_shards(rep.shards, reason=reason, now=now)
+            if stopping:
+                _mark_stop_requested(rep, now, "")
+        if not stopping:
+            allocation.release_replica(rep.row.id)
+    return True
+
+
+# Seconds a router may go on sending to a retired replica before it has
+# seen the change: pushes arrive within milliseconds, a lost one is healed by
+# the router's periodic refresh.
+def _route_settle_s() -> float:
+    return settings.LLMGW_GATEWAY_REFRESH + 2 * inflight.REPORT_TTL_S
+
+
+def _mark_stop_requested(rep: LiveReplica, now: dt.datetime, why: str) -> bool:
+    """Record (compare-and-set) that the replica's shards were told to stop, with an event when `why`."""
+    n = Replica.objects.filter(id=rep.row.id, state=RS.DRAINING, stop_requested_at__isnull=True).update(
+        stop_requested_at=now
+    )
+    rep.row.stop_requested_at = now
+    if n and why:
+        replicas.event(
+            "stopping", now=now, deployment_id=rep.row.deployment_id, replica_id=rep.row.id, reason=why
+        ).save()
+    return bool(n)
+
+
+def stop_when_idle(rep: LiveReplica, *, now: dt.datetime, routers: inflight.Totals) -> bool:
+    """Tell a retiring replica's shards to stop once no router sends it requests; True when told.
+
+    The routers stop choosing it as soon as they see it draining; its shards
+    are stopped only when the requests already in flight to it have finished
+    (or LLMGW_DRAIN_REQUESTS_TIMEOUT passes), so a drain, a scale-down or a
+    rolling update fails no request. With no router alive, nothing is in
+    flight and it stops at once.
+    """
+    waited = (now - rep.row.updated_at).total_seconds()
+    busy = routers.per_replica.get(str(rep.row.id), 0)
+    if routers.routers:
+        timeout = settings.LLMGW_DRAIN_REQUESTS_TIMEOUT
+        if waited < min(_route_settle_s(), timeout) or (busy and waited < timeout):
+            return False
+    why = f"{busy} requests still in flight after {waited:.0f} s" if busy else "no requests in flight"
+    with transaction.atomic():
+        if not _mark_stop_requested(rep, now, why):
+            return False
+        _stop_shards(rep.shards, reason=rep.row.reason or why, now=now)
+    return True
+
+
+def drain_done(rep: LiveReplica, now: dt.datetime) -> str:
+    """Why a draining replica is finished ("" while its processes may still run)."""
+    if all(_gone(s) for s in rep.shards):
+        return "all shards stopped"
+    if (now - (rep.row.stop_requested_at or rep.row.updated_at)).total_seconds() > DRAIN_TIMEOUT_S:
+        return f"shards not reported stopped within {DRAIN_TIMEOUT_S:g} s; released"
+    return ""
+
+
+def finish_drains(*, now: dt.datetime) -> list[str]:
+    """Record "drained" on draining nodes that nothing runs on any more.
+
+    The node stays draining: the operator decides when it comes back
+    (uncordon), after maintenance. Recorded once per drain.
+    """
+    last = NodeEvent.objects.filter(node=OuterRef("pk"), kind__in=["state", "drained"]).order_by("-at", "-id")
+    busy_alloc = Allocation.objects.filter(node=OuterRef("pk")).values("id")[:1]
+    busy_shard = (
+        Shard.objects.filter(node=OuterRef("pk"), replica__state__in=replicas.LIVE_STATES)
+        .exclude(state__in=replicas.SHARD_DONE)
+        .values("id")[:1]
+    )
+    rows = (
+        Node.objects.filter(state=NodeState.DRAINING)
+        .annotate(
+            last_kind=Subquery(last.values("kind")[:1]),
+            alloc=Subquery(busy_alloc),
+            shard=Subquery(busy_shard),
+        )
+        .filter(alloc__isnull=True, shard__isnull=True)
+        .exclude(last_kind="drained")
+        .values_list("id", flat=True)
+    )
+    done = []
+    for node_id in rows:
+        record_event(node_id, "drained", "no replicas left; uncordon to use it again", now=now)
+        done.append(node_id)
+    return done
+
+
+def retire_replica(
+    replica_id: Any, *, now: dt.datetime, actor: AbstractBaseUser | None = None, reason: str = ""
+) -> bool:
+    """An operator gives a replica up: stopped whole, as a scale-down stops one.
+
+    Its shards are told to stop and its GPUs kept until they have ended (an
+    agent refuses new work on cards an old process still holds); the next
+    pass places a new replica if the deployment still wants as many. False
+    when the replica is not live any more (already retired, stopped or failed).
+    """
+    row = Replica.objects.filter(id=replica_id, state__in=replicas.LIVE_STATES - {RS.DRAINING}).first()
+    if row is None:
+        return False
+    rep = LiveReplica(row)
+    rep.shards = sorted(
+        Shard.objects.filter(replica_id=row.id).values(*SHARD_FIELDS),
+        key=lambda s: s["rank"],
+    )
+    who = getattr(actor, "username", "") or "an operator"
+    why = f"retired by {who}" + (f": {reason}" if reason else "")
+    return retire(rep, RS.STOPPED, reason=why, now=now, actor=actor)
