@@ -56,9 +56,8 @@ class Body(Generic[M]):
 
     def message(self) -> M:
         """The message; raises the body's refusal (415, 413, 400) when there is none."""
-        if self.refused is not None:
-            raise self.refused
-        assert self.parsed is not None
+        if self.parsed is None:
+            raise self.refused or Refused(400, "invalid request body")
         return self.parsed
 
 
