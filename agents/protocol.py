@@ -23,7 +23,7 @@ from inventory import fabric as fabric_rules
 from inventory import heartbeat as hb_rules
 from inventory import outbox, telemetry
 from inventory.nodes import upsert_node
-from placement import agent_sync
+from placement import agent_sync, queueing
 
 M = TypeVar("M", bound=wire.Message)
 
@@ -124,7 +124,7 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
                 secret = credentials.issue(reg.node_id, now=now, issued_by=caller.join.name, join_nonce=reg.join_nonce)
             sync = agent_sync.adopt_running(reg.node_id, reg.running_shards, now=now)
             if sync.changed:
-                agent_sync.queue_reconcile()
+                queueing.queue_reconcile()
             pending = outbox.pending(reg.node_id, now=now)
     except IntegrityError as exc:
         # Two registrations of one new node id racing: the loser retries.
@@ -203,7 +203,7 @@ def _record(
         sync = agent_sync.record_shard_states(node_id, hb.shards, now=now, pending_limit=wire.MAX_COMMANDS)
         pending_rows = sync.pending
         if sync.changed:
-            agent_sync.queue_reconcile()
+            queueing.queue_reconcile()
     if hb.gpu_fabrics is not None:
         d = hb_rules.digest(hb.gpu_fabrics)
         if applied.get("fabrics") != d:

@@ -83,13 +83,13 @@ _CREATE = """
 import json, sys, time, django
 django.setup()
 from django.db import transaction
-from placement import agent_sync
+from placement import agent_sync, queueing
 from placement.models import Deployment, EngineProfile
 spec = json.load(sys.stdin)
 with transaction.atomic():
     profile = EngineProfile.objects.create(name="fleet-echo-1", engine="echo", gpus_per_node=1, startup_timeout_s=600)
     dep = Deployment.objects.create(name="fleet", served_model="fleet", profile=profile, replicas=spec["replicas"])
-    agent_sync.queue_reconcile()
+    queueing.queue_reconcile()
 print(dep.id, time.time())
 """
 

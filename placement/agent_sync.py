@@ -21,7 +21,6 @@ from inventory import outbox
 from inventory.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
-from placement.queueing import queue_reconcile as queue_reconcile  # the heartbeat and liveness queue here
 from wire import shard_states
 
 log = logging.getLogger(__name__)

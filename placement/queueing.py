@@ -8,9 +8,8 @@ modules that queue a pass never import the reconciler they queue.
 
 from __future__ import annotations
 
+from celery import current_app
 from django.db import transaction
-
-from llmgw.celery import app
 
 TASK_NAME = "placement.reconcile"
 
@@ -21,7 +20,7 @@ def queue_reconcile() -> bool:
     Robust: the change that asked for a pass is committed already, so a broker
     that is down is logged, not raised at the caller; beat's next pass catches up.
     """
-    task = app.tasks.get(TASK_NAME)
+    task = current_app.tasks.get(TASK_NAME)
     if task is None:
         return False
     transaction.on_commit(lambda: task.apply_async(), robust=True)

@@ -14,7 +14,7 @@ from django.db.models import QuerySet
 
 from inventory.models import Node
 from inventory.operations import AffectedReplica
-from placement import agent_sync
+from placement import agent_sync, queueing
 from placement.models import Shard
 
 # Shards in these states hold nothing any more: a drain has nothing left to move.
@@ -28,7 +28,7 @@ class PlacementWorkloads:
         """Fail the node's live shards and queue a reconcile when any failed, so their replicas are rebuilt."""
         failed = agent_sync.fail_node_shards(node_id, reason=reason, now=now)
         if failed:
-            agent_sync.queue_reconcile()
+            queueing.queue_reconcile()
         return failed
 
     def nodes_with_live_shards(self) -> QuerySet[Any]:

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from agents.node import config as config_mod
+from agents.node.loop import Agent, DiscoveryProbe, Refused, Unreachable
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,8 +53,6 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in shown.items():
             print(f"{k}: {v}")
         return 0
-
-    from agents.node.loop import Agent, DiscoveryProbe, Refused, Unreachable
 
     probe = DiscoveryProbe(root=cfg.root or None, model_dirs=list(cfg.model_dirs))
     agent = Agent(cfg, probe=probe)

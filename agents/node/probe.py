@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import wire
+from agents.node import discovery
 
 
 class Probe(Protocol):
@@ -21,8 +22,6 @@ class DiscoveryProbe:
     """The real probe: agents.node.discovery, on the live machine or a fixture root."""
 
     def __init__(self, *, root: str | Path | None, model_dirs: list[str]) -> None:
-        from agents.node import discovery  # imported here so the loop runs (and is tested) without it
-
         self._d = discovery
         self.root = Path(root) if root else None
         self.model_dirs = list(model_dirs)

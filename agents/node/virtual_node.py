@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import wire
+from agents.node import discovery
 from agents.node.loop import AGENT_VERSION, FABRIC_EVERY_S
 from agents.node.simulate import NS, PROFILES_DIR, ZERO_UUID, derive_fabrics
 
@@ -57,8 +58,6 @@ class ProfileTemplate:
     @classmethod
     def read(cls, name: str, *, profiles_dir: Path = PROFILES_DIR) -> ProfileTemplate:
         """Run discovery once over the recorded profile: the registration, a sample and the GPUs' fabrics."""
-        from agents.node import discovery
-
         root = profiles_dir / name
         found = discovery.discover(root=root, model_dirs=[])
         sampled = discovery.sample(root=root)

@@ -18,7 +18,7 @@ from django.core.cache import cache
 
 import wire
 from inventory import fabric as fabric_rules
-from inventory import scans, telemetry
+from inventory import ibnetdiscover, scans, telemetry
 from inventory.doctor.loader import Inventory, counter_key
 from inventory.doctor.results import CheckResult, Result, verdict
 
@@ -163,7 +163,7 @@ def check_ib_errors(inv: Inventory) -> CheckResult:
 
 def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
     """Active InfiniBand ports that their fabric's latest ibnetdiscover map does not show."""
-    maps: dict[str, scans.FabricMap] = {}
+    maps: dict[str, ibnetdiscover.FabricMap] = {}
     found: dict[str, list[str]] = {}
     # Fabrics with active ports and no map yet, and the nodes on them: "ok"
     # there would claim coverage nobody has checked.
@@ -178,7 +178,7 @@ def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
                 unscanned.setdefault(key, set()).add(n.id)
                 continue
             if key not in maps:
-                maps[key] = scans.fabric_map(key, scan.output)
+                maps[key] = ibnetdiscover.fabric_map(key, scan.output)
             if maps[key].has_port(port_guid=p.port_guid, node_guid=p.node_guid) is False:
                 when = scan.output_at or scan.at
                 found.setdefault(n.id, []).append(

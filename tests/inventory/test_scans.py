@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import wire
-from inventory import fabric, outbox, scans
+from inventory import fabric, ibnetdiscover, outbox, scans
 from inventory.models import Command, FabricScan
 from inventory.nodes import change_state
 from tests.factories import make_node
@@ -25,7 +25,7 @@ def recorded(name: str) -> str:
 
 
 def test_parses_a_real_qdr_fabric():
-    m = scans.parse_ibnetdiscover(recorded("x5-qdr-2020.topo"))
+    m = ibnetdiscover.parse_ibnetdiscover(recorded("x5-qdr-2020.topo"))
     assert (m.switches, m.cas, m.routers) == (11, 89, 0)
     assert len(m.nodes) == 100
     assert len(m.node_guids) == 100
@@ -33,7 +33,7 @@ def test_parses_a_real_qdr_fabric():
     assert len(m.port_guids) == 100
     assert m.links == 318
     first = m.nodes[0]
-    assert first == scans.ScanNode(
+    assert first == ibnetdiscover.ScanNode(
         kind="switch",
         guid="0x0008f10500200b50",
         ports=36,
@@ -41,7 +41,7 @@ def test_parses_a_real_qdr_fabric():
         port_guids=("0x0008f10500200b50",),
     )
     last = m.nodes[-1]
-    assert last == scans.ScanNode(
+    assert last == ibnetdiscover.ScanNode(
         kind="ca",
         guid="0x0002c90300080e84",
         ports=1,
@@ -51,7 +51,7 @@ def test_parses_a_real_qdr_fabric():
 
 
 def test_every_adapter_port_of_the_real_map_is_also_seen_from_its_switch():
-    m = scans.parse_ibnetdiscover(recorded("x5-qdr-2020.topo"))
+    m = ibnetdiscover.parse_ibnetdiscover(recorded("x5-qdr-2020.topo"))
     ca_ports = {g for n in m.nodes if n.kind == "ca" for g in n.port_guids}
     assert len(ca_ports) == 89
     text = recorded("x5-qdr-2020.topo")
@@ -60,7 +60,7 @@ def test_every_adapter_port_of_the_real_map_is_also_seen_from_its_switch():
 
 
 def test_parses_the_manual_example_with_a_two_port_adapter():
-    m = scans.parse_ibnetdiscover(recorded("voltaire-isr9024.topo"))
+    m = ibnetdiscover.parse_ibnetdiscover(recorded("voltaire-isr9024.topo"))
     assert (m.switches, m.cas) == (2, 4)
     dual = next(n for n in m.nodes if n.guid == "0x0008f10403960558")
     assert dual.port_guids == ("0x0008f1040396055a", "0x0008f10403960559")
@@ -69,7 +69,7 @@ def test_parses_the_manual_example_with_a_two_port_adapter():
 
 
 def test_has_port_compares_sysfs_spellings():
-    m = scans.parse_ibnetdiscover(recorded("x5-qdr-2020.topo"))
+    m = ibnetdiscover.parse_ibnetdiscover(recorded("x5-qdr-2020.topo"))
     # sysfs writes port GUIDs as four colon-separated groups.
     assert m.has_port(port_guid="78e7:d103:0022:97fd") is True
     assert m.has_port(port_guid="0x78E7D103002297FD") is True
@@ -81,12 +81,12 @@ def test_has_port_compares_sysfs_spellings():
 
 
 def test_sharp_aggregation_nodes_are_counted_apart_from_hosts_adapters():
-    m = scans.parse_ibnetdiscover(recorded("sharp-an-hdr-excerpt.topo"))
+    m = ibnetdiscover.parse_ibnetdiscover(recorded("sharp-an-hdr-excerpt.topo"))
     assert (m.cas, m.aggregation_nodes, m.switches) == (1, 1, 0)
     an = next(n for n in m.nodes if n.aggregation_node)
     assert (an.guid, an.description) == ("0x0002c90000020cf9", "Mellanox Technologies Aggregation Node")
     # The real QDR map has none, and keeps its 89 adapters.
-    assert scans.parse_ibnetdiscover(recorded("x5-qdr-2020.topo")).aggregation_nodes == 0
+    assert ibnetdiscover.parse_ibnetdiscover(recorded("x5-qdr-2020.topo")).aggregation_nodes == 0
 
 
 def lone_ca_map() -> str:
@@ -95,20 +95,22 @@ def lone_ca_map() -> str:
 
 
 def test_a_lone_ca_without_port_guid_lines_matches_by_node_guid():
-    m = scans.parse_ibnetdiscover(lone_ca_map())
+    m = ibnetdiscover.parse_ibnetdiscover(lone_ca_map())
     assert (m.cas, m.links, m.port_guids) == (1, 0, frozenset())
     # sysfs gives both GUIDs; the map has only the node's.
     assert m.has_port(port_guid="0002:c900:0001:7dfe", node_guid="0002:c900:0001:7dfd") is True
     assert m.has_port(port_guid="0002:c900:0001:7dfe", node_guid="0002:c900:0001:0000") is False
     # A CA the map shows with its port GUID is still matched by that port only.
-    full = scans.parse_ibnetdiscover(recorded("sharp-an-hdr-excerpt.topo"))
+    full = ibnetdiscover.parse_ibnetdiscover(recorded("sharp-an-hdr-excerpt.topo"))
     assert full.has_port(port_guid="0002:c900:0001:0000", node_guid="0002:c900:0001:7dfd") is False
     assert full.has_port(port_guid="0002:c900:0001:7dfe", node_guid="0002:c900:0001:7dfd") is True
 
 
 def test_garbage_and_empty_text_give_an_empty_map():
-    assert scans.parse_ibnetdiscover("") == scans.FabricMap()
-    m = scans.parse_ibnetdiscover("ibwarn: [1234] mad_rpc_open_port: can't open UMAD port\nsrc/ibnetdisc.c:123\n")
+    assert ibnetdiscover.parse_ibnetdiscover("") == ibnetdiscover.FabricMap()
+    m = ibnetdiscover.parse_ibnetdiscover(
+        "ibwarn: [1234] mad_rpc_open_port: can't open UMAD port\nsrc/ibnetdisc.c:123\n"
+    )
     assert (m.switches, m.cas, m.links) == (0, 0, 0)
 
 
@@ -230,7 +232,7 @@ def test_a_failed_scan_keeps_the_last_good_map(two_nodes, now):
     )
     scan = FabricScan.objects.get(key=order.key)
     assert (scan.error, scan.at, scan.output_at, scan.took_s) == ("ibnetdiscover timed out", later, now, 120.0)
-    m = scans.parse_ibnetdiscover(scan.output)
+    m = ibnetdiscover.parse_ibnetdiscover(scan.output)
     assert (m.switches, m.cas) == (2, 4)
 
 
