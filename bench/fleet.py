@@ -83,7 +83,7 @@ _CREATE = """
 import json, sys, time, django
 django.setup()
 from django.db import transaction
-from placement import agent_sync, queueing
+from placement import queueing
 from placement.models import Deployment, EngineProfile
 spec = json.load(sys.stdin)
 with transaction.atomic():
