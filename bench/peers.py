@@ -12,7 +12,8 @@ such and left out, and the others still run. Everything listens on loopback.
    (default 500) requests a second for BENCH_PEERS_SECONDS (default 3):
    added latency p50/p99 (front minus direct, measured just before). Then
    each front's highest offered rate (stepping up) held with p99 under 50 ms
-   and no errors, streamed.
+   and no errors, streamed, and its throughput with BENCH_PEERS_CLIENTS (64)
+   clients streaming back to back.
 2. Routing quality: bench.gateway's workloads (BENCH_PEERS_WORKLOADS, default
    "short,sessions") over 4 fresh echo replicas per front: prefix-cache hit
    ratio from the replicas' own counters, mean time to first token.
@@ -30,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -151,6 +153,31 @@ def _answers(url: str, key: str, model: str) -> Callable[[], bool]:
     return probe
 
 
+async def _closed(url: str, key: str, model: str, clients: int, seconds: float) -> tuple[float, int]:
+    """`clients` streamed requests back to back for `seconds`: answers completed a second, and the errors."""
+    body = {"model": model, "messages": [{"role": "user", "content": "one two three four five"}], "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    done = errors = 0
+    end = time.perf_counter() + seconds
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=30) as client:
+
+        async def loop() -> None:
+            nonlocal done, errors
+            while time.perf_counter() < end:
+                try:
+                    r = await client.post("/v1/chat/completions", json=body)
+                    ok = r.status_code == 200 and r.content.rstrip().endswith(b"[DONE]")
+                except httpx.HTTPError:
+                    ok = False
+                done += ok
+                errors += not ok
+
+        started = time.perf_counter()
+        await asyncio.gather(*(loop() for _ in range(clients)))
+    return done / (time.perf_counter() - started), errors
+
+
 def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir: Path) -> dict[str, list[float]]:
     rate = float(os.environ.get("BENCH_PEERS_RATE", 500))
     seconds = float(os.environ.get("BENCH_PEERS_SECONDS", 3))
@@ -176,6 +203,10 @@ def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir
                 break
             held = float(step)
         out[f"{name}: highest streamed rate with p99 < 50 ms, req/s"] = [held]
+        clients = int(os.environ.get("BENCH_PEERS_CLIENTS", 64))
+        rate_done, errors = asyncio.run(_closed(url, key, "bench", clients, seconds))
+        out[f"{name}: throughput, {clients} clients streaming back to back, req/s"] = [rate_done]
+        out[f"{name}: errors, back to back"] = [float(errors)]
     procs.stop()
     return out
 
