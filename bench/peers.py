@@ -284,6 +284,8 @@ def run() -> list[str]:
                 for w in workloads if "routing" in parts else ():
                     for k, v in _routing(env, procs, peers, w, i, Path(tmp)).items():
                         figures.setdefault(k, []).extend(v)
+                # What the runs so far measured, kept should a later run not finish.
+                (PEERS_DIR / "figures.json").write_text(json.dumps({"load": loads, "figures": figures}, indent=1))
         finally:
             procs.stop()
     lines.append(f"{runs} runs; load average (1 min) at each run's start: {', '.join(f'{x:.2f}' for x in loads)}")
