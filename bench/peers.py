@@ -32,8 +32,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -178,6 +179,22 @@ async def _closed(url: str, key: str, model: str, clients: int, seconds: float) 
     return done / (time.perf_counter() - started), errors
 
 
+def _bounded(coro: Coroutine[Any, Any, tuple], limit: float, failed: tuple) -> tuple:
+    """Run `coro` for at most `limit` seconds; `failed` (everything counted as failed) if it runs over.
+
+    A front that falls far behind (LiteLLM's proxy at hundreds of requests a
+    second) would otherwise keep a phase waiting on its backlog for many minutes.
+    """
+
+    async def wrapped() -> tuple:
+        try:
+            return await asyncio.wait_for(coro, limit)
+        except TimeoutError:
+            return failed
+
+    return asyncio.run(wrapped())
+
+
 def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir: Path) -> dict[str, list[float]]:
     rate = float(os.environ.get("BENCH_PEERS_RATE", 500))
     seconds = float(os.environ.get("BENCH_PEERS_SECONDS", 3))
@@ -187,9 +204,10 @@ def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir
     for stream in (False, True):
         kind = "streamed" if stream else "not streamed"
         for name, (url, key) in fronts.items():
-            asyncio.run(_steady(url, key, "bench", 100, 1, stream))  # warm the pools
-            direct, e1 = asyncio.run(_steady(echo, key, "bench", rate, seconds, stream))
-            through, e2 = asyncio.run(_steady(url, key, "bench", rate, seconds, stream))
+            _bounded(_steady(url, key, "bench", 100, 1, stream), 30, ([], 0))  # warm the pools
+            offered = ([], int(rate * seconds))
+            direct, e1 = _bounded(_steady(echo, key, "bench", rate, seconds, stream), seconds + 30, offered)
+            through, e2 = _bounded(_steady(url, key, "bench", rate, seconds, stream), seconds + 30, offered)
             out[f"{name}: added p50 ms, {kind}"] = [(_pct(through, 50) - _pct(direct, 50)) * 1000]
             out[f"{name}: added p99 ms, {kind}"] = [(_pct(through, 99) - _pct(direct, 99)) * 1000]
             out[f"{name}: errors, {kind}"] = [float(e2)]
@@ -198,13 +216,13 @@ def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir
     for name, (url, key) in fronts.items():
         held = 0.0
         for step in STEPS:
-            lat, errors = asyncio.run(_steady(url, key, "bench", step, min(seconds, 3), True))
+            lat, errors = _bounded(_steady(url, key, "bench", step, min(seconds, 3), True), seconds + 30, ([], 1))
             if errors or _pct(lat, 99) > 0.050:
                 break
             held = float(step)
         out[f"{name}: highest streamed rate with p99 < 50 ms, req/s"] = [held]
         clients = int(os.environ.get("BENCH_PEERS_CLIENTS", 64))
-        rate_done, errors = asyncio.run(_closed(url, key, "bench", clients, seconds))
+        rate_done, errors = _bounded(_closed(url, key, "bench", clients, seconds), seconds + 60, (0.0, clients))
         out[f"{name}: throughput, {clients} clients streaming back to back, req/s"] = [rate_done]
         out[f"{name}: errors, back to back"] = [float(errors)]
     procs.stop()
