@@ -274,6 +274,11 @@ def _ratios(figures: dict[str, list[float]], peers: list[str]) -> list[str]:
     return lines
 
 
+def _keep(loads: list[float], figures: dict[str, list[float]]) -> None:
+    # What the parts so far measured, kept should a later one not finish.
+    (PEERS_DIR / "figures.json").write_text(json.dumps({"load": loads, "figures": figures}, indent=1))
+
+
 def run() -> list[str]:
     """Install the peers, then every part BENCH_PEERS_RUNS times; min / median / max and the ratios."""
     runs = int(os.environ.get("BENCH_PEERS_RUNS", 3))
@@ -299,11 +304,11 @@ def run() -> list[str]:
                 if "overhead" in parts:
                     for k, v in _overhead(env, procs, peers, Path(tmp)).items():
                         figures.setdefault(k, []).extend(v)
+                    _keep(loads, figures)
                 for w in workloads if "routing" in parts else ():
                     for k, v in _routing(env, procs, peers, w, i, Path(tmp)).items():
                         figures.setdefault(k, []).extend(v)
-                # What the runs so far measured, kept should a later run not finish.
-                (PEERS_DIR / "figures.json").write_text(json.dumps({"load": loads, "figures": figures}, indent=1))
+                    _keep(loads, figures)
         finally:
             procs.stop()
     lines.append(f"{runs} runs; load average (1 min) at each run's start: {', '.join(f'{x:.2f}' for x in loads)}")
