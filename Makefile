@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 PY := $(BIN)/python
 TEST_ENV := DJANGO_SETTINGS_MODULE=llmgw.settings_test
 
-.PHONY: run test lint bench demo services migrations clean browser
+.PHONY: run test lint bench bench-peers demo services migrations clean browser
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ demo: $(VENV)/.installed
 
 bench: $(VENV)/.installed-dev services
 	$(TEST_ENV) $(PY) -m bench
+
+# The gateway beside vLLM's router and LiteLLM's proxy on the same echo replicas; each peer is
+# installed from PyPI into a venv of its own under var/peers/ (never the project's). Not needed by make test.
+bench-peers: $(VENV)/.installed-dev services
+	$(TEST_ENV) $(PY) -m bench peers
 
 clean:
 	rm -rf $(VENV) var test-artifacts

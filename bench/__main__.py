@@ -12,8 +12,9 @@ import sys
 import time
 
 BENCHES: list[str] = ["heartbeat", "planner", "reconcile", "metrics", "gateway"]
-# Run only when named: the whole loop with a simulated fleet takes minutes.
-ON_REQUEST: list[str] = ["fleet"]
+# Run only when named: the whole loop with a simulated fleet takes minutes, and
+# the gateway's peers are installed from PyPI (make bench-peers).
+ON_REQUEST: list[str] = ["fleet", "peers"]
 
 
 def main(argv: list[str]) -> int:

@@ -9,10 +9,9 @@ as processes of their own, and drives them from this process.
    default 100/s) for BENCH_GW_SECONDS (default 5): added latency p50/p99;
    then the highest offered rate (stepping up) the gateway holds with p99
    under 50 ms and no errors.
-2. Routing quality: a multi-turn chat workload (BENCH_GW_CONVERSATIONS
-   conversations of BENCH_GW_TURNS turns over 4 system prompts, 8 at a time)
-   over 4 echo replicas with the small-GPU defaults and a prefix cache of 256
-   blocks each: prefix-cache hit ratio (the replicas' own counters) and mean
+2. Routing quality: multi-turn chat workloads (WORKLOADS, chosen with
+   BENCH_GW_WORKLOADS, default both) over 4 echo replicas with the small-GPU
+   defaults: prefix-cache hit ratio (the replicas' own counters) and mean
    time to first token, round-robin against the prefix policy.
 Each part runs BENCH_GW_RUNS times (default 3) and prints min/median/max.
 """
@@ -28,11 +27,13 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from agents.node.echo import PrefixCache, _context_tokens
 from bench.heartbeat import _free_port, _recreate_database
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,25 +203,53 @@ def _overhead(env: dict[str, str], procs: Procs) -> dict[str, list[float]]:
     return out
 
 
-async def _conversations(
-    url: str, key: str, n: int, turns: int, concurrency: int, seed: int
-) -> tuple[list[float], int]:
-    """Multi-turn chats over 4 system prompts; each request's time to first token, and the errors."""
+@dataclass(frozen=True)
+class Workload:
+    """A multi-turn chat workload: conversations over a few shared system prompts, a few at a time.
+
+    Words stand for tokens (the echo engine's tokenizer); its replies repeat the
+    question, capped at `reply_words`.
+    """
+
+    name: str
+    conversations: int
+    turns: int
+    systems: int
+    system_words: tuple[int, int]
+    question_words: tuple[int, int]
+    reply_words: int
+    concurrency: int
+    cache_blocks: int
+
+
+# The workload the router was first measured on: short chats behind long system
+# prompts, which every replica soon caches whatever the router does.
+SHORT_CHATS = Workload("short chats", 32, 4, 4, (200, 400), (20, 60), 32, 8, 256)
+# Many concurrent sessions of 8 turns behind 8 shorter system prompts, more than
+# one replica's prefix cache (the echo engine's small-GPU default, 2048 blocks
+# of 16) holds: the case where a conversation goes decides whether its
+# earlier turns are still cached.
+SESSIONS = Workload("sessions", 192, 8, 8, (100, 300), (20, 60), 64, 32, 2048)
+WORKLOADS = {"short": SHORT_CHATS, "sessions": SESSIONS}
+
+
+async def _conversations(url: str, key: str, w: Workload, seed: int, model: str = "chat") -> tuple[list[float], int]:
+    """Run the workload; each request's time to first token, and the errors."""
     rng = random.Random(seed)
-    systems = [" ".join(f"sys{s}w{i}" for i in range(rng.randint(200, 400))) for s in range(4)]
+    systems = [" ".join(f"sys{s}w{i}" for i in range(rng.randint(*w.system_words))) for s in range(w.systems)]
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
     ttft: list[float] = []
     errors = 0
-    sem = asyncio.Semaphore(concurrency)
+    sem = asyncio.Semaphore(w.concurrency)
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
 
         async def chat(c: int) -> None:
             nonlocal errors
-            messages = [{"role": "system", "content": systems[c % 4]}]
-            for t in range(turns):
-                question = " ".join(f"c{c}t{t}q{i}" for i in range(rng.randint(20, 60)))
+            messages = [{"role": "system", "content": systems[c % w.systems]}]
+            for t in range(w.turns):
+                question = " ".join(f"c{c}t{t}q{i}" for i in range(rng.randint(*w.question_words)))
                 messages.append({"role": "user", "content": question})
-                body = {"model": "chat", "messages": messages, "stream": True, "max_tokens": 32}
+                body = {"model": model, "messages": messages, "stream": True, "max_tokens": w.reply_words}
                 async with sem:
                     t0 = time.perf_counter()
                     first = None
@@ -245,8 +274,27 @@ async def _conversations(
                 ttft.append(first - t0)
                 messages.append({"role": "assistant", "content": "".join(answer)})
 
-        await asyncio.gather(*(chat(c) for c in range(n)))
+        await asyncio.gather(*(chat(c) for c in range(w.conversations)))
     return ttft, errors
+
+
+def ceiling(w: Workload, seed: int) -> float:
+    """The hit ratio no router can beat on `w`: every request of it on one replica with an unbounded cache.
+
+    The same prompts as `_conversations` sends (the echo engine's replies are
+    its questions, capped), looked up in the echo engine's own prefix cache.
+    """
+    rng = random.Random(seed)
+    systems = [" ".join(f"sys{s}w{i}" for i in range(rng.randint(*w.system_words))) for s in range(w.systems)]
+    cache = PrefixCache(16, 1 << 62)
+    for c in range(w.conversations):
+        messages = [{"role": "system", "content": systems[c % w.systems]}]
+        for t in range(w.turns):
+            question = " ".join(f"c{c}t{t}q{i}" for i in range(rng.randint(*w.question_words)))
+            messages.append({"role": "user", "content": question})
+            cache.admit(_context_tokens({"messages": messages}, chat=True))
+            messages.append({"role": "assistant", "content": " ".join(question.split()[: w.reply_words])})
+    return cache.hits / cache.queries if cache.queries else 0.0
 
 
 def _cache_counters(urls: list[str]) -> tuple[float, float]:
@@ -260,12 +308,10 @@ def _cache_counters(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def _routing(env: dict[str, str], procs: Procs, seed: int) -> dict[str, list[float]]:
-    n = int(os.environ.get("BENCH_GW_CONVERSATIONS", 32))
-    turns = int(os.environ.get("BENCH_GW_TURNS", 4))
+def _routing(env: dict[str, str], procs: Procs, w: Workload, seed: int) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for policy in ("round-robin", "prefix"):
-        urls = [procs.echo(env, "chat", "--cache-blocks", "256") for _ in range(4)]
+        urls = [procs.echo(env, "chat", "--cache-blocks", str(w.cache_blocks)) for _ in range(4)]
         key = subprocess.run([sys.executable, "-c", _SETUP], cwd=ROOT, env=env, input=json.dumps({"chat": urls}),
                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
         port = _free_port()
@@ -273,14 +319,22 @@ def _routing(env: dict[str, str], procs: Procs, seed: int) -> dict[str, list[flo
         gw = f"http://127.0.0.1:{port}"
         _wait(lambda gw=gw, key=key: httpx.get(f"{gw}/v1/models", headers={"Authorization": f"Bearer {key}"},
                                                 timeout=1).json()["data"][0]["ready_replicas"] == 4)  # fmt: skip
-        ttft, errors = asyncio.run(_conversations(gw, key, n, turns, 8, seed))
+        ttft, errors = asyncio.run(_conversations(gw, key, w, seed))
         hits, queries = _cache_counters(urls)
-        out[f"{policy}: prefix-cache hit ratio"] = [hits / queries if queries else 0.0]
-        out[f"{policy}: mean time to first token ms"] = [statistics.fmean(ttft) * 1000 if ttft else float("nan")]
-        out[f"{policy}: errors"] = [float(errors)]
+        out[f"{w.name}, {policy}: prefix-cache hit ratio"] = [hits / queries if queries else 0.0]
+        out[f"{w.name}, {policy}: mean time to first token ms"] = [
+            statistics.fmean(ttft) * 1000 if ttft else float("nan")
+        ]
+        out[f"{w.name}, {policy}: errors"] = [float(errors)]
         procs.stop()
-    rr, px = out["round-robin: prefix-cache hit ratio"][0], out["prefix: prefix-cache hit ratio"][0]
-    out["hit ratio, prefix / round-robin"] = [px / rr if rr else float("inf")]
+    rr, px = (
+        out[f"{w.name}, round-robin: prefix-cache hit ratio"][0],
+        out[f"{w.name}, prefix: prefix-cache hit ratio"][0],
+    )
+    out[f"{w.name}: hit ratio, prefix / round-robin"] = [px / rr if rr else float("inf")]
+    best = ceiling(w, seed)
+    out[f"{w.name}: ceiling (one replica, unbounded cache)"] = [best]
+    out[f"{w.name}: ceiling / round-robin, the most any router could gain"] = [best / rr if rr else float("inf")]
     return out
 
 
@@ -303,7 +357,8 @@ def run() -> list[str]:
             if "overhead" in parts:
                 _merge(figures, _overhead(env, procs))
             if "routing" in parts:
-                _merge(figures, _routing(env, procs, seed=i))
+                for name in os.environ.get("BENCH_GW_WORKLOADS", "short,sessions").split(","):
+                    _merge(figures, _routing(env, procs, WORKLOADS[name], seed=i))
     finally:
         procs.stop()
     lines = [f"{runs} runs; load average before: {os.getloadavg()[0]:.2f}"]

@@ -7,6 +7,6 @@ import django
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings")
 django.setup()
 
-from gateway.dataplane import make_app  # noqa: E402  (Django must be set up first)
+from gateway.dataplane.app import make_app  # noqa: E402  (Django must be set up first)
 
 app = make_app()

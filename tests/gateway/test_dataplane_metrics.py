@@ -9,7 +9,7 @@ from pathlib import Path
 from django.conf import settings
 from prometheus_client import generate_latest
 
-from gateway.dataplane import Metrics
+from gateway.dataplane.metrics import Metrics
 
 
 def _exposed() -> set[str]:

@@ -1,0 +1,298 @@
+"""The ASGI application: its routes, authentication, the request's checks, and the process's start and stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import redis.asyncio as aioredis
+from django.conf import settings
+from prometheus_client import generate_latest
+
+from gateway import keys as gwkeys
+from gateway import usage
+from gateway.dataplane.background import Background
+from gateway.dataplane.http import ClientGone, Receive, Scope, Send, error_body, send_json, send_raw
+from gateway.dataplane.limits import Limiter
+from gateway.dataplane.metrics import Metrics
+from gateway.dataplane.streaming import Outcome, Relay
+from gateway.dataplane.upstream import Health, Upstream
+from gateway.enginemetrics import EngineLoad
+from gateway.table import KeyEntry, ModelRoute
+from placement import inflight as placement_inflight
+
+log = logging.getLogger("gateway.dataplane")
+
+MAX_BODY = 32 * 1024 * 1024
+PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
+
+
+class DataPlane(Background, Upstream, Relay):
+    """The ASGI application. One instance per process; state is this process's own."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, ModelRoute] = {}
+        self.keys: dict[str, KeyEntry] = {}
+        self.inflight: dict[str, int] = defaultdict(int)
+        self.health: dict[str, Health] = defaultdict(Health)
+        # Each replica's engine figures and when they were read (monotonic).
+        self.engine: dict[str, tuple[EngineLoad, float]] = {}
+        self.metrics = Metrics()
+        self.process_id = uuid.uuid4().hex[:12]
+        self.client: httpx.AsyncClient | None = None
+        self.redis: aioredis.Redis | None = None
+        self.limiter = Limiter(None, settings.LLMGW_CACHE_PREFIX)
+        self.usage = usage.Accumulator()
+        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-db")
+        self._tasks: list[asyncio.Task] = []
+        self.loaded = asyncio.Event()
+        self.round_robin = settings.LLMGW_GATEWAY_POLICY == "round-robin"
+        self.turn = 0
+
+    async def startup(self) -> None:
+        """Open the pools, load the table, start the background loops."""
+        self.client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500, keepalive_expiry=30),
+            timeout=httpx.Timeout(settings.LLMGW_GATEWAY_UPSTREAM_TIMEOUT, connect=5.0),
+        )
+        if settings.REDIS_URL:
+            self.redis = aioredis.Redis.from_url(settings.REDIS_URL)
+            self.limiter.redis = self.redis
+        try:
+            await self.reload("all")
+        except Exception:
+            # A database that is down, or not migrated yet, must not keep the front door
+            # from starting (and, under make run, take the other processes down with it):
+            # it starts knowing no keys or replicas, and the periodic refresh fills them in.
+            log.exception("gateway: could not load routes and keys at start; the periodic refresh will retry")
+        self._tasks.append(asyncio.create_task(self._refresh_forever()))
+        self._tasks.append(asyncio.create_task(self._flush_usage_forever()))
+        self._tasks.append(asyncio.create_task(self._scrape_forever()))
+        if self.redis is not None:
+            self._tasks.append(asyncio.create_task(self._listen_forever()))
+            self._tasks.append(asyncio.create_task(self._report_inflight_forever()))
+
+    async def shutdown(self) -> None:
+        """Stop the loops, write the last usage, close the pools."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        with contextlib.suppress(Exception):
+            await self._flush_usage(asyncio.get_running_loop())
+        if self.client is not None:
+            await self.client.aclose()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await placement_inflight.report_async(self.redis, self.process_id, None)
+            await self.redis.aclose()
+        self._db.shutdown(wait=False)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if path == "/health" and method == "GET":
+            await send_json(send, 200, {"status": "ok", "models": len(self.routes)})
+            return
+        if path == "/metrics" and method == "GET":
+            await self._metrics(send)
+            return
+        key = self._authenticate(scope)
+        if isinstance(key, bytes):
+            await send_raw(send, 401, key)
+            return
+        if path == "/v1/models" and method == "GET":
+            await self._models(send, key)
+            return
+        if path in PROXIED and method == "POST":
+            await self._proxy(scope, receive, send, key, path)
+            return
+        await send_raw(send, 404, error_body(404, f"no route {method} {path}", "invalid_request_error", "not_found"))
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as e:
+                    log.exception("gateway: start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(e)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _authenticate(self, scope: Scope) -> KeyEntry | bytes:
+        header = b""
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                header = v
+                break
+        scheme, _, token = header.decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return error_body(
+                401, "missing API key: send Authorization: Bearer <key>", "authentication_error", "missing_api_key"
+            )
+        entry = self.keys.get(gwkeys.hash_secret(token.strip()))
+        if entry is None:
+            return error_body(401, "invalid or revoked API key", "authentication_error", "invalid_api_key")
+        if entry.expired(dt.datetime.now(dt.UTC)):
+            return error_body(401, f"API key {entry.name!r} has expired", "authentication_error", "expired_api_key")
+        return entry
+
+    async def _metrics(self, send: Send) -> None:
+        # Every routed replica, so one whose requests all finished reads 0, not its last count.
+        routed = {b.id for route in self.routes.values() for b in route.backends}
+        for rid in routed | set(self.inflight):
+            self.metrics.inflight.labels(rid).set(self.inflight.get(rid, 0))
+        now = time.monotonic()
+        for rid, h in list(self.health.items()):
+            self.metrics.ejected.labels(rid).set(1 if h.ejected_until > now else 0)
+        body = generate_latest(self.metrics.registry)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def _models(self, send: Send, key: KeyEntry) -> None:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "llmgw",
+                "ready_replicas": len(route.backends),
+                "replicas": route.desired,
+            }
+            for name, route in sorted(self.routes.items())
+            if key.allows(name)
+        ]
+        await send_json(send, 200, {"object": "list", "data": data})
+
+    async def _read_body(self, receive: Receive) -> bytes | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > MAX_BODY:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, key: KeyEntry, path: str) -> None:
+        started = time.monotonic()
+        try:
+            raw = await self._read_body(receive)
+        except ClientGone:
+            return
+        if raw is None:
+            await send_raw(
+                send, 413, error_body(413, f"body over {MAX_BODY} bytes", "invalid_request_error", "too_large")
+            )
+            return
+        try:
+            body = json.loads(raw or b"{}")
+        except (ValueError, UnicodeDecodeError):
+            await send_raw(send, 400, error_body(400, "body is not JSON", "invalid_request_error", "invalid_json"))
+            return
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(model, str) or not model:
+            await send_raw(
+                send,
+                400,
+                error_body(400, "model: required, a string", "invalid_request_error", "invalid_value", "model"),
+            )
+            return
+        route = self.routes.get(model)
+        if route is None:
+            await send_raw(
+                send,
+                404,
+                error_body(
+                    404, f"the model {model!r} does not exist", "invalid_request_error", "model_not_found", "model"
+                ),
+            )
+            return
+        if not key.allows(model):
+            await send_raw(
+                send,
+                403,
+                error_body(
+                    403, f"API key {key.name!r} may not use {model!r}", "permission_error", "model_not_allowed", "model"
+                ),
+            )
+            return
+        wall = time.time()
+        retry_after = await self.limiter.admit(key, wall)
+        if retry_after is not None:
+            self.metrics.requests.labels(model, "429").inc()
+            self.usage.add(key.id, model, wall, error=True)
+            await send_raw(
+                send,
+                429,
+                error_body(
+                    429,
+                    f"API key {key.name!r} is over its limit for this minute",
+                    "rate_limit_error",
+                    "rate_limit_exceeded",
+                ),
+                [(b"retry-after", str(math.ceil(retry_after)).encode())],
+            )
+            return
+
+        async def spend(o: Outcome) -> None:
+            await self.limiter.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
+
+        out = await self._forward(receive, send, route, body, raw, path, started, spend)
+        await out.settle_once()
+        self.metrics.requests.labels(model, str(out.code)).inc()
+        if out.prompt_tokens:
+            self.metrics.tokens.labels(model, "prompt").inc(out.prompt_tokens)
+        if out.completion_tokens:
+            self.metrics.tokens.labels(model, "completion").inc(out.completion_tokens)
+        if out.ttft is not None:
+            self.metrics.ttft.labels(model).observe(out.ttft)
+        self.metrics.duration.labels(model).observe(time.monotonic() - started)
+        self.usage.add(
+            key.id,
+            model,
+            wall,
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            error=out.error,
+            ttft=out.ttft,
+        )
+
+
+def make_app() -> DataPlane:
+    """A data plane for this process (DJANGO_SETTINGS_MODULE must be set up)."""
+    log.info("gateway data plane %s starting (pid %d)", "llmgw", os.getpid())
+    return DataPlane()

@@ -1,0 +1,50 @@
+"""The gateway's own Prometheus families (served on the data plane's /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    """The gateway's Prometheus families, on a registry of this process's own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "llmgw_gateway_requests",
+            "Requests answered, by model and status code",
+            ["model", "code"],
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "llmgw_gateway_tokens",
+            "Tokens the engines reported, by model and kind",
+            ["model", "kind"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "llmgw_gateway_ttft_seconds",
+            "Time from the request to its first byte from the replica",
+            ["model"],
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "llmgw_gateway_request_seconds",
+            "Time from the request to its last byte",
+            ["model"],
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=self.registry,
+        )
+        self.inflight = Gauge(
+            "llmgw_gateway_inflight", "Requests in flight to each replica", ["replica"], registry=self.registry
+        )
+        self.ejected = Gauge(
+            "llmgw_gateway_replica_ejected",
+            "1 while a replica is ejected after repeated failures",
+            ["replica"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "llmgw_gateway_retries", "Requests retried on another replica before the first byte", registry=self.registry
+        )

@@ -1,0 +1,116 @@
+"""Relaying a replica's answer to the client as it arrives, and reading the engine's usage from it on the way."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from gateway.dataplane.http import ClientGone, Receive, Send
+from gateway.table import Backend
+
+
+@dataclass
+class Outcome:
+    """What one proxied request came to, for metrics, limits and usage."""
+
+    code: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+    error: bool = False
+    # Called once the usage is known and before the answer's end reaches the
+    # client, so a client's next request sees this one's tokens counted.
+    settle: Callable[[Outcome], Awaitable[None]] | None = None
+    settled: bool = False
+
+    async def settle_once(self) -> None:
+        """Run `settle` if it has not run yet."""
+        if self.settle is not None and not self.settled:
+            self.settled = True
+            await self.settle(self)
+
+
+class Relay:
+    """The data plane's relaying half: one answer passed through, cancelled with its client."""
+
+    async def _relay(
+        self,
+        receive: Receive,
+        send: Send,
+        response: httpx.Response,
+        backend: Backend,
+        started: float,
+        settle: Callable[[Outcome], Awaitable[None]] | None,
+    ) -> Outcome:
+        """Pass the replica's answer through as it arrives; stop at once when the client goes away."""
+        out = Outcome(code=response.status_code, error=response.status_code >= 400, settle=settle)
+        relay = asyncio.ensure_future(self._pump(send, response, backend, out, started))
+        watch = asyncio.ensure_future(self._wait_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({relay, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if relay not in done:
+                relay.cancel()
+                out.error = True
+                out.code = 499
+            with contextlib.suppress(asyncio.CancelledError, ClientGone):
+                await relay
+        finally:
+            watch.cancel()
+            # Closing the stream closes the upstream connection: the engine sees the client gone.
+            await response.aclose()
+        return out
+
+    async def _wait_disconnect(self, receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def _pump(self, send: Send, response: httpx.Response, backend: Backend, out: Outcome, started: float) -> None:
+        headers = [(b"x-llmgw-replica", backend.id.encode())]
+        ctype = response.headers.get("content-type", "application/json")
+        headers.append((b"content-type", ctype.encode()))
+        sse = ctype.startswith("text/event-stream")
+        if sse:
+            headers.append((b"cache-control", b"no-cache"))
+        await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+        tail = b""
+        whole: list[bytes] = []
+        async for chunk in response.aiter_raw():
+            if out.ttft is None:
+                out.ttft = time.monotonic() - started
+            try:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except Exception as e:
+                raise ClientGone from e
+            if sse:
+                tail = self._scan_sse(tail + chunk, out)
+            else:
+                whole.append(chunk)
+        if not sse and whole:
+            with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError, TypeError):
+                self._take_usage(json.loads(b"".join(whole)).get("usage"), out)
+        await out.settle_once()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _scan_sse(self, buf: bytes, out: Outcome) -> bytes:
+        """Read usage from complete `data:` lines; return the incomplete rest."""
+        *lines, rest = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError):
+                    self._take_usage(json.loads(line[6:]).get("usage"), out)
+        return rest
+
+    @staticmethod
+    def _take_usage(u: Any, out: Outcome) -> None:
+        if isinstance(u, dict):
+            out.prompt_tokens = int(u.get("prompt_tokens") or 0)
+            out.completion_tokens = int(u.get("completion_tokens") or 0)

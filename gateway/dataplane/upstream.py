@@ -1,0 +1,139 @@
+"""Choosing a replica, sending it the request, retrying once before the first byte, ejecting one that keeps failing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+from django.conf import settings
+
+from gateway import routing
+from gateway.dataplane.http import Receive, Send, error_body, send_raw
+from gateway.dataplane.metrics import Metrics
+from gateway.dataplane.streaming import Outcome
+from gateway.table import Backend, ModelRoute
+
+log = logging.getLogger("gateway.dataplane")
+
+
+@dataclass
+class Health:
+    """A replica's recent failures as this process saw them."""
+
+    failures: int = 0
+    ejected_until: float = 0.0
+
+
+class Upstream:
+    """The data plane's forwarding half. Its state (client, health, in-flight counts) is the DataPlane's."""
+
+    client: httpx.AsyncClient | None
+    health: dict[str, Health]
+    inflight: dict[str, int]
+    metrics: Metrics
+    round_robin: bool
+    turn: int
+
+    def _ejected(self, now: float) -> set[str]:
+        return {rid for rid, h in self.health.items() if h.ejected_until > now}
+
+    def _failed(self, backend: Backend) -> None:
+        h = self.health[backend.id]
+        h.failures += 1
+        if h.failures >= settings.LLMGW_GATEWAY_EJECT_AFTER and h.ejected_until <= time.monotonic():
+            h.ejected_until = time.monotonic() + settings.LLMGW_GATEWAY_EJECT_FOR
+            self.metrics.ejected.labels(backend.id).set(1)
+            log.warning("gateway: replica %s ejected after %d failures in a row", backend.id, h.failures)
+
+    def _succeeded(self, backend: Backend) -> None:
+        h = self.health.get(backend.id)
+        if h is not None and h.failures:
+            h.failures = 0
+            if h.ejected_until:
+                h.ejected_until = 0.0
+                self.metrics.ejected.labels(backend.id).set(0)
+
+    async def _forward(
+        self,
+        receive: Receive,
+        send: Send,
+        route: ModelRoute,
+        body: dict,
+        raw: bytes,
+        path: str,
+        started: float,
+        settle: Callable[[Outcome], Awaitable[None]] | None = None,
+    ) -> Outcome:
+        """Send the request to a replica, once more to another on a failure before the first byte, and relay."""
+        assert self.client is not None
+        stream = bool(body.get("stream"))
+        if stream and path != "/v1/embeddings":
+            opts = body.get("stream_options")
+            if not (isinstance(opts, dict) and opts.get("include_usage")):
+                # The usage of a stream is counted from the engine's own last chunk.
+                body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+                raw = json.dumps(body).encode()
+        rkey = routing.prefix_key(body)
+        tried: set[str] = set()
+        last = ""
+        for attempt in range(2):
+            now = time.monotonic()
+            if self.round_robin:
+                self.turn += 1
+                backend = routing.round_robin(route.backends, self.turn, exclude=tried | self._ejected(now))
+            else:
+                backend = routing.choose(
+                    route.backends, key=rkey, load=self.loads(route.backends), exclude=tried | self._ejected(now)
+                )
+            if backend is None:
+                break
+            tried.add(backend.id)
+            self.inflight[backend.id] += 1
+            try:
+                request = self.client.build_request(
+                    "POST",
+                    backend.endpoint + path,
+                    content=raw,
+                    headers={"content-type": "application/json", "accept": "application/json, text/event-stream"},
+                )
+                try:
+                    response = await self.client.send(request, stream=True)
+                except httpx.TransportError as e:
+                    self._failed(backend)
+                    last = f"replica {backend.id[:8]}: {type(e).__name__}"
+                    self.metrics.retries.inc(1 - attempt)
+                    continue
+                if response.status_code >= 500:
+                    await response.aclose()
+                    self._failed(backend)
+                    last = f"replica {backend.id[:8]}: HTTP {response.status_code}"
+                    self.metrics.retries.inc(1 - attempt)
+                    continue
+                self._succeeded(backend)
+                return await self._relay(receive, send, response, backend, started, settle)
+            finally:
+                self.inflight[backend.id] -= 1
+                if not self.inflight[backend.id]:
+                    del self.inflight[backend.id]
+        if not tried:
+            retry = "5"
+            message = route.unavailable_reason()
+            if route.backends:
+                message += f" ({len(route.backends)} ejected after repeated failures)"
+            await send_raw(
+                send,
+                503,
+                error_body(503, message, "service_unavailable", "no_ready_replica"),
+                [(b"retry-after", retry.encode())],
+            )
+            return Outcome(code=503, error=True)
+        await send_raw(
+            send,
+            502,
+            error_body(502, f"{route.name}: upstream failed ({last})", "upstream_error", "upstream_failed"),
+        )
+        return Outcome(code=502, error=True)
