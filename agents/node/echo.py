@@ -232,6 +232,8 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             n = -1
         if n < 0 or n > MAX_BODY:
+            # The body stays unread, so the connection cannot carry another request.
+            self.close_connection = True
             self._error(413 if n > MAX_BODY else 400, "bad Content-Length")
             return None
         try:
@@ -276,6 +278,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def _post(self) -> None:
         if self.path not in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+            # Read the refused body all the same: left unread on a kept-alive
+            # connection it would be parsed as the next request (routers that
+            # probe /tokenize first saw their next request fail that way).
+            if self._body() is None:
+                return None
             return self._error(404, f"no route {self.path}", kind="not_found")
         body = self._body()
         if body is None:

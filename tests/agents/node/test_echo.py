@@ -84,6 +84,18 @@ def test_unknown_model_and_bad_body(server):
     assert r.status_code == 400
 
 
+def test_a_refused_path_leaves_the_kept_alive_connection_usable(server):
+    srv, url = server
+    srv.ready_at = 0
+    with httpx.Client(base_url=url) as client:
+        r = client.post("/tokenize", json={"model": "demo", "prompt": "a long prompt " * 50})
+        assert (r.status_code, r.json()["error"]["type"]) == (404, "not_found")
+        # The same connection: the refused body must not be read as this request.
+        r = client.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200
+        assert r.json()["object"] == "text_completion"
+
+
 def _events(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
 
