@@ -12,12 +12,13 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from django.db import connection, transaction
+from django.db import connection
 
 import wire
 from agents import commands
 from agents.models import Command, CommandKind
 from llmgw.db import prepared_cursor
+from placement import queueing
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
 from wire import shard_states
 
@@ -292,18 +293,5 @@ def fail_node_shards(node_id: str, *, reason: str, now: dt.datetime) -> list[str
 
 
 def queue_reconcile() -> bool:
-    """Ask the reconciler to run once this transaction commits, if this build has one."""
-    from llmgw.celery import app
-
-    try:
-        import placement.tasks  # noqa: F401
-    except ModuleNotFoundError as exc:
-        # Only the module's absence means "no reconciler here"; a broken one must fail loudly.
-        if exc.name != "placement.tasks":
-            raise
-        return False
-    task = app.tasks.get("placement.reconcile")
-    if task is None:
-        return False
-    transaction.on_commit(lambda: task.apply_async(), robust=True)
-    return True
+    """Ask the reconciler to run once this transaction commits (one waiting pass answers every ask)."""
+    return queueing.queue_reconcile(reason="shard states changed")

@@ -6,11 +6,10 @@ import datetime as dt
 import logging
 
 from celery import shared_task
-from django.db import transaction
 from django.utils import timezone
 
 from llmgw import locks
-from placement import reconciler
+from placement import queueing, reconciler
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +26,8 @@ def reconcile_task(now: str | dt.datetime | None = None) -> dict | None:
     """
     if isinstance(now, str):
         now = dt.datetime.fromisoformat(now)
+    # Before anything is read: a change from here on queues the next pass.
+    queueing.reconcile_started()
     # A database lock, not a cache key: it ends with its holder's session, so a
     # worker killed mid-pass blocks the next pass for no time at all.
     with locks.single_flight(LOCK_NAME) as held:
@@ -39,4 +40,4 @@ def reconcile_task(now: str | dt.datetime | None = None) -> dict | None:
 
 def queue_reconcile() -> None:
     """Queue a pass once the caller's transaction commits (a deployment changed)."""
-    transaction.on_commit(reconcile_task.delay)
+    queueing.queue_reconcile(reason="deployment changed")
