@@ -37,7 +37,7 @@ from agents import commands
 from inventory import allocation
 from inventory.models import Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import record_event
-from placement import inflight, planner, replicas
+from placement import batch_writes, inflight, planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
 from wire import shard_states
@@ -365,6 +365,8 @@ def reconcile(*, now: dt.datetime) -> Report:
         snap = snapshots.build(now=now)
         # A deployment's refusal holds for its next replicas until the snapshot changes.
         refused: dict[int, planner.NoPlace] = {}
+        # A scale-up's placements are written in batches (placement/batch_writes.py).
+        batch = batch_writes.BatchWriter(snap, now=now) if len(pending) >= batch_writes.MIN_BATCH else None
         for row in pending:
             dep = deployments[row.deployment_id]
             if row.not_before is not None and row.not_before > now:
@@ -374,7 +376,7 @@ def reconcile(*, now: dt.datetime) -> Report:
             h = history.get(dep.id)
             avoid = h.avoid if h is not None else {}
             try:
-                outcome = _place(row, dep, snap, refused, now=now, avoid=avoid)
+                outcome = _place(row, dep, snap, refused, now=now, avoid=avoid, batch=batch)
                 if outcome == "conflict":
                     report.conflicts += 1
                     # Another writer took some of these cards: look again, try once more.
@@ -396,6 +398,9 @@ def reconcile(*, now: dt.datetime) -> Report:
                 report.pending += 1
             else:
                 report.pending += 1
+        if batch is not None:
+            for row, exc in batch.close(report):
+                placement_failed(row, exc, now=now)
 
     # 6. Draining nodes with nothing left.
     report.drained = finish_drains(now=now)
@@ -564,8 +569,11 @@ def _place(
     *,
     now: dt.datetime,
     avoid: dict[str, str] | None = None,
+    batch: batch_writes.BatchWriter | None = None,
 ) -> str:
     """Plan one pending replica and write it whole; "placed", "pending" or "conflict".
+
+    With a `batch`, the plan is added to it, written when it fills or closes ("placed" meanwhile).
 
     `refused` keeps each deployment's refusal over this snapshot: planning is
     pure, so a second replica of it would be refused alike, node by node.
@@ -583,6 +591,9 @@ def _place(
             )
             row.reason, row.pending_reasons = result.reason, reasons
         return "pending"
+    if batch is not None:
+        batch.add(row, dep, result)
+        return "placed"
     try:
         with transaction.atomic():
             write_placement(row, dep, result, snap, now=now)
