@@ -2,7 +2,10 @@
 
 Target: under 2 s, with a number of SQL queries that does not grow with the
 number of deployments (tests/placement/test_reconciler.py pins the same at
-small scale). Also measured: a pass that places 1,000 new replicas.
+small scale). Also measured: a pass that places 1,000 new replicas, and a
+scale-up of 1,000 replicas into 5,000 empty nodes (target: 1,000 replicas/s
+end to end, plan and write), written in batches and, for comparison, one
+placement per transaction as before (placement/batch_writes.py).
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ def _populate(deployments: int, replicas_per: int, now) -> None:
     shards = deployments * replicas_per
     nodes_needed = shards // 4 + deployments // 4 + 16
     Node.objects.bulk_create(
-        [Node(id=f"node-{i:05d}", mgmt_addr=f"10.0.{i // 256}.{i % 256}", state="ready") for i in range(nodes_needed)],
+        [
+            Node(id=f"node-{i:05d}", mgmt_addr=f"10.0.{i // 256}.{i % 256}", state="ready", last_seen=now)
+            for i in range(nodes_needed)
+        ],
         batch_size=2000,
     )
     GPU.objects.bulk_create(
@@ -82,6 +88,55 @@ def _populate(deployments: int, replicas_per: int, now) -> None:
     AllocatedGPU.objects.bulk_create(held, batch_size=5000)
 
 
+def _empty_fleet(nodes: int, now) -> None:
+    from inventory.models import GPU, Node
+
+    Node.objects.bulk_create(
+        [
+            Node(id=f"big-{i:05d}", mgmt_addr=f"10.1.{i // 256}.{i % 256}", state="ready", last_seen=now)
+            for i in range(nodes)
+        ],
+        batch_size=2000,
+    )
+    GPU.objects.bulk_create(
+        [
+            GPU(node_id=f"big-{i:05d}", index=g, gpu_class="H100-80GB", numa_node=g // 4)
+            for i in range(nodes)
+            for g in range(8)
+        ],
+        batch_size=5000,
+    )
+
+
+def _scale_up(replicas: int, *, batched: bool, now) -> tuple[float, float, int, int]:
+    """(pass seconds, snapshot build seconds, statements, placed) of a pass creating and placing `replicas`."""
+    from django.db import connection
+
+    from placement import batch_writes
+    from placement import snapshot as snapshots
+    from placement.models import Deployment, EngineProfile
+    from placement.reconciler import reconcile
+
+    Deployment.objects.update(paused=True)
+    prof, _ = EngineProfile.objects.get_or_create(name="bench-2", engine="echo", gpus_per_node=2)
+    first = Deployment.objects.count()
+    for d in range(first, first + 10):
+        Deployment.objects.create(name=f"up-{d}", served_model=f"up-{d}", profile=prof, replicas=replicas // 10)
+    started = time.perf_counter()
+    snapshots.build(now=now)
+    build = time.perf_counter() - started
+    old = batch_writes.MIN_BATCH
+    batch_writes.MIN_BATCH = old if batched else 10**9
+    try:
+        with StatementCounter(connection) as q:
+            started = time.perf_counter()
+            report = reconcile(now=now)
+            took = time.perf_counter() - started
+    finally:
+        batch_writes.MIN_BATCH = old
+    return took, build, q.count, report.placed
+
+
 def run() -> list[str]:
     import django
 
@@ -108,9 +163,20 @@ def run() -> list[str]:
             started = time.perf_counter()
             grown = reconcile(now=now)
             took2 = time.perf_counter() - started
+    with scratch_database("bench_scaleup"):
+        now = timezone.now()
+        _empty_fleet(5000, now)
+        _scale_up(10, batched=True, now=now)  # warm
+        b_took, b_build, b_q, b_placed = _scale_up(1000, batched=True, now=now)
+        s_took, s_build, s_q, s_placed = _scale_up(1000, batched=False, now=now)
     return [
         f"steady pass over 1,000 deployments and {shards:,} shards: {took * 1000:.0f} ms, "
         f"{q1.count} SQL queries (target < 2 s; changes {steady})",
         f"scale-up pass placing {grown.placed:,} new replicas: {took2:.2f} s, {q2.count:,} statements "
-        f"({q2.count / max(grown.placed, 1):.1f} per placement, savepoints included: one transaction each)",
+        f"({q2.count / max(grown.placed, 1):.1f} per placement, savepoints included)",
+        f"scale-up of {b_placed:,} replicas into 5,000 empty nodes, batched: {b_took:.2f} s "
+        f"({b_placed / b_took:,.0f} replicas/s end to end; target 1,000), {b_q:,} statements; "
+        f"of it the snapshot build, {b_build:.2f} s alone",
+        f"the same, one placement per transaction: {s_took:.2f} s ({s_placed / s_took:,.0f} replicas/s), "
+        f"{s_q:,} statements; snapshot build {s_build:.2f} s",
     ]
