@@ -17,6 +17,7 @@ from django.db import IntegrityError, OperationalError, transaction
 import wire
 from inventory import allocation, outbox
 from placement import planner, replicas
+from placement.batch_writes import BatchWriter
 from placement.models import Deployment, Replica, ReplicaState, Shard
 from placement.snapshot import Snapshot
 from wire import shard_states
@@ -35,8 +36,11 @@ def place(
     *,
     now: dt.datetime,
     avoid: dict[str, str] | None = None,
+    batch: BatchWriter | None = None,
 ) -> str:
     """Plan one pending replica and write it whole; "placed", "pending" or "conflict".
+
+    With a `batch`, the plan is added to it, written when it fills or closes ("placed" meanwhile).
 
     `refused` keeps each deployment's refusal over this snapshot: planning is
     pure, so a second replica of it would be refused alike, node by node.
@@ -54,6 +58,9 @@ def place(
             )
             row.reason, row.pending_reasons = result.reason, reasons
         return "pending"
+    if batch is not None:
+        batch.add(row, dep, result)
+        return "placed"
     try:
         with transaction.atomic():
             write_placement(row, dep, result, snap, now=now)
