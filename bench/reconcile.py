@@ -145,8 +145,8 @@ def _scale_up(replicas: int, *, batched: bool, now) -> ScaleUp:
     """A pass creating and placing `replicas` new replicas of ten new deployments (the others paused)."""
     from django.db import connection
 
-    from placement import batch_writes, reconciler
-    from placement import snapshot as snapshots
+    from placement import batch_writes, placing, reconciler
+    from placement import snapshot_db as snapshots
     from placement.models import Deployment, EngineProfile
 
     Deployment.objects.update(paused=True)
@@ -154,10 +154,10 @@ def _scale_up(replicas: int, *, batched: bool, now) -> ScaleUp:
     first = Deployment.objects.count()
     for d in range(first, first + 10):
         Deployment.objects.create(name=f"up-{d}", served_model=f"up-{d}", profile=prof, replicas=replicas // 10)
-    saved = (batch_writes.MIN_BATCH, snapshots.build, batch_writes.BatchWriter.flush, reconciler.write_placement)
+    saved = (batch_writes.MIN_BATCH, snapshots.build, batch_writes.BatchWriter.flush, placing.write_placement)
     build, flush, single = _Timed(snapshots.build), _Timed(batch_writes.BatchWriter.flush), _Timed(saved[3])
     batch_writes.MIN_BATCH = saved[0] if batched else 10**9
-    snapshots.build, reconciler.write_placement = build, single
+    snapshots.build, placing.write_placement = build, single
     batch_writes.BatchWriter.flush = lambda self: flush(self)
     try:
         with StatementCounter(connection) as q:
@@ -165,7 +165,7 @@ def _scale_up(replicas: int, *, batched: bool, now) -> ScaleUp:
             report = reconciler.reconcile(now=now)
             took = time.perf_counter() - started
     finally:
-        batch_writes.MIN_BATCH, snapshots.build, batch_writes.BatchWriter.flush, reconciler.write_placement = saved
+        batch_writes.MIN_BATCH, snapshots.build, batch_writes.BatchWriter.flush, placing.write_placement = saved
     return ScaleUp(took, build.total, flush.total + single.total, q.count, report.placed)
 
 

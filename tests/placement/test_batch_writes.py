@@ -10,13 +10,13 @@ import pytest
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from agents.models import Command
 from inventory import allocation
-from inventory.models import AllocatedGPU, Allocation
+from inventory.models import AllocatedGPU, Allocation, Command
 from placement import batch_writes, planner, queueing
-from placement import snapshot as snapshots
+from placement import snapshot_db as snapshots
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
-from placement.reconciler import Report, reconcile, write_placement
+from placement.placing import write_placement
+from placement.reconciler import Report, reconcile
 from tests.factories import make_node
 
 pytestmark = pytest.mark.django_db
