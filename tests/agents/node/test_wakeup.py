@@ -159,3 +159,15 @@ def test_wakeup_url_is_checked_and_defaults_to_the_control_plane():
     assert config_mod.parse({**base, "wakeup_url": "http://cp:8080/"}).wakeup_url == "http://cp:8080"
     with pytest.raises(config_mod.ConfigError, match="wakeup_url must be an http"):
         config_mod.parse({**base, "wakeup_url": "cp:8080"})
+
+
+def test_simulated_nodes_are_told_where_the_wakeup_is(tmp_path):
+    from agents.node.simulate import prepare_node
+
+    token = tmp_path / "token"
+    token.write_text("j")
+    kw = {"profile": "cpu-only", "workdir": tmp_path, "control_plane": "http://cp:8000", "token_file": token}
+    with_wakeup = prepare_node(index=0, wakeup_url="http://cp:8080", **kw)
+    without = prepare_node(index=1, **kw)
+    assert config_mod.load(with_wakeup.config).wakeup_url == "http://cp:8080"
+    assert config_mod.load(without.config).wakeup_url == ""
