@@ -100,6 +100,10 @@ class Listener:
         failures = 0
         told = False
         while not self.stop.is_set():
+            if not self.credential():
+                # Not joined yet: no backoff to grow, the first credential is moments away.
+                self.stop.wait(1.0)
+                continue
             status = self.poll()
             if status in (200, 204):
                 failures = 0

@@ -171,3 +171,9 @@ def test_simulated_nodes_are_told_where_the_wakeup_is(tmp_path):
     without = prepare_node(index=1, **kw)
     assert config_mod.load(with_wakeup.config).wakeup_url == "http://cp:8080"
     assert config_mod.load(without.config).wakeup_url == ""
+
+
+def test_before_the_first_join_it_waits_without_backing_off():
+    lst, seen = listener([], token="")
+    assert waits_of(lst, 3) == [1.0, 1.0, 1.0]
+    assert seen == []
