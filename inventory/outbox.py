@@ -17,6 +17,7 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
 import wire
+from inventory import wakeups
 from inventory.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 
@@ -30,6 +31,7 @@ def enqueue(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:
     """Queue a command for a node; its id is assigned here."""
     payload = message.model_dump(mode="json", exclude={"id"})
     shard_id = str(getattr(message, "shard_id", "") or "")[:SHARD_KEY_LEN]
+    wakeups.publish_on_commit(node_id)  # the agent's long-poll answers once this commits
     return Command.objects.create(
         node_id=node_id, kind=message.kind, payload=payload, created_at=now, shard_id=shard_id
     )

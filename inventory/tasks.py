@@ -6,6 +6,7 @@ from celery import shared_task
 from django.utils import timezone
 
 from inventory import liveness, scans, sweep_schedule
+from inventory.doctor_refresh import refresh_doctor  # noqa: F401  (the worker learns the task here)
 
 
 @shared_task(name="inventory.schedule_fabric_scans", time_limit=60, soft_time_limit=50, ignore_result=True)

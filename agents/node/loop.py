@@ -41,6 +41,7 @@ from agents.node.probe import DiscoveryProbe, Probe
 from agents.node.shardload import ShardMeter
 from agents.node.state import AppliedJournal, CredentialFile
 from agents.node.supervisor import Supervisor
+from agents.node.wakeup import Listener, shard_states
 
 # Part of this module's interface: the CLI and the tests take them from here.
 __all__ = ["Agent", "DiscoveryProbe", "NeedsRegister", "Probe", "Refused", "Unreachable", "backoff_delay"]
@@ -113,6 +114,9 @@ class Agent:
         self._declared_hcas: frozenset[str] = frozenset()
         self._seen_hcas: frozenset[str] = frozenset()
         self.stop_event = threading.Event()
+        # Set by the wakeup long-poll (agents/node/wakeup.py): work is waiting, heartbeat now.
+        self.woken = threading.Event()
+        self.listener: Listener | None = None
         self.metrics = Latest(clock)
         self.metrics_server = (
             MetricsServer(
@@ -307,11 +311,16 @@ class Agent:
             left = end - time.monotonic()
             if left <= 0:
                 return
-            self.stop_event.wait(min(1.0, left))
+            if self.woken.wait(min(1.0, left)):
+                self.woken.clear()
+                return
+            before = shard_states(self.supervisor)
             try:
                 self.supervisor.poll()
             except Exception:
                 log.exception("supervising shards")
+            if shard_states(self.supervisor) != before:
+                return  # a shard changed state: the control plane hears it now, not next interval
 
     def run(self, *, max_steps: int | None = None) -> None:
         """Heartbeat until stopped; every error is logged and retried with backoff, none ends the agent."""
@@ -320,6 +329,11 @@ class Agent:
         log.info(
             "llmgw-agent %s: node %s, control plane %s", AGENT_VERSION, self.config.node_id, self.config.control_plane
         )
+        if self.listener is None and max_steps is None:
+            base = self.config.wakeup_url or self.config.control_plane
+            self.listener = Listener(
+                base, self.config.node_id, self.credential, woken=self.woken, stop=self.stop_event
+            ).start()
         while not self.stop_event.is_set() and (max_steps is None or steps < max_steps):
             steps += 1
             try:
@@ -350,6 +364,8 @@ class Agent:
     def close(self) -> None:
         """Stop the loop; shards keep running (the next agent adopts them)."""
         self.stop_event.set()
+        if self.listener is not None:
+            self.listener.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.supervisor.close()
