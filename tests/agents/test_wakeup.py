@@ -11,9 +11,9 @@ from django.db import transaction
 from django.utils import timezone
 
 import wire
-from agents import commands, credentials
+from agents import credentials
 from agents.wakeup import WAIT_PATH, Hub, WaitEndpoint, with_agent_wakeup
-from inventory import wakeups
+from inventory import outbox, wakeups
 from tests.factories import make_node
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -136,7 +136,7 @@ def test_enqueuing_a_command_wakes_its_node_after_the_commit(settings):
     assert pubsub.get_message(timeout=2)["type"] == "subscribe"
     try:
         with transaction.atomic():
-            commands.enqueue("gpu-c", wire.StopShard(shard_id="s-1"), now=timezone.now())
+            outbox.enqueue("gpu-c", wire.StopShard(shard_id="s-1"), now=timezone.now())
             assert pubsub.get_message(timeout=0.3) is None
         m = pubsub.get_message(timeout=2)
         assert m is not None and m["channel"].decode() == wakeups.channel("gpu-c")
