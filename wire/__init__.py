@@ -578,6 +578,8 @@ class HeartbeatResponse(Message):
     heartbeat_interval_s: float = 5.0
     # An operator asked for a new credential: the agent calls the rotate endpoint.
     rotate_credential: bool | None = None
+    # This control plane takes lease renewals (wire/lease.py) between full heartbeats.
+    leases: bool | None = None
 
 
 class ScanUpload(Message):
@@ -604,3 +606,5 @@ class RotateCredential(Message):
 
 
 RegisterResponse.model_rebuild()
+
+from wire.lease import LEASE_PATH as LEASE_PATH, Lease as Lease, LeaseResponse as LeaseResponse  # noqa: E402, I001
