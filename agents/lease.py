@@ -2,11 +2,11 @@
 
 A lease (wire/lease.py) says the node is alive and which commands it has
 applied; the control plane keeps the node's last status (the telemetry
-entry its last full heartbeat left, whose time to live each lease renews)
-and answers with commands only when some wait. The database work is
-inventory/lease.py: one statement when nothing waits, a second when commands
-do. Nothing else is read: no shard states, no telemetry beyond one cache
-call that keeps the last status alive and says whether it is still there.
+entry its last full heartbeat left) and answers with commands only when some
+wait. The database work is inventory/lease.py: one statement when nothing
+waits, a second when commands do. Nothing else is read: no shard states, no
+telemetry; about one lease in STATUS_CHECK_EVERY makes one cache call that
+renews the last status's time to live and says whether it is still there.
 
 The refusals come in the order of every agent endpoint (agents/views.py):
 401 (no credential, an unknown or revoked one), then the body (415, 413,
@@ -19,6 +19,7 @@ only on those refusals. A refused lease renews nothing.
 from __future__ import annotations
 
 import datetime as dt
+import random
 from collections.abc import Callable
 
 from django.conf import settings
@@ -34,6 +35,12 @@ from inventory import lease as lease_db
 TABLES = lease_db.Tables(credentials=NodeCredential._meta.db_table, commands=Command._meta.db_table)
 # 256 acknowledgements of 36-character ids, as JSON, with room to spare.
 MAX_LEASE_BODY = 16 * KiB
+# A lease renews the time to live of the node's last status and learns whether the cache still
+# holds it, at a cost (a Redis round trip) comparable to the renewal's own statement. The status
+# outlives its time to live without it (the agent resends it at least every 60 s, under the 120 s
+# time to live), and a cache that lost it is rare: about one lease in 6 asks, so a node whose
+# status was lost is asked for it within about 30 s at a 5 s interval, and the others pay nothing.
+STATUS_CHECK_EVERY = 6
 
 
 def lease_request(token: str | None, read: Callable[[], wire.Lease], *, now: dt.datetime) -> wire.LeaseResponse:
@@ -61,7 +68,8 @@ def lease_request(token: str | None, read: Callable[[], wire.Lease], *, now: dt.
         # The agent uses the new secret of a rotation: the old one is done
         # (as agents/credentials.py does for every other request).
         NodeCredential.objects.filter(node_id=msg.node_id, token_hash=token_hash).update(previous_hash=None)
-    want_status = not lease_db.keep_status(msg.node_id)
+    # About one lease in STATUS_CHECK_EVERY asks the cache (see there); the others cost it nothing.
+    want_status = random.random() * STATUS_CHECK_EVERY < 1 and not lease_db.keep_status(msg.node_id)
     pending: list[commands.WireCommand] = []
     more = False
     if renewal.waiting:

@@ -12,6 +12,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+import agents.lease
 import wire
 from agents import commands, credentials
 from agents.lease import MAX_LEASE_BODY
@@ -30,6 +31,12 @@ def lease(node_id: str = "node-a", **extra) -> dict:
 
 def renew(client, token: str | None, body=None):
     return post(client, "lease", lease() if body is None else body, token)
+
+
+@pytest.fixture(autouse=True)
+def _every_lease_checks_the_status(monkeypatch):
+    # Production asks the cache on about one lease in STATUS_CHECK_EVERY; the tests, on every one.
+    monkeypatch.setattr(agents.lease, "STATUS_CHECK_EVERY", 1)
 
 
 @pytest.fixture
@@ -124,6 +131,12 @@ def test_a_lost_status_is_asked_for_and_a_kept_one_lives_on(client, reporting):
     # The full heartbeat that follows puts it back.
     assert post(client, "heartbeat", heartbeat_payload(at=2.0, counters=20), reporting).status_code == 200
     assert renew(client, reporting).json()["send_status"] is False
+
+
+def test_most_leases_leave_the_cache_alone(client, reporting, monkeypatch):
+    monkeypatch.setattr(agents.lease, "STATUS_CHECK_EVERY", 10**9)
+    telemetry.forget("node-a")
+    assert [renew(client, reporting).json()["send_status"] for _ in range(3)] == [False] * 3
 
 
 def test_a_full_heartbeat_still_works_unchanged_and_offers_leases(client, joined):
