@@ -55,6 +55,7 @@ from urllib.parse import urlsplit
 import wire
 from agents.node.loop import AGENT_VERSION, FABRIC_EVERY_S, backoff_delay
 from agents.node.simulate import NS, PROFILES_DIR, ZERO_UUID, derive_fabrics, shipped_profiles
+from agents.node.status import STATUS_FLOOR_S
 
 log = logging.getLogger("llmgw.fleet")
 
@@ -268,6 +269,8 @@ class Stats:
     registered: int = 0
     register_refused: Counter = field(default_factory=Counter)
     heartbeats: int = 0
+    # Of the heartbeats, those sent as leases (wire.Lease) rather than the whole status.
+    leases: int = 0
     heartbeat_errors: Counter = field(default_factory=Counter)
     unreachable: int = 0
     answers_dropped: int = 0
@@ -285,6 +288,7 @@ class Stats:
             "registered": self.registered,
             "register_refused": dict(self.register_refused),
             "heartbeats": self.heartbeats,
+            "leases": self.leases,
             "heartbeat_errors": dict(self.heartbeat_errors),
             "unreachable": self.unreachable,
             "answers_dropped": self.answers_dropped,
@@ -307,11 +311,13 @@ class VirtualNode:
         "index",
         "interval",
         "last_fabrics",
+        "leases",
         "mgmt_addr",
         "node_id",
         "profile",
         "registered",
         "shards",
+        "status",
         "tick",
     )  # fmt: skip
 
@@ -331,6 +337,10 @@ class VirtualNode:
         self.faults = Faults()
         self.last_fabrics = 0.0
         self.tick = 0
+        # Leases between statuses (agents/node/status.py): whether the control plane takes them, and
+        # the last status it accepted (when, and what it said that can change here), None to send one.
+        self.leases = False
+        self.status: tuple[float, Any] | None = None
 
     # --- what it says -----------------------------------------------------
 
@@ -406,6 +416,21 @@ class VirtualNode:
         if self.faults.any_report() or (fabrics and self.profile.gpu_fabrics):
             return self._heartbeat_slow(values, fabrics), acks
         return (self.fleet.templates[self.profile.name] % values).encode(), acks
+
+    def status_key(self, now: float) -> Any:
+        """What a simulated node's status says that can change: its sensors are its profile's, steady,
+        and its counters grow at a steady rate, so its shards' states and its faults."""
+        shards = tuple((s.shard_id, self.fleet.shard_state(s, now)) for s in self.shards.values())
+        return shards, frozenset(self.faults.cards_off), frozenset(self.faults.ports_down)
+
+    def lease(self, now: float) -> tuple[bytes, list[str]] | None:
+        """A lease instead of the status, None when the status must go (as StatusGate decides for an agent)."""
+        if not self.leases or self.status is None or now - self.status[0] >= STATUS_FLOOR_S:
+            return None
+        if self.status[1] != self.status_key(now):
+            return None
+        acks = list(self.acks)[: wire.MAX_COMMANDS]
+        return json.dumps({"node_id": self.node_id, "at": now, "acks": acks}).encode(), acks
 
     def _identity(self) -> dict[str, str]:
         """The heartbeat's values that never change for this node (JSON-encoded), made once."""
@@ -626,6 +651,7 @@ class Fleet:
             node.credential = answer["credential"]
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         node.registered = True
+        node.leases, node.status = False, None
         node.last_fabrics = self.clock()
         self.stats.registered += 1
         now = self.clock()
@@ -635,9 +661,11 @@ class Fleet:
 
     async def _heartbeat(self, node: VirtualNode) -> bool:
         now = self.clock()
-        body, acks = node.heartbeat(now)
+        leased = node.lease(now)
+        key = None if leased else node.status_key(now)
+        body, acks = leased or node.heartbeat(now)
         t0 = time.perf_counter()
-        r = await self._post("/api/v1/agent/heartbeat", body, node.credential)
+        r = await self._post(wire.LEASE_PATH if leased else "/api/v1/agent/heartbeat", body, node.credential)
         if r.status_code in (401, 403, 404):
             node.registered = False
             self.stats.heartbeat_errors[str(r.status_code)] += 1
@@ -653,6 +681,12 @@ class Fleet:
         for a in acks:
             node.acks.pop(a, None)
         answer = r.json()
+        if leased:
+            self.stats.leases += 1
+            if answer.get("send_status"):
+                node.status = None
+        else:
+            node.leases, node.status = bool(answer.get("leases")), (now, key)
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         now = self.clock()
         for cmd in answer.get("commands") or []:
