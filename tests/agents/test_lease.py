@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+import httpx
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
@@ -17,9 +18,12 @@ import wire
 from agents import commands, credentials
 from agents.lease import MAX_LEASE_BODY
 from agents.models import Command, NodeCredential
+from agents.node import config as config_mod
+from agents.node.loop import Agent
 from inventory import telemetry
 from inventory.models import Node, NodeEvent
 from tests.agents.conftest import heartbeat_payload, post
+from tests.agents.node.test_loop import Probe, Sampled
 from tests.factories import register_payload
 
 pytestmark = pytest.mark.django_db
@@ -227,3 +231,52 @@ def test_the_lease_is_in_the_openapi_document(client, operator):
     assert op["operationId"] == "agent_lease"
     assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/LeaseResponse")
     assert {"401", "403", "400", "413", "415"} <= set(op["responses"])
+
+
+# --- a real agent against the real endpoints ------------------------------------
+
+
+def test_an_agent_sends_its_status_then_leases_until_something_changes(client, join_token, tmp_path):
+    paths: list[str] = []
+
+    def through_django(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        r = client.post(
+            request.url.path,
+            data=request.content,
+            content_type="application/json",
+            HTTP_AUTHORIZATION=request.headers["Authorization"],
+        )
+        return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+
+    cfg = config_mod.parse(
+        {"control_plane": "http://cp", "join_token": join_token, "node_id": "node-a", "state_dir": str(tmp_path)}
+    )
+    probe = Probe()
+    http = httpx.Client(base_url="http://cp", transport=httpx.MockTransport(through_django))
+    agent = Agent(cfg, probe=probe, http=http)
+    try:
+        for _ in range(3):
+            agent.step()
+        assert paths == ["/api/v1/agent/register", "/api/v1/agent/heartbeat", wire.LEASE_PATH, wire.LEASE_PATH]
+        # A card warms by 10 °C: status.
+        probe.sample = lambda previous=None: Sampled(gpus=[wire.GPUSensor(index=0, temp_c=50)])
+        agent.step()
+        assert paths[-1] == "/api/v1/agent/heartbeat" and agent.status.reason == "gpu 0 temperature"
+        assert telemetry.get("node-a")["gpus"][0]["temp_c"] == 50
+        # A command comes with a lease; applying it changes the engine installs, so its ack rides in a status.
+        cmd = commands.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=timezone.now())
+        agent.step()
+        assert paths[-1] == wire.LEASE_PATH and "sglang" in agent.installs
+        agent.step()
+        assert paths[-1] == "/api/v1/agent/heartbeat" and agent.status.reason == "engine installs"
+        assert Command.objects.get(id=cmd.id).acked_at is not None
+        # The control plane lost the status: the lease's answer asks for it, and the agent comes back at once.
+        telemetry.forget("node-a")
+        agent.step()
+        assert paths[-1] == wire.LEASE_PATH and agent.status.wait_s(5.0) == 0.0
+        agent.step()
+        assert paths[-1] == "/api/v1/agent/heartbeat" and agent.status.reason == "asked"
+        assert telemetry.get("node-a") is not None
+    finally:
+        agent.close()
