@@ -12,7 +12,9 @@ registering). Then three phases:
   requests (12: a status a minute at a 5 s interval, the floor), offered at
   BENCH_LEASE_RATE a second (2,000: ten thousand nodes at 5 s), latency
   measured from each request's scheduled time, so queueing is charged;
-- the same mix, as fast as answered.
+- the same mix, as fast as answered;
+- full heartbeats alone, as fast as answered: what a lease saves, measured
+  on the same machine at the same moment.
 
 Knobs (environment): BENCH_LEASE_NODES (2000), BENCH_LEASE_SECONDS (10 per
 phase), BENCH_LEASE_RATE (2000), BENCH_LEASE_MIX (12; 0: leases only),
@@ -232,12 +234,15 @@ def run() -> list[str]:
         alone = _measured(meter, port, nodes, seconds, clients, concurrency, 0, 0)
         paced = _measured(meter, port, nodes, seconds, clients, concurrency, rate, mix) if rate else None
         mixed = _measured(meter, port, nodes, seconds, clients, concurrency, 0, mix) if mix else None
+        # The same machine, the same moment: what a full heartbeat costs, for comparison.
+        full = _measured(meter, port, nodes, seconds, clients, concurrency, 0, 1)
         lines += [
             f"{n_nodes} nodes; server: {_server_description(env)}; load: {clients} processes x {concurrency} "
             f"keep-alive connections, on the same {os.cpu_count()} cores (load average at the start: {load_before})",
             *_figures("leases alone, as fast as answered", *alone),
             *(_figures(f"1 full heartbeat in {mix}, offered {rate:,.0f}/s", *paced) if paced else []),
             *(_figures(f"1 full heartbeat in {mix}, as fast as answered", *mixed) if mixed else []),
+            *_figures("full heartbeats alone, as fast as answered", *full),
             f"load average at the end: {_loadavg()}",
         ]
     finally:
