@@ -607,4 +607,5 @@ class RotateCredential(Message):
 
 RegisterResponse.model_rebuild()
 
+# Last: the lease messages (wire/lease.py) build on Command, defined above.
 from wire.lease import LEASE_PATH as LEASE_PATH, Lease as Lease, LeaseResponse as LeaseResponse  # noqa: E402, I001
