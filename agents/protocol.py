@@ -233,6 +233,8 @@ def _answer(
         server_time=now.timestamp(),
         heartbeat_interval_s=settings.LLMGW_HEARTBEAT_INTERVAL,
         rotate_credential=True if auth.rotation_requested else None,
+        # Between full heartbeats the agent may renew its lease alone (agents/lease.py).
+        leases=True,
     )
 
 

@@ -40,6 +40,7 @@ from agents.node.netif import interface_addr
 from agents.node.probe import DiscoveryProbe, Probe
 from agents.node.shardload import ShardMeter
 from agents.node.state import AppliedJournal, CredentialFile
+from agents.node.status import StatusGate
 from agents.node.supervisor import Supervisor
 from agents.node.wakeup import Listener, shard_states
 
@@ -113,6 +114,8 @@ class Agent:
         self._problems: set[str] = set()
         self._declared_hcas: frozenset[str] = frozenset()
         self._seen_hcas: frozenset[str] = frozenset()
+        # Status when it changed, a lease otherwise (agents/node/status.py).
+        self.status = StatusGate()
         self.stop_event = threading.Event()
         # Set by the wakeup long-poll (agents/node/wakeup.py): work is waiting, heartbeat now.
         self.woken = threading.Event()
@@ -240,6 +243,7 @@ class Agent:
             log.info("the control plane adopted shards %s", ", ".join(resp.adopted))
         self.interval = max(self.config.heartbeat_interval, min(600.0, resp.heartbeat_interval_s or 0))
         self.registered = True
+        self.status.reset()
         self._last_fabrics = self.clock()  # the registration carried them
         self.commands.apply_all(resp.commands)
         return resp
@@ -283,11 +287,18 @@ class Agent:
         self.metrics.update(body)
         return body
 
-    def heartbeat(self) -> wire.HeartbeatResponse:
-        """Send one heartbeat and apply the commands in its answer."""
+    def heartbeat(self) -> wire.HeartbeatResponse | wire.LeaseResponse:
+        """Send one heartbeat (the status, or a lease when nothing changed) and apply the commands in its answer."""
         body = self.heartbeat_body()
-        r = self.control_plane.post("/api/v1/agent/heartbeat", body, self.credential())
-        resp = self._answer(r, wire.HeartbeatResponse, "heartbeat", reregister_on=(401, 403, 404))
+        lease = self.status.lease(body, now=self.clock())
+        sent, path, model = (
+            (body, "/api/v1/agent/heartbeat", wire.HeartbeatResponse)
+            if lease is None
+            else (lease, wire.LEASE_PATH, wire.LeaseResponse)
+        )
+        r = self.control_plane.post(path, sent, self.credential())
+        resp = self._answer(r, model, "heartbeat", reregister_on=(401, 403, 404))
+        self.status.answered(sent, resp, now=self.clock())
         self.commands.acknowledged(body.acks)
         self.commands.apply_all(resp.commands)
         if resp.rotate_credential:
@@ -359,7 +370,7 @@ class Agent:
             if failures:
                 log.info("control plane reachable again")
             failures = 0
-            self._wait(self.interval)
+            self._wait(self.status.wait_s(self.interval))
 
     def close(self) -> None:
         """Stop the loop; shards keep running (the next agent adopts them)."""
