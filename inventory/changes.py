@@ -53,11 +53,15 @@ def _entry_key(version: int) -> str:
     return f"{ENTRY_PREFIX}{version}"
 
 
+def _start() -> None:
+    # The counter starts at a random base: after a flushed cache a reader
+    # holding an old version can never mistake the new versions for its own.
+    cache.add(VERSION_KEY, random.randrange(1, 1 << 40) << 20, timeout=None)
+
+
 def _publish(ids: list[str]) -> None:
     def write() -> None:
-        # The counter starts at a random base: after a flushed cache a reader
-        # holding an old version can never mistake the new versions for its own.
-        cache.add(VERSION_KEY, random.randrange(1, 1 << 40) << 20, timeout=None)
+        _start()
         version = cache.incr(VERSION_KEY)
         cache.set(_entry_key(version), ids, timeout=ENTRY_TTL_S)
 
@@ -94,8 +98,13 @@ class Changes:
 
 
 def current_version() -> int | None:
-    """The feed's version now (None: no feed, or the cache is unreachable): where a full rebuild starts from."""
-    return best_effort("feed_read", lambda: cache.get(VERSION_KEY), None)
+    """The feed's version now, started if need be (None: the cache is unreachable): where a full rebuild starts from."""
+
+    def read() -> int | None:
+        _start()
+        return cache.get(VERSION_KEY)
+
+    return best_effort("feed_read", read, None)
 
 
 def since(version: int | None) -> Changes:

@@ -19,7 +19,7 @@ from django.db import transaction
 from django.utils import timezone
 
 import wire
-from inventory import telemetry
+from inventory import changes, telemetry
 from inventory.models import NODE_TRANSITIONS, Allocation, Node, NodeState
 from inventory.nodes import TransitionError, change_state, set_operator_labels
 
@@ -302,4 +302,5 @@ def forget(node_id: str) -> None:
         if refusal:
             raise ForgetRefused(refusal)
         node.delete()
+        changes.mark([node_id])
     telemetry.forget(node_id)

@@ -19,9 +19,8 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
-from placement import audit, planner, reconciler, replicas, secrets, tasks
+from placement import audit, kept, planner, reconciler, replicas, secrets, tasks
 from placement import deployments as deployment_actions
-from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, ReplicaState, Shard
 
 
@@ -271,7 +270,7 @@ class ReplicaAdmin(admin.ModelAdmin):
             raise PermissionDenied
         dep = replica.deployment
         req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
-        result = planner.plan(req, snapshots.build(now=timezone.now()), policy=dep.policy, explain=True)
+        result = planner.plan(req, kept.current(now=timezone.now()), policy=dep.policy, explain=True)
         context = {
             **self.admin_site.each_context(request),
             "title": f"Where would {dep.name} go now",

@@ -6,3 +6,9 @@ class PlacementConfig(AppConfig):
 
     name = "placement"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        """Holds and power budgets mark the change feed on every save and delete (placement/kept.py)."""
+        from placement import kept
+
+        kept.connect_signals()

@@ -262,9 +262,14 @@ def assemble(
     *,
     unique_ports: bool,
     now: dt.datetime | None,
+    canon: Mapping[str, str] | None = None,
 ) -> Snapshot:
-    """A snapshot of these nodes (their claimed power counted against the budgets)."""
-    canon = canon_of({p for f in facts.values() for p in f.sm_pairs})
+    """A snapshot of these nodes (their claimed power counted against the budgets).
+
+    `canon`: the canonical subnet-manager map when the caller has it, else computed from these nodes.
+    """
+    if canon is None:
+        canon = canon_of({p for f in facts.values() for p in f.sm_pairs})
     lease = settings.LLMGW_UNREACHABLE_AFTER
     out = {i: node_info(f, canon=canon, holds=holds, now=now, lease=lease) for i, f in facts.items()}
     snap = Snapshot(

@@ -37,7 +37,7 @@ from agents import commands
 from inventory import allocation
 from inventory.models import Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import record_event
-from placement import inflight, planner, replicas
+from placement import inflight, kept, planner, replicas
 from placement import snapshot as snapshots
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
 from wire import shard_states
@@ -362,7 +362,7 @@ def reconcile(*, now: dt.datetime) -> Report:
         key=lambda r: (r.created_at, str(r.id)),
     )
     if pending:
-        snap = snapshots.build(now=now)
+        snap = kept.current(now=now)
         # A deployment's refusal holds for its next replicas until the snapshot changes.
         refused: dict[int, planner.NoPlace] = {}
         for row in pending:
@@ -378,7 +378,7 @@ def reconcile(*, now: dt.datetime) -> Report:
                 if outcome == "conflict":
                     report.conflicts += 1
                     # Another writer took some of these cards: look again, try once more.
-                    snap = snapshots.build(now=now)
+                    snap = kept.current(now=now, rebuild=True)
                     refused.clear()
                     outcome = _place(row, dep, snap, refused, now=now, avoid=avoid)
             except Exception as exc:
