@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-BENCHES: list[str] = ["heartbeat", "planner", "reconcile", "metrics", "gateway"]
+BENCHES: list[str] = ["heartbeat", "planner", "reconcile", "kept", "metrics", "gateway"]
 # Run only when named: the whole loop with a simulated fleet takes minutes.
 ON_REQUEST: list[str] = ["fleet"]
 

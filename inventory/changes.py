@@ -28,8 +28,9 @@ call `mark_all()`, which every reader takes as a full rebuild.
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.cache import cache
@@ -49,6 +50,11 @@ PREFETCH = 32
 MAX_BEHIND = 2000
 
 
+# What this thread published, for a reader in the same thread that already
+# applied those changes itself (the reconciler's own claims): see published_here.
+_here = threading.local()
+
+
 def _entry_key(version: int) -> str:
     return f"{ENTRY_PREFIX}{version}"
 
@@ -64,6 +70,10 @@ def _publish(ids: list[str]) -> None:
         _start()
         version = cache.incr(VERSION_KEY)
         cache.set(_entry_key(version), ids, timeout=ENTRY_TTL_S)
+        log = getattr(_here, "log", None)
+        if log is None:
+            log = _here.log = []
+        log.append((version, ids))
 
     best_effort("feed_mark", write, None)
 
@@ -78,6 +88,13 @@ def mark(node_ids: Iterable[str]) -> None:
         transaction.on_commit(lambda: _publish(ids))
 
 
+def published_here() -> list[tuple[int, list[str]]]:
+    """The (version, node ids) this thread published since it last asked; the list is then emptied."""
+    log = getattr(_here, "log", None) or []
+    _here.log = []
+    return log
+
+
 def mark_all() -> None:
     """Record a change every node's placement record depends on (a hold, a power budget)."""
     mark([ALL])
@@ -90,6 +107,8 @@ class Changes:
     version: int | None
     node_ids: frozenset[str] = frozenset()
     gap: bool = False
+    # version -> the node ids marked under it.
+    entries: Mapping[int, frozenset[str]] = field(default_factory=dict)
 
     @property
     def everything(self) -> bool:
@@ -126,14 +145,14 @@ def since(version: int | None) -> Changes:
         if more is None:
             return Changes(now, gap=True)
         found.update(more)
-    ids: set[str] = set()
+    entries: dict[int, frozenset[str]] = {}
     for v in range(version + 1, now + 1):
         entry = found.get(_entry_key(v))
         if entry is None:
             # Expired, or taken and not written yet: unsure, so everything.
             return Changes(now, gap=True)
-        ids.update(entry)
-    return Changes(now, frozenset(ids))
+        entries[v] = frozenset(entry)
+    return Changes(now, frozenset().union(*entries.values()), entries=entries)
 
 
 def _placement_view(entry: Mapping[str, Any] | None) -> tuple:

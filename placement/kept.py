@@ -15,10 +15,13 @@ change to holds or budgets, when the settings it was built under change, and
 every LLMGW_KEPT_REBUILD_S seconds (default 300) as a safety net against a
 change whose mark never reached the cache.
 
-The planner's claims (`Snapshot.reserve`) go into the kept snapshot; the
-allocations they wrote are marked, so the next pass reloads those nodes from
-the database and any difference is the database's word. Whoever plans what
-it will not write (a dry run) plans on `scratch()`, a copy.
+The planner's claims (`Snapshot.reserve`, after the reconciler's write) go
+into the kept snapshot, and the feed's marks of that write are taken as
+applied, so the next pass does not reload the nodes it placed on; a mark
+from anyone else, for the same nodes too, is reloaded. (A reservation also
+counts a multi-node replica's leader port as used, which the database's
+shard rows do not list: conservative, and gone at the next reload.) Whoever
+plans what it will not write (a dry run) plans on `scratch()`, a copy.
 
 The momentary draw (`NodeInfo.power_draw_w`) is the node's at its last
 reload: it is shown to operators, budgets count claims.
@@ -42,6 +45,7 @@ from inventory.models import Node
 from placement import node_loader
 from placement.models import Hold, PowerBudget
 from placement.node_loader import NodeFacts
+from placement.planner import Plan
 from placement.snapshot import HoldInfo, NodeInfo, Snapshot
 
 DEFAULT_REBUILD_S = 300.0
@@ -73,6 +77,8 @@ class KeptIndex:
         self.silent: set[str] = set()
         self.by_addr: dict[str, set[str]] = defaultdict(set)
         self.config: tuple = ()
+        # Feed versions of this index's own claims (see applied).
+        self.own: set[int] = set()
         self.built_at = 0.0
         # What happened, for the tests and the benchmark.
         self.rebuilds = 0
@@ -90,11 +96,16 @@ class KeptIndex:
                 or time.monotonic() - self.built_at > rebuild_interval_s()
             ):
                 return self._rebuild(now)
+            # What this thread marked before now was not applied here: it is read from the feed.
+            changes.published_here()
             feed = changes.since(self.version)
             if feed.everything:
                 return self._rebuild(now)
-            if feed.node_ids:
-                self._reload(feed.node_ids)
+            # The claims this index reserved itself are applied already.
+            ids = {i for v, marked in feed.entries.items() if v not in self.own for i in marked}
+            self.own = {v for v in self.own if v > (feed.version or 0)}
+            if ids:
+                self._reload(ids)
             self.version = feed.version
             self._refresh_silence(now)
             return self.snap
@@ -105,9 +116,29 @@ class KeptIndex:
         with self.lock:
             return copy_snapshot(snap)
 
+    def applied(self, plan: Plan) -> None:
+        """A plan this thread wrote was reserved in the kept snapshot: its marks need no reload.
+
+        Only marks naming nothing but the plan's nodes count as its own; any
+        other (another writer, this thread's other changes) is reloaded.
+        """
+        nodes = {s.node_id for s in plan.shards}
+        with self.lock:
+            self.own.update(v for v, ids in changes.published_here() if set(ids) <= nodes)
+            snap = self.snap
+            assert snap is not None
+            for s in plan.shards:
+                # The facts follow the claim, so what is redone from them later keeps it.
+                f, n = self.facts.get(s.node_id), snap.nodes.get(s.node_id)
+                if f is not None and n is not None:
+                    base = dataclasses.replace(n, held="", fabrics=(), silent_s=0)
+                    self.facts[s.node_id] = dataclasses.replace(f, base=base, power_claimed=f.power_claimed + s.power_w)
+
     # -- changing ------------------------------------------------------------
     def _rebuild(self, now: dt.datetime) -> Snapshot:
         # The version first: whatever is marked from here on is applied next time.
+        changes.published_here()
+        self.own = set()
         version = changes.current_version()
         self.config = _config()
         self.facts = node_loader.load(None)
@@ -115,8 +146,9 @@ class KeptIndex:
         self.pairs = Counter(p for f in self.facts.values() for p in f.sm_pairs)
         self.canon = node_loader.canon_of(self.pairs)
         self.snap = node_loader.assemble(
-            self.facts, self.holds, budgets, unique_ports=self.config[0], now=now, canon=self.canon
+            self.facts, self.holds, budgets, unique_ports=self.config[0], now=now, canon=self.canon, cls=KeptSnapshot
         )
+        object.__setattr__(self.snap, "owner", self)
         self.silent = {i for i, n in self.snap.nodes.items() if n.silent_s}
         self.by_addr = defaultdict(set)
         for i, n in self.snap.nodes.items():
@@ -206,6 +238,17 @@ class KeptIndex:
             if n is not None and n.silent_s:
                 snap.replace(_with_silence(n, 0))
         self.silent = silent
+
+
+class KeptSnapshot(Snapshot):
+    """The kept snapshot: a reservation in it (the reconciler's, after its write) tells its index."""
+
+    owner: KeptIndex
+
+    def reserve(self, plan: Plan) -> None:
+        """Count a plan's claims, and take the feed's marks of its write as applied."""
+        super().reserve(plan)
+        self.owner.applied(plan)
 
 
 def _with_silence(n: NodeInfo, s: int) -> NodeInfo:

@@ -263,6 +263,7 @@ def assemble(
     unique_ports: bool,
     now: dt.datetime | None,
     canon: Mapping[str, str] | None = None,
+    cls: type[Snapshot] = Snapshot,
 ) -> Snapshot:
     """A snapshot of these nodes (their claimed power counted against the budgets).
 
@@ -272,7 +273,7 @@ def assemble(
         canon = canon_of({p for f in facts.values() for p in f.sm_pairs})
     lease = settings.LLMGW_UNREACHABLE_AFTER
     out = {i: node_info(f, canon=canon, holds=holds, now=now, lease=lease) for i, f in facts.items()}
-    snap = Snapshot(
+    snap = cls(
         nodes=out,
         budgets=budgets,
         port_base=settings.LLMGW_SHARD_PORT_BASE,

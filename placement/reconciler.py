@@ -34,7 +34,7 @@ from django.db.models import Max, OuterRef, Subquery
 
 import wire
 from agents import commands
-from inventory import allocation
+from inventory import allocation, changes
 from inventory.models import Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import record_event
 from placement import inflight, kept, planner, replicas
@@ -553,6 +553,8 @@ def release_orphans() -> int:
     this cannot free a placement in flight.
     """
     _, per_model = Allocation.objects.exclude(replica_id__in=Replica.objects.values("id")).delete()
+    if per_model.get(Allocation._meta.label):
+        changes.mark_all()  # rare (a deleted replica): its nodes are unknown here, so every node
     return per_model.get(Allocation._meta.label, 0)
 
 

@@ -17,8 +17,9 @@ from inventory.nodes import change_state, set_operator_labels
 from inventory.operations import forget
 from placement import kept, node_loader
 from placement import snapshot as snapshots
-from placement.models import Hold, PowerBudget
+from placement.models import Deployment, EngineProfile, Hold, PowerBudget, Shard
 from placement.planner import ReplicaRequest, plan
+from placement.reconciler import reconcile
 from placement.snapshot import Snapshot
 from tests.factories import make_node
 
@@ -182,16 +183,10 @@ def test_kept_equals_a_fresh_build_after_a_series_of_changes(now, settings):
     replica = uuid.uuid4()
     allocate(node_id="a", replica_id=replica, shard_id=uuid.uuid4(), gpu_indices=[0, 1], memory_gb=10, power_w=900.0)
     check()
-    # The planner's own claim, reserved in the kept snapshot and written.
-    snap = kept.current(now=t)
-    result = plan(ReplicaRequest(gpus_per_node=2), snap)
-    assert result.ok
-    s = result.shards[0]
-    allocate(
-        node_id=s.node_id, replica_id=uuid.uuid4(), shard_id=uuid.uuid4(), gpu_indices=s.gpu_indices, power_w=s.power_w
-    )
-    snap.reserve(result)
-    # The reservation's port has no shard row here: the allocation's mark reloads the node as the database has it.
+    # A reconcile pass's own placement: written, reserved in the kept snapshot, not reloaded.
+    prof = EngineProfile.objects.create(name="p", engine="echo", gpus_per_node=2)
+    Deployment.objects.create(name="d", served_model="m", profile=prof, replicas=1)
+    assert reconcile(now=t).placed == 1
     check()
     release_replica(replica)
     check()
@@ -242,3 +237,23 @@ def test_the_safety_net_rebuilds_after_its_interval(now, loads, settings):
     kept.current(now=now)
     kept.current(now=now)
     assert loads == [None, None]
+
+
+def test_a_pass_does_not_reload_what_it_placed_but_does_reload_others_changes(now, loads):
+    for i in range(3):
+        make_node(f"n{i}", now=now)
+    prof = EngineProfile.objects.create(name="p", engine="echo", gpus_per_node=2)
+    dep = Deployment.objects.create(name="d", served_model="m", profile=prof, replicas=1)
+    assert reconcile(now=now).placed == 1
+    Deployment.objects.filter(id=dep.id).update(replicas=2)
+    assert reconcile(now=now).placed == 1
+    # The second pass read the feed and found only the first pass's own marks.
+    assert loads == [None]
+    placed_on = {s.node_id for s in Shard.objects.all()}
+    assert len(placed_on) == 1
+    node = placed_on.pop()
+    # Another writer's change to that same node is reloaded.
+    change_state(node, "cordoned", now=now)
+    snap = kept.current(now=now)
+    assert loads == [None, [node]] and snap.nodes[node].state == "cordoned"
+    assert normalized(snap) == normalized(snapshots.build(now=now))
