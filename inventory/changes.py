@@ -67,8 +67,12 @@ def _start() -> None:
 
 def _publish(ids: list[str]) -> None:
     def write() -> None:
-        _start()
-        version = cache.incr(VERSION_KEY)
+        try:
+            version = cache.incr(VERSION_KEY)
+        except ValueError:
+            # No counter yet (or a flushed cache): one more round trip, once.
+            _start()
+            version = cache.incr(VERSION_KEY)
         cache.set(_entry_key(version), ids, timeout=ENTRY_TTL_S)
         log = getattr(_here, "log", None)
         if log is None:
