@@ -43,6 +43,7 @@ def _one_size(size: int) -> list[str]:
     from django.utils import timezone
     from rest_framework.test import APIRequestFactory, force_authenticate
 
+    from inventory import changes
     from placement import kept, planner
     from placement import snapshot as snapshots
     from placement.models import Deployment, EngineProfile
@@ -88,15 +89,47 @@ def _one_size(size: int) -> list[str]:
                 f"{index.rebuilds} rebuild(s) in all, {index.reloaded} node reload(s)"
             )
 
+            current, current_statements = [], 0
+            for _ in range(RUNS):
+                with StatementCounter(connection) as q:
+                    started = time.perf_counter()
+                    kept.current(now=now)
+                    current.append(time.perf_counter() - started)
+                current_statements = q.count
+            out.append(
+                f"{size:,} nodes: kept.current() with nothing changed (the feed's round trip, the lease's query): "
+                f"{_spread(current)}, {current_statements} statement(s)"
+            )
+            one = ids[len(ids) // 2]
+            reload_ = []
+            for _ in range(RUNS):
+                changes.mark([one])
+                started = time.perf_counter()
+                kept.current(now=now)
+                reload_.append(time.perf_counter() - started)
+            out.append(f"{size:,} nodes: kept.current() after another process changed one node: {_spread(reload_)}")
+
             req = planner.ReplicaRequest(gpus_per_node=2)
-            dry = []
+            dry, copies, explained = [], [], []
             for _ in range(RUNS):
                 started = time.perf_counter()
                 snap = kept.scratch(now=now)
-                result = planner.plan(req, snap, explain=True)
+                copied = time.perf_counter()
+                result = planner.plan(req, snap)
                 snap.reserve(result)
                 dry.append(time.perf_counter() - started)
-            out.append(f"{size:,} nodes: dry run of one replica (update, copy, plan, reserve): {_spread(dry)}")
+                copies.append(copied - started)
+                started = time.perf_counter()
+                planner.plan(req, snap, explain=True)
+                explained.append(time.perf_counter() - started)
+            out.append(
+                f"{size:,} nodes: dry run of one replica (update, copy, plan, reserve): {_spread(dry)}; "
+                f"of which the update and copy {_spread(copies)}"
+            )
+            out.append(
+                f"{size:,} nodes: the planner's explain=True (a reason for every node, as the endpoint asks): "
+                f"{_spread(explained)}"
+            )
 
             user = User.objects.create_superuser("bench", password="x")
             factory, view = APIRequestFactory(), DryRunView.as_view()

@@ -270,7 +270,7 @@ class ReplicaAdmin(admin.ModelAdmin):
             raise PermissionDenied
         dep = replica.deployment
         req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
-        result = planner.plan(req, kept.current(now=timezone.now()), policy=dep.policy, explain=True)
+        result = planner.plan(req, kept.scratch(now=timezone.now()), policy=dep.policy, explain=True)
         context = {
             **self.admin_site.each_context(request),
             "title": f"Where would {dep.name} go now",
