@@ -116,7 +116,7 @@ class KeptIndex:
         with self.lock:
             return copy_snapshot(snap)
 
-    def applied(self, plan: Plan) -> None:
+    def applied(self, snap: Snapshot, plan: Plan) -> None:
         """A plan this thread wrote was reserved in the kept snapshot: its marks need no reload.
 
         Only marks naming nothing but the plan's nodes count as its own; any
@@ -124,9 +124,10 @@ class KeptIndex:
         """
         nodes = {s.node_id for s in plan.shards}
         with self.lock:
+            if snap is not self.snap:
+                # A snapshot since replaced by a rebuild: its writes are read from the feed.
+                return
             self.own.update(v for v, ids in changes.published_here() if set(ids) <= nodes)
-            snap = self.snap
-            assert snap is not None
             for s in plan.shards:
                 # The facts follow the claim, so what is redone from them later keeps it.
                 f, n = self.facts.get(s.node_id), snap.nodes.get(s.node_id)
@@ -248,7 +249,7 @@ class KeptSnapshot(Snapshot):
     def reserve(self, plan: Plan) -> None:
         """Count a plan's claims, and take the feed's marks of its write as applied."""
         super().reserve(plan)
-        self.owner.applied(plan)
+        self.owner.applied(self, plan)
 
 
 def _with_silence(n: NodeInfo, s: int) -> NodeInfo:
