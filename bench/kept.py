@@ -135,7 +135,7 @@ def _one_size(size: int) -> list[str]:
             factory, view = APIRequestFactory(), DryRunView.as_view()
             api = []
             for _ in range(RUNS):
-                request = factory.post("/api/v1/dry-run/", {"profile": prof.id, "replicas": 1}, format="json")
+                request = factory.post("/api/v1/placement/dry-run/", {"profile": prof.id, "replicas": 1}, format="json")
                 force_authenticate(request, user=user)
                 started = time.perf_counter()
                 response = view(request)
