@@ -46,6 +46,8 @@ ALL = "*"
 ENTRY_TTL_S = 3600
 # Entries a reader fetches with the version in its one round trip.
 PREFETCH = 32
+# This thread's marks kept for published_here; older ones are simply reloaded by a reader.
+LOG_KEPT = 256
 # Beyond this many versions behind, a full rebuild is cheaper than the entries.
 MAX_BEHIND = 2000
 
@@ -78,6 +80,9 @@ def _publish(ids: list[str]) -> None:
         if log is None:
             log = _here.log = []
         log.append((version, ids))
+        if len(log) > LOG_KEPT:
+            # A thread that marks and never reads (a web thread's heartbeats) must not grow it for ever.
+            del log[:-LOG_KEPT]
 
     best_effort("feed_mark", write, None)
 
