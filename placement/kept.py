@@ -241,35 +241,30 @@ class KeptIndex:
         self.silent = silent
 
 
-class KeptSnapshot(Snapshot):
-    """The kept snapshot: a reservation in it (the reconciler's, after its write) tells its index."""
-
-    owner: KeptIndex
-
-    def reserve(self, plan: Plan) -> None:
-        """Count a plan's claims, and take the feed's marks of its write as applied."""
-        super().reserve(plan)
-        self.owner.applied(self, plan)
-
-
 def _with_silence(n: NodeInfo, s: int) -> NodeInfo:
     return dataclasses.replace(n, silent_s=s)
 
 
 class ScratchSnapshot(Snapshot):
-    """A copy that shares the original's index until it writes to it (copy on write, slot by slot).
+    """A snapshot that shares its index with copies until it writes to it (copy on write, slot by slot).
 
     Copying the whole index at 10,000 nodes (a thousand slots of sorted
     lists) cost more than the dry run's planning; a reservation touches the
-    few slots of the nodes it claims on.
+    few slots of the nodes it claims on. Both sides copy before writing: the
+    copy (a dry run reserving) and the kept original (the next update, while
+    a dry run in another thread still plans on the copy).
     """
 
-    _owned: set
+    # The slots this snapshot has its own copy of; None: all of them (nothing shared).
+    _owned: set | None
 
     def _own(self, n: NodeInfo) -> None:
+        owned = getattr(self, "_owned", None)
+        if owned is None:
+            return
         for slot, _ in self._slots(n):
-            if slot not in self._owned:
-                self._owned.add(slot)
+            if slot not in owned:
+                owned.add(slot)
                 self._index[slot] = {c: ids.copy() for c, ids in self._index.get(slot, {}).items()}
 
     def _add(self, n: NodeInfo) -> None:
@@ -281,7 +276,7 @@ class ScratchSnapshot(Snapshot):
         super()._remove(n)
 
     def reserve(self, plan: Plan) -> None:
-        """Count a plan's claims in this copy only."""
+        """Count a plan's claims in this snapshot only."""
         for s in plan.shards:
             addr = self.nodes[s.node_id].mgmt_addr
             if addr:
@@ -303,7 +298,21 @@ def copy_snapshot(snap: Snapshot) -> Snapshot:
     object.__setattr__(out, "_owned", set())
     out.nodes.update(snap.nodes)
     out._index.update(snap._index)
+    if isinstance(snap, ScratchSnapshot):
+        # The original shares its lists now: its next write copies first.
+        object.__setattr__(snap, "_owned", set())
     return out
+
+
+class KeptSnapshot(ScratchSnapshot):
+    """The kept snapshot: a reservation in it (the reconciler's, after its write) tells its index."""
+
+    owner: KeptIndex
+
+    def reserve(self, plan: Plan) -> None:
+        """Count a plan's claims, and take the feed's marks of its write as applied."""
+        super().reserve(plan)
+        self.owner.applied(self, plan)
 
 
 _kept = KeptIndex()

@@ -257,3 +257,16 @@ def test_a_pass_does_not_reload_what_it_placed_but_does_reload_others_changes(no
     snap = kept.current(now=now)
     assert loads == [None, [node]] and snap.nodes[node].state == "cordoned"
     assert normalized(snap) == normalized(snapshots.build(now=now))
+
+
+def test_an_update_of_the_kept_index_leaves_a_dry_run_copy_alone(now):
+    # A dry run in one web thread plans on its copy while another thread's request updates the index.
+    for i in range(3):
+        make_node(f"n{i}", now=now)
+    scratch = kept.scratch(now=now)
+    before = normalized(scratch)
+    change_state("n1", "cordoned", now=now)
+    allocate(node_id="n2", replica_id=uuid.uuid4(), shard_id=uuid.uuid4(), gpu_indices=[0, 1])
+    updated = kept.current(now=now)
+    assert normalized(scratch) == before
+    assert normalized(updated) == normalized(snapshots.build(now=now))
