@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from django.db import IntegrityError, OperationalError, connection, transaction
 
 import wire
+from inventory import changes, wakeups
 from inventory.models import AllocatedGPU, Allocation, Command
 from placement import planner, queueing
 from placement.models import REPLICA_TRANSITIONS, Deployment, PlacementEvent, Replica, ReplicaState, Shard
@@ -194,6 +195,12 @@ def write(batch: list[Placement], *, now: dt.datetime) -> tuple[list[Placement],
             for node_id, kind, payload, key in p.commands
         ]
     )
+    # What outbox.enqueue and allocation.allocate do one row at a time: the
+    # agents' long-polls answer once this commits, and other processes' kept
+    # placement indexes reload these nodes.
+    for node_id in sorted({node_id for p in written for node_id, *_ in p.commands}):
+        wakeups.publish_on_commit(node_id)
+    changes.mark(node_id for node_id, *_ in claims)
     ids = [p.row.id for p in written]
     Replica.objects.filter(id__in=ids).update(state=ReplicaState.STARTING, updated_at=now, pending_reasons={})
     _set_varying(written)

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from django.db import transaction
 
-from inventory import allocation
+from inventory import allocation, changes
 from inventory.models import Allocation, NodeState
-from placement import backoff, batch_writes, inflight, placing, planner, replicas, retiring, snapshot_db
+from placement import backoff, batch_writes, inflight, kept, placing, planner, replicas, retiring
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
 from placement.retiring import SERVING, LiveReplica, retire
 from wire import shard_states
@@ -317,7 +317,7 @@ def place_pending(p: Pass) -> None:
     )
     if not pending:
         return
-    snap = snapshot_db.build(now=now)
+    snap = kept.current(now=now)
     # A deployment's refusal holds for its next replicas until the snapshot changes.
     refused: dict[int, planner.NoPlace] = {}
     # A scale-up's placements are written in batches (placement/batch_writes.py).
@@ -335,7 +335,7 @@ def place_pending(p: Pass) -> None:
             if outcome == "conflict":
                 report.conflicts += 1
                 # Another writer took some of these cards: look again, try once more.
-                snap = snapshot_db.build(now=now)
+                snap = kept.current(now=now, rebuild=True)
                 refused.clear()
                 outcome = placing.place(row, dep, snap, refused, now=now, avoid=avoid)
         except Exception as exc:
@@ -411,4 +411,6 @@ def release_orphans() -> int:
     this cannot free a placement in flight.
     """
     _, per_model = Allocation.objects.exclude(replica_id__in=Replica.objects.values("id")).delete()
+    if per_model.get(Allocation._meta.label):
+        changes.mark_all()  # rare (a deleted replica): its nodes are unknown here, so every node
     return per_model.get(Allocation._meta.label, 0)
