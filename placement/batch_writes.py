@@ -6,9 +6,9 @@ and the savepoints around them): 1,000 replicas took 8 s that way. Here a
 batch of up to BATCH_SIZE planned replicas is written with one bulk insert
 per table and two updates, so a thousand replicas cost a few dozen statements.
 
-The rows are exactly those of reconciler.write_placement, the one-replica
-writer (tests/placement/test_batch_writes.py pins it), and the database's
-constraints still decide: a GPU is held by one shard (AllocatedGPU's unique
+The rows are placing.placement_rows', the ones the one-replica writer
+(placing.write_placement) writes too (tests/placement/test_batch_writes.py
+pins it), and the database's constraints still decide: a GPU is held by one shard (AllocatedGPU's unique
 constraint), a replica is moved only from the state it was read in. A batch
 that breaks a constraint is rolled back and its placements written again
 one by one, each in its own savepoint, so a conflict costs only the
@@ -26,15 +26,13 @@ from typing import Any, Protocol
 
 from django.db import IntegrityError, OperationalError, connection, transaction
 
-import wire
-from inventory import changes, wakeups
+from inventory import changes, outbox, wakeups
 from inventory.models import AllocatedGPU, Allocation, Command
-from placement import planner, queueing
+from placement import placing, planner, queueing
 from placement.models import REPLICA_TRANSITIONS, Deployment, PlacementEvent, Replica, ReplicaState, Shard
 from placement.replicas import TransitionError, event
 from placement.signals import replicas_changed
 from placement.snapshot import Snapshot
-from wire import shard_states
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +42,6 @@ BATCH_SIZE = 250
 # A pass with fewer pending replicas writes them one at a time, as before:
 # a lone placement's conflict is retried in the same pass from a new snapshot.
 MIN_BATCH = 2
-# Command.shard_id's width (inventory/outbox.py).
-SHARD_KEY_LEN = 64
 # The replica fields a placement sets that differ replica by replica.
 _VARYING = ("reason", "nvlink_domain", "fabric", "fabric_name", "endpoint", "profile_fp")
 
@@ -64,11 +60,10 @@ class Placement:
     fields: dict[str, Any]
 
 
-def _command(node_id: str, message: wire.StartShard | wire.InstallEngine) -> tuple[str, str, dict[str, Any], str]:
-    """A command as commands.enqueue stores it, unsaved."""
-    payload = message.model_dump(mode="json", exclude={"id"})
-    shard_key = str(getattr(message, "shard_id", "") or "")[:SHARD_KEY_LEN]
-    return node_id, message.kind, payload, shard_key
+def _command(node_id: str, message: outbox.WireCommand, *, now: dt.datetime) -> tuple[str, str, dict[str, Any], str]:
+    """A command as the outbox stores it, unsaved: (node id, kind, payload, shard key)."""
+    row = outbox.unsaved(node_id, message, now=now)
+    return row.node_id, row.kind, row.payload, row.shard_id
 
 
 def placement_rows(
@@ -77,79 +72,9 @@ def placement_rows(
     """The rows placing `row` as `result` writes; raises as write_placement would on a bad profile or move."""
     if ReplicaState.STARTING not in REPLICA_TRANSITIONS[ReplicaState(row.state)]:
         raise TransitionError(f"a replica cannot go from {row.state} to {ReplicaState.STARTING}")
-    profile = dep.profile
-    fp = profile.fingerprint()
-    leader = result.shards[0]
-    leader_addr = snap.nodes[leader.node_id].mgmt_addr
-    env = {**(profile.env or {}), **result.env}
-    wire_profile = wire.EngineProfile(
-        name=profile.name,
-        engine=profile.engine,
-        gpu_class=profile.gpu_class,
-        tp=profile.tp,
-        pp=profile.pp,
-        gpus_per_node=profile.gpus_per_node,
-        nodes=profile.nodes,
-        args=list(profile.args or []),
-        env=env,
-        model_path=profile.model_path,
-        served_model_name=profile.served_model_name or dep.served_model,
-    )
-    claims, shards, cmds = [], [], []
-    for s in result.shards:
-        shard_id = uuid.uuid4()
-        claims.append((s.node_id, shard_id, sorted(set(s.gpu_indices)), s.memory_gb, s.cpu_cores, s.power_w))
-        shards.append(
-            Shard(
-                id=shard_id,
-                replica_id=row.id,
-                node_id=s.node_id,
-                rank=s.rank,
-                gpu_indices=list(s.gpu_indices),
-                hcas=list(s.hcas),
-                http_port=s.http_port,
-                state=shard_states.S.PENDING,
-                profile_fp=fp,
-                created_at=now,
-                updated_at=now,
-            )
-        )
-    for s, shard in zip(result.shards, shards, strict=True):
-        if s.install_engine:
-            cmds.append(_command(s.node_id, wire.InstallEngine(engine=profile.engine, version=profile.engine_version)))
-        cmds.append(
-            _command(
-                s.node_id,
-                wire.StartShard(
-                    replica_id=str(row.id),
-                    shard_id=str(shard.id),
-                    rank=s.rank,
-                    nnodes=len(result.shards),
-                    leader_addr=leader_addr,
-                    leader_port=leader.leader_port or None,
-                    gpu_indices=list(s.gpu_indices),
-                    hcas=list(s.hcas),
-                    http_port=s.http_port,
-                    profile=wire_profile,
-                    startup_timeout_s=float(profile.startup_timeout_s),
-                    pool=dep.pool,
-                    fabric=result.fabric_name,
-                    nvlink_domain=result.nvlink_domain,
-                    profile_fp=fp,
-                ),
-            )
-        )
-    where = result.nvlink_domain and f" in NVLink domain {result.nvlink_domain}"
-    where = where or (result.fabric and f" on fabric {result.fabric_name} ({result.fabric})") or ""
-    fields = {
-        "reason": f"placed on {', '.join(result.node_ids)}{where}",
-        "nvlink_domain": result.nvlink_domain,
-        "fabric": result.fabric,
-        "fabric_name": result.fabric_name,
-        "endpoint": f"http://{leader_addr}:{leader.http_port}",
-        "profile_fp": fp,
-    }
-    return Placement(row, result, claims, shards, cmds, fields)
+    rows = placing.placement_rows(row, dep, result, snap, now=now)
+    commands = [_command(node_id, message, now=now) for node_id, message in rows.commands]
+    return Placement(row, result, rows.claims, rows.shards, commands, rows.fields)
 
 
 def write(batch: list[Placement], *, now: dt.datetime) -> tuple[list[Placement], list[Placement]]:
