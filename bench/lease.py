@@ -30,42 +30,30 @@ import http.client
 import json
 import multiprocessing as mp
 import os
-import secrets
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from bench.heartbeat import (
     _MAKE_SHARDS,
     CPUMeter,
     KeepAlive,
     _env_int,
-    _free_port,
     _loadavg,
     _percentile,
     _post,
-    _recreate_database,
     _server_description,
-    _server_env,
-    _wait_until_up,
     heartbeat_template,
     heartbeat_values,
     register_payload,
+    served_control_plane,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
 LEASE = "/api/v1/agent/lease"
 HEARTBEAT = "/api/v1/agent/heartbeat"
-
-
-def _database_url() -> str:
-    url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/llmgw")
-    parts = urlsplit(url)
-    name = parts.path.lstrip("/") or "llmgw"
-    return urlunsplit(parts._replace(path=f"/{name}_lease"))
 
 
 def lease_body(node_id: str, at: float) -> bytes:
@@ -192,22 +180,9 @@ def run() -> list[str]:
     concurrency = _env_int("BENCH_HB_CONCURRENCY", 8)
 
     load_before = _loadavg()
-    db_url = _database_url()
-    _recreate_database(db_url)
-    join = secrets.token_urlsafe(24)
-    env = _server_env(db_url, join)
-    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
-    port = _free_port()
-    for knob, var in (("BENCH_HB_SERVER", "LLMGW_WEB_SERVER"), ("BENCH_HB_WORKERS", "WEB_CONCURRENCY"),
-                      ("BENCH_HB_THREADS", "LLMGW_WEB_THREADS")):  # fmt: skip
-        if os.environ.get(knob):
-            env[var] = os.environ[knob]
-    env["PYTHON"] = sys.executable
-    env["LLMGW_WEB_LOG_LEVEL"] = "warning"
-    server = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh"), f"127.0.0.1:{port}"], cwd=ROOT, env=env)
     lines: list[str] = []
-    try:
-        _wait_until_up(port, server)
+    with served_control_plane("lease") as served:
+        port, join, env = served.port, served.join, served.env
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         ids = [f"lease-{i:05d}" for i in range(n_nodes)]
         creds: dict[str, str] = {}
@@ -230,7 +205,7 @@ def run() -> list[str]:
                 raise RuntimeError(f"status of {node_id}: {status} {answer[:300]!r}")
         conn.close()
         _drive(port, nodes, 2.0, clients, concurrency, 0, 0)
-        meter = CPUMeter(server.pid, db_url)
+        meter = CPUMeter(served.pid, served.db_url)
         alone = _measured(meter, port, nodes, seconds, clients, concurrency, 0, 0)
         paced = _measured(meter, port, nodes, seconds, clients, concurrency, rate, mix) if rate else None
         mixed = _measured(meter, port, nodes, seconds, clients, concurrency, 0, mix) if mix else None
@@ -245,10 +220,4 @@ def run() -> list[str]:
             *_figures("full heartbeats alone, as fast as answered", *full),
             f"load average at the end: {_loadavg()}",
         ]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
     return lines
