@@ -19,9 +19,9 @@ from django.db import IntegrityError, transaction
 import wire
 from agents import credentials
 from agents.credentials import JoinAuth, NodeAuth
+from inventory import changes, outbox, telemetry
 from inventory import fabric as fabric_rules
 from inventory import heartbeat as hb_rules
-from inventory import outbox, telemetry
 from inventory.nodes import upsert_node
 from placement import agent_sync, queueing
 
@@ -204,6 +204,7 @@ def _record(
         pending_rows = sync.pending
         if sync.changed:
             queueing.queue_reconcile()
+            changes.mark([node_id])
     if hb.gpu_fabrics is not None:
         d = hb_rules.digest(hb.gpu_fabrics)
         if applied.get("fabrics") != d:
@@ -228,11 +229,14 @@ def _answer(
     entry = hb_rules.telemetry(hb, previous, now=now)
     entry["applied"] = applied
     telemetry.put(hb.node_id, entry)
+    changes.mark_telemetry(hb.node_id, previous, entry)
     return wire.HeartbeatResponse(
         commands=pending,
         server_time=now.timestamp(),
         heartbeat_interval_s=settings.LLMGW_HEARTBEAT_INTERVAL,
         rotate_credential=True if auth.rotation_requested else None,
+        # Between full heartbeats the agent may renew its lease alone (agents/lease.py).
+        leases=True,
     )
 
 

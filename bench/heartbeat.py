@@ -39,7 +39,10 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import wire
@@ -55,13 +58,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _bench_database_url() -> str:
-    url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/llmgw")
-    parts = urlsplit(url)
-    name = parts.path.lstrip("/") or "llmgw"
-    return urlunsplit(parts._replace(path=f"/{name}_bench"))
 
 
 def _recreate_database(url: str) -> None:
@@ -514,6 +510,46 @@ def _server_description(env: dict[str, str]) -> str:
     return f"{env.get('LLMGW_WEB_SERVER') or 'granian'}, {workers} workers x {threads} threads"
 
 
+class Served(NamedTuple):
+    """A control plane a benchmark runs against."""
+
+    port: int
+    join: str
+    env: dict[str, str]
+    pid: int
+    db_url: str
+
+
+@contextmanager
+def served_control_plane(suffix: str) -> Iterator[Served]:
+    """A fresh database `<name>_<suffix>`, migrated, and the web server as `make run` starts it
+    (scripts/serve.sh) on a port of its own."""
+    url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/llmgw")
+    parts = urlsplit(url)
+    db_url = urlunsplit(parts._replace(path=f"/{parts.path.lstrip('/') or 'llmgw'}_{suffix}"))
+    _recreate_database(db_url)
+    join = secrets.token_urlsafe(24)
+    env = _server_env(db_url, join)
+    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
+    port = _free_port()
+    for knob, var in (("BENCH_HB_SERVER", "LLMGW_WEB_SERVER"), ("BENCH_HB_WORKERS", "WEB_CONCURRENCY"),
+                      ("BENCH_HB_THREADS", "LLMGW_WEB_THREADS")):  # fmt: skip
+        if os.environ.get(knob):
+            env[var] = os.environ[knob]
+    env["PYTHON"] = sys.executable
+    env["LLMGW_WEB_LOG_LEVEL"] = "warning"
+    server = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh"), f"127.0.0.1:{port}"], cwd=ROOT, env=env)
+    try:
+        _wait_until_up(port, server)
+        yield Served(port, join, env, server.pid, db_url)
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
 def run() -> list[str]:
     n_nodes = _env_int("BENCH_HB_NODES", 500)
     seconds = float(os.environ.get("BENCH_HB_SECONDS", 10))
@@ -522,23 +558,9 @@ def run() -> list[str]:
     concurrency = _env_int("BENCH_HB_CONCURRENCY", 8)
 
     load_before = _loadavg()
-    db_url = _bench_database_url()
-    _recreate_database(db_url)
-    join = secrets.token_urlsafe(24)
-    env = _server_env(db_url, join)
-    subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
-    port = _free_port()
-    # The production server as `make run` starts it (scripts/serve.sh), on the bench's own address.
-    for knob, var in (("BENCH_HB_SERVER", "LLMGW_WEB_SERVER"), ("BENCH_HB_WORKERS", "WEB_CONCURRENCY"),
-                      ("BENCH_HB_THREADS", "LLMGW_WEB_THREADS")):  # fmt: skip
-        if os.environ.get(knob):
-            env[var] = os.environ[knob]
-    env["PYTHON"] = sys.executable
-    env["LLMGW_WEB_LOG_LEVEL"] = "warning"
-    server = subprocess.Popen(["bash", str(ROOT / "scripts" / "serve.sh"), f"127.0.0.1:{port}"], cwd=ROOT, env=env)
     lines: list[str] = []
-    try:
-        _wait_until_up(port, server)
+    with served_control_plane("bench") as served:
+        port, join, env = served.port, served.join, served.env
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         # Registration of an 8-GPU node, one at a time.
         creds: dict[str, str] = {}
@@ -572,7 +594,7 @@ def run() -> list[str]:
         # A short warm-up (connections, the first heartbeat's baseline), then as fast as answers come
         # back, then at a fixed offered rate.
         _drive(port, nodes, 2.0, clients, concurrency, 0)
-        meter = CPUMeter(server.pid, db_url)
+        meter = CPUMeter(served.pid, served.db_url)
         saturated = _measured(meter, port, nodes, seconds, clients, concurrency, 0)
         paced = _measured(meter, port, nodes, seconds, clients, concurrency, rate) if rate else None
         lines += [
@@ -585,10 +607,4 @@ def run() -> list[str]:
             f"re-register (8 GPUs, 4 shards adopted): median {statistics.median(rereg) * 1000:.1f} ms, "
             f"p99 {_percentile(rereg, 99) * 1000:.1f} ms",
         ]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
     return lines

@@ -7,8 +7,10 @@ Measured, each several times (min / median / max, the machine being shared):
 a full scrape through Django's URL routing (django-prometheus' metrics,
 llmgw's families, the streamed text), plain and gzipped, within the doctor's
 cache window (the steady state: Prometheus scrapes more often than the
-window) and with the doctor's checks run afresh; the service-discovery
-document; the doctor alone; each with its SQL query count, body size and the
+window), past the window (the last results served and one refresh queued,
+inventory/doctor_refresh.py) and with no results kept (the checks run in
+the scrape, once after a flushed cache); the service-discovery document;
+the doctor's refresh as the worker runs it; the doctor alone; each with its SQL query count, body size and the
 Python memory one scrape allocates at its peak. Target: under 1 s and a few
 MB at 10,000 nodes.
 """
@@ -194,10 +196,10 @@ def _peak_mb(fn) -> float:
 def _forget(ids: list[str]) -> None:
     from django.core.cache import cache
 
-    from inventory import doctor, telemetry
+    from inventory import doctor, doctor_refresh, telemetry
 
     cache.delete_many([telemetry.key(n) for n in ids] + [doctor.counter_key(n) for n in ids])
-    doctor.forget_cached()
+    doctor_refresh.forget()
 
 
 def run() -> list[str]:
@@ -205,12 +207,13 @@ def run() -> list[str]:
 
     django.setup()
     from django.conf import settings
+    from django.core.cache import cache
     from django.db import connection
     from django.test import Client
     from django.test.utils import setup_test_environment
     from django.utils import timezone
 
-    from inventory import doctor
+    from inventory import doctor, doctor_refresh
     from inventory.models import FabricScan, Node
 
     sizes = [int(s) for s in os.environ.get("LLMGW_BENCH_METRICS_NODES", "").split(",") if s] or SIZES
@@ -234,8 +237,14 @@ def run() -> list[str]:
                 def scrape(**headers):
                     return body(client.get("/metrics", headers=headers))
 
-                def scrape_fresh():
+                def scrape_stale():
+                    # Past the window, and no refresh queued yet: this scrape queues it.
                     doctor.forget_cached()
+                    cache.delete(doctor_refresh.QUEUED_KEY)
+                    return scrape()
+
+                def scrape_unkept():
+                    doctor_refresh.forget()
                     return scrape()
 
                 # Within the doctor's window, as when Prometheus scrapes more often
@@ -248,7 +257,9 @@ def run() -> list[str]:
                 assert gzip.decompress(packed).count(b"\n") > count
                 peak = _peak_mb(scrape)
                 settings.LLMGW_DOCTOR_CACHE = window
-                fresh, q_fresh, _ = _timed(scrape_fresh, connection, repeat=3)
+                stale, q_stale, _ = _timed(scrape_stale, connection)
+                unkept, q_unkept, _ = _timed(scrape_unkept, connection, repeat=3)
+                refresh, q_refresh, _ = _timed(doctor_refresh.refresh_doctor, connection, repeat=3)
                 sd, q_sd, doc = _timed(lambda: client.get("/api/v1/prometheus/targets").content, connection)
                 doc_runs, q_doc, results = _timed(lambda: doctor.run(now=timezone.now()), connection, repeat=3)
                 verdicts = {str(r.result) for r in results}
@@ -259,7 +270,11 @@ def run() -> list[str]:
                 f"  /metrics (doctor cached): {_spread(cached)}, {q_cached} queries, {len(text) / 1e6:.2f} MB,"
                 f" peak {peak:.0f} MB allocated",
                 f"  /metrics gzipped: {_spread(zipped)}, {len(packed) / 1e6:.2f} MB",
-                f"  /metrics (doctor run afresh): {_spread(fresh)}, {q_fresh} queries",
+                f"  /metrics when the doctor's results are past the window (the last ones served, one refresh"
+                f" queued): {_spread(stale)}, {q_stale} queries",
+                f"  /metrics with no doctor's results kept (its checks run in the scrape): {_spread(unkept)},"
+                f" {q_unkept} queries",
+                f"  the doctor's refresh (the worker's task): {_spread(refresh)}, {q_refresh} queries",
                 f"  service discovery: {_spread(sd)}, {q_sd} queries, {len(doc) / 1e6:.2f} MB",
                 f"  doctor alone: {_spread(doc_runs)}, {q_doc} queries (verdicts {sorted(verdicts)})",
             ]

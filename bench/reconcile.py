@@ -2,13 +2,19 @@
 
 Target: under 2 s, with a number of SQL queries that does not grow with the
 number of deployments (tests/placement/test_reconciler.py pins the same at
-small scale). Also measured: a pass that places 1,000 new replicas.
+small scale). Also measured: a pass that places 1,000 new replicas, and a
+scale-up of 1,000 replicas into 5,000 empty nodes (target: 1,000 replicas/s
+end to end, plan and write), written in batches and, for comparison, one
+placement per transaction as before (placement/batch_writes.py).
 """
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
 import uuid
+from dataclasses import dataclass
 
 from bench.common import StatementCounter, scratch_database
 
@@ -20,7 +26,10 @@ def _populate(deployments: int, replicas_per: int, now) -> None:
     shards = deployments * replicas_per
     nodes_needed = shards // 4 + deployments // 4 + 16
     Node.objects.bulk_create(
-        [Node(id=f"node-{i:05d}", mgmt_addr=f"10.0.{i // 256}.{i % 256}", state="ready") for i in range(nodes_needed)],
+        [
+            Node(id=f"node-{i:05d}", mgmt_addr=f"10.0.{i // 256}.{i % 256}", state="ready", last_seen=now)
+            for i in range(nodes_needed)
+        ],
         batch_size=2000,
     )
     GPU.objects.bulk_create(
@@ -82,6 +91,88 @@ def _populate(deployments: int, replicas_per: int, now) -> None:
     AllocatedGPU.objects.bulk_create(held, batch_size=5000)
 
 
+def _empty_fleet(nodes: int, now) -> None:
+    from inventory.models import GPU, Node
+
+    Node.objects.bulk_create(
+        [
+            Node(id=f"big-{i:05d}", mgmt_addr=f"10.1.{i // 256}.{i % 256}", state="ready", last_seen=now)
+            for i in range(nodes)
+        ],
+        batch_size=2000,
+    )
+    GPU.objects.bulk_create(
+        [
+            GPU(node_id=f"big-{i:05d}", index=g, gpu_class="H100-80GB", numa_node=g // 4)
+            for i in range(nodes)
+            for g in range(8)
+        ],
+        batch_size=5000,
+    )
+
+
+@dataclass
+class ScaleUp:
+    """One scale-up pass: seconds of the pass and of its parts, statements, replicas placed."""
+
+    took: float
+    build: float
+    write: float
+    statements: int
+    placed: int
+
+    @property
+    def plan(self) -> float:
+        """The rest of the pass: planning, creating the replicas, reading the deployments."""
+        return self.took - self.build - self.write
+
+
+class _Timed:
+    """Adds the seconds spent in a function to a total while it is patched in."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.total = fn, 0.0
+
+    def __call__(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.total += time.perf_counter() - started
+
+
+def _scale_up(replicas: int, *, batched: bool, now) -> ScaleUp:
+    """A pass creating and placing `replicas` new replicas of ten new deployments (the others paused)."""
+    from django.db import connection
+
+    from placement import batch_writes, placing, reconciler
+    from placement import snapshot_db as snapshots
+    from placement.models import Deployment, EngineProfile
+
+    Deployment.objects.update(paused=True)
+    prof, _ = EngineProfile.objects.get_or_create(name="bench-2", engine="echo", gpus_per_node=2)
+    first = Deployment.objects.count()
+    for d in range(first, first + 10):
+        Deployment.objects.create(name=f"up-{d}", served_model=f"up-{d}", profile=prof, replicas=replicas // 10)
+    saved = (batch_writes.MIN_BATCH, snapshots.build, batch_writes.BatchWriter.flush, placing.write_placement)
+    build, flush, single = _Timed(snapshots.build), _Timed(batch_writes.BatchWriter.flush), _Timed(saved[3])
+    batch_writes.MIN_BATCH = saved[0] if batched else 10**9
+    snapshots.build, placing.write_placement = build, single
+    batch_writes.BatchWriter.flush = lambda self: flush(self)
+    try:
+        with StatementCounter(connection) as q:
+            started = time.perf_counter()
+            report = reconciler.reconcile(now=now)
+            took = time.perf_counter() - started
+    finally:
+        batch_writes.MIN_BATCH, snapshots.build, batch_writes.BatchWriter.flush, placing.write_placement = saved
+    return ScaleUp(took, build.total, flush.total + single.total, q.count, report.placed)
+
+
+def _spread(values: list[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in (min(values), statistics.median(values), max(values)))
+
+
 def run() -> list[str]:
     import django
 
@@ -108,9 +199,28 @@ def run() -> list[str]:
             started = time.perf_counter()
             grown = reconcile(now=now)
             took2 = time.perf_counter() - started
+    runs = int(os.environ.get("BENCH_SCALEUP_RUNS", "3"))
+    with scratch_database("bench_scaleup"):
+        now = timezone.now()
+        _empty_fleet(5000, now)
+        _scale_up(10, batched=True, now=now)  # warm
+        batched = [_scale_up(1000, batched=True, now=now) for _ in range(runs)]
+        single = _scale_up(1000, batched=False, now=now)
+    b = min(batched, key=lambda r: r.took)
+    load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     return [
         f"steady pass over 1,000 deployments and {shards:,} shards: {took * 1000:.0f} ms, "
         f"{q1.count} SQL queries (target < 2 s; changes {steady})",
         f"scale-up pass placing {grown.placed:,} new replicas: {took2:.2f} s, {q2.count:,} statements "
-        f"({q2.count / max(grown.placed, 1):.1f} per placement, savepoints included: one transaction each)",
+        f"({q2.count / max(grown.placed, 1):.1f} per placement, savepoints included)",
+        f"scale-up of 1,000 replicas into 5,000 empty nodes, batched, {runs} runs, min/median/max: "
+        f"pass {_spread([r.took for r in batched])} s, snapshot build in it {_spread([r.build for r in batched])} s, "
+        f"writes {_spread([r.write for r in batched])} s, planning and the rest {_spread([r.plan for r in batched])} s",
+        f"  best run: {b.placed / b.took:,.0f} replicas/s end to end (target 1,000), "
+        f"{b.placed / (b.took - b.build):,.0f}/s without the snapshot build, "
+        f"{b.placed / b.write:,.0f}/s written; {b.statements:,} statements",
+        f"the same, one placement per transaction: pass {single.took:.2f} s ({single.placed / single.took:,.0f}/s), "
+        f"snapshot build {single.build:.2f} s, writes {single.write:.2f} s "
+        f"({single.placed / single.write:,.0f}/s written), {single.statements:,} statements",
+        f"load average at the end: {load}",
     ]

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from django.db import transaction
 from django.db.models import Sum
 
+from inventory import changes
 from inventory.models import AllocatedGPU, Allocation, Node
 from inventory.resources import free_gpu_indices
 
@@ -40,11 +41,13 @@ def allocate(
         AllocatedGPU.objects.bulk_create(
             [AllocatedGPU(allocation=alloc, node_id=node_id, gpu_index=i) for i in sorted(set(gpu_indices))]
         )
+        changes.mark([node_id])
     return alloc
 
 
 def release_shard(shard_id: uuid.UUID) -> int:
     """Free what one shard held. Returns the number of allocations removed."""
+    changes.mark(Allocation.objects.filter(shard_id=shard_id).values_list("node_id", flat=True))
     deleted, _ = Allocation.objects.filter(shard_id=shard_id).delete()
     return 1 if deleted else 0
 
@@ -56,9 +59,10 @@ def release_replica(replica_id: uuid.UUID) -> int:
     others useless, and the replica is rebuilt rather than patched.
     """
     with transaction.atomic():
-        count = Allocation.objects.filter(replica_id=replica_id).count()
+        held_on = list(Allocation.objects.filter(replica_id=replica_id).values_list("node_id", flat=True))
         Allocation.objects.filter(replica_id=replica_id).delete()
-    return count
+        changes.mark(held_on)
+    return len(held_on)
 
 
 def held_gpu_indices(node_id: str) -> list[int]:

@@ -19,6 +19,7 @@ from typing import Any
 from django.db import connection
 
 import wire
+from inventory import changes
 from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules
 from inventory.models import GPU, EngineInstall, Node, NodeState
@@ -276,6 +277,7 @@ def apply_gpu_fabrics(
                 setattr(row, k, v)
             GPU.objects.filter(pk=row.pk).update(**values)
     domain = gpu_rules.node_domain(rows)
+    changes.mark([node_id])
     if domain != current_domain:
         Node.objects.filter(id=node_id).update(nvlink_domain=domain)
         record_event(
@@ -311,6 +313,8 @@ def apply_engine_installs(node_id: str, installs: Iterable[wire.EngineInstall]) 
                 setattr(row, k, v)
             row.save(update_fields=[*values, "updated_at"])
             written += 1
+    if written:
+        changes.mark([node_id])
     return written
 
 
@@ -319,6 +323,7 @@ def apply_imex(node_id: str, imex: wire.IMEX, *, touched: Touched, now: dt.datet
     if imex.state == touched.imex_state and imex.channels == touched.imex_channels:
         return False
     Node.objects.filter(id=node_id).update(imex_state=imex.state, imex_channels=imex.channels)
+    changes.mark([node_id])
     record_event(
         node_id,
         "imex",

@@ -19,8 +19,10 @@ and llmgw's families with `render`, which writes the same text (a test
 compares the two byte for byte), streamed and gzipped when asked.
 `LlmgwCollector` yields the same families for any other registry.
 
-The doctor's results come from `doctor.latest`: a scrape within
-settings.LLMGW_DOCTOR_CACHE seconds of another reuses its checks.
+The doctor's results come from `doctor_refresh.for_scrape`: a scrape within
+settings.LLMGW_DOCTOR_CACHE seconds of a run reuses its checks, a later one
+serves the last results and has the worker refresh them
+(llmgw_doctor_age_seconds says how old they are).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import REGISTRY, Collector
 from prometheus_client.utils import floatToGoString
 
-from inventory import doctor
+from inventory import doctor, doctor_refresh
 from inventory import gpus as gpu_rules
 from inventory.models import GPU, AllocatedGPU, Node
 
@@ -74,7 +76,7 @@ class Family:
         # Labels sorted by name, as generate_latest does; one template per family.
         order = sorted(range(len(self.labels)), key=self.labels.__getitem__)
         pairs = ",".join(f'{self.labels[i]}="{{{i}}}"' for i in order)
-        template = f"{name}{{{{{pairs}}}}} {{{len(self.labels)}}}\n"
+        template = f"{name}{{{{{pairs}}}}} {{{len(self.labels)}}}\n" if pairs else f"{name} {{0}}\n"
         fmt = template.format
         go = floatToGoString
         for values, value in self.rows:
@@ -109,8 +111,8 @@ def register(source: FamilySource) -> None:
 
 def _in_order(own: dict[str, Family], added: list[list[Family]]) -> list[Family]:
     """The inventory's families, then the registered ones in registration order, then the doctor's."""
-    doctor_family = own["doctor"]
-    return [*(f for k, f in own.items() if k != "doctor"), *(f for fs in added for f in fs), doctor_family]
+    last = ("doctor", "doctor_age")
+    return [*(f for k, f in own.items() if k not in last), *(f for fs in added for f in fs), *(own[k] for k in last)]
 
 
 def _families() -> dict[str, Family]:
@@ -141,6 +143,9 @@ def _families() -> dict[str, Family]:
             "1 for each doctor check's current result, 0 for the others.",
             ("check", "result"),
         ),
+        "doctor_age": Family(
+            "llmgw_doctor_age_seconds", "gauge", "Age of the doctor's results above (refreshed out of band).", ()
+        ),
     }
 
 
@@ -153,8 +158,8 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     doctor's results are stale and its checks must run.
     """
     now = now or timezone.now()
-    hit = doctor.cached(now=now)
-    results = hit[1] if hit is not None else doctor.latest(now=now, fresh=True)[1]
+    # The last results at once, a stale one refreshed by the worker (inventory/doctor_refresh.py).
+    doctor_at, results = doctor_refresh.for_scrape(now=now)
     nodes = Node.objects.order_by("id").values_list("id", "state", "last_seen", "imex_state")
     cards: dict[str, int] = {}
     joined: dict[str, int] = {}
@@ -194,6 +199,7 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     for r in results:
         for value in doctor.Result:
             f["doctor"].rows.append(((r.name, str(value)), 1.0 if r.result == value else 0.0))
+    f["doctor_age"].rows.append(((), doctor_refresh.age_seconds(doctor_at, now=now)))
     return _in_order(f, added)
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from django.db import transaction
 
+from inventory import changes
 from inventory import gpus as gpu_rules
 from inventory import labels as label_rules
 from inventory.models import (
@@ -81,6 +82,7 @@ def change_state(
         if new not in NODE_TRANSITIONS[old]:
             raise TransitionError(f"node {node_id} cannot go from {old} to {new}")
         Node.objects.filter(id=node_id, state=old).update(state=new)
+        changes.mark([node_id])
         text = f"{old} -> {new}" + (f": {reason}" if reason else "")
         record_event(
             node_id,
@@ -107,6 +109,7 @@ def set_operator_labels(
         node.operator_labels = dict(labels)
         node.labels = label_rules.merge(node.agent_labels, node.operator_labels)
         node.save(update_fields=["operator_labels", "labels", "updated_at"])
+        changes.mark([node_id])
         if before != node.operator_labels:
             record_event(
                 node_id,
@@ -194,6 +197,7 @@ def upsert_node(reg: wire.Register, *, now: dt.datetime) -> tuple[Node, bool]:
         if previous_state in (NodeState.UNREACHABLE, NodeState.LOST):
             node.state = NodeState.READY
         node.save()
+        changes.mark([node.id])
         if created:
             record_event(node.id, "registered", "node joined", now=now, actor_name="agent")
         else:

@@ -19,7 +19,7 @@ from django.db import transaction
 from django.utils import timezone
 
 import wire
-from inventory import hooks, telemetry
+from inventory import changes, hooks, telemetry
 from inventory.models import NODE_TRANSITIONS, Allocation, Node, NodeState
 from inventory.nodes import TransitionError, change_state, set_operator_labels
 
@@ -279,4 +279,5 @@ def forget(node_id: str) -> None:
         if refusal:
             raise ForgetRefused(refusal)
         node.delete()
+        changes.mark([node_id])
     telemetry.forget(node_id)

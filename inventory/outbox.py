@@ -17,6 +17,7 @@ from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
 import wire
+from inventory import wakeups
 from inventory.models import Command, CommandKind
 from llmgw.db import prepared_cursor
 
@@ -26,13 +27,19 @@ SHARD_KEY_LEN = 64
 WireCommand = wire.StartShard | wire.StopShard | wire.ScanFabric | wire.InstallEngine
 
 
-def enqueue(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:
-    """Queue a command for a node; its id is assigned here."""
+def unsaved(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:
+    """A command as the outbox stores it, not yet saved (a batch writer inserts many at once)."""
     payload = message.model_dump(mode="json", exclude={"id"})
     shard_id = str(getattr(message, "shard_id", "") or "")[:SHARD_KEY_LEN]
-    return Command.objects.create(
-        node_id=node_id, kind=message.kind, payload=payload, created_at=now, shard_id=shard_id
-    )
+    return Command(node_id=node_id, kind=message.kind, payload=payload, created_at=now, shard_id=shard_id)
+
+
+def enqueue(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:
+    """Queue a command for a node; its id is assigned here."""
+    wakeups.publish_on_commit(node_id)  # the agent's long-poll answers once this commits
+    command = unsaved(node_id, message, now=now)
+    command.save(force_insert=True)
+    return command
 
 
 class PendingCommand(NamedTuple):

@@ -20,7 +20,7 @@ from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
 from llmgw.admin import ReadOnlyAdmin
-from placement import audit, planner, queueing, replicas, retiring, secrets, snapshot_db
+from placement import audit, kept, planner, queueing, replicas, retiring, secrets
 from placement import deployments as deployment_actions
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, ReplicaState, Shard
 
@@ -261,7 +261,7 @@ class ReplicaAdmin(ReadOnlyAdmin, admin.ModelAdmin):
             raise PermissionDenied
         dep = replica.deployment
         req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
-        result = planner.plan(req, snapshot_db.build(now=timezone.now()), policy=dep.policy, explain=True)
+        result = planner.plan(req, kept.scratch(now=timezone.now()), policy=dep.policy, explain=True)
         context = {
             **self.admin_site.each_context(request),
             "title": f"Where would {dep.name} go now",

@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from llmgw.permissions import PermissionsRequired
-from placement import audit, planner, replicas, snapshot_db
+from placement import audit, kept, planner, replicas
 from placement import deployments as deployment_actions
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.serializers import (
@@ -233,7 +233,7 @@ class DryRunView(APIView):
         profile = v.get("profile") or dep.profile
         selector = v.get("node_selector", dep.node_selector if dep else {})
         policy = v.get("policy") or (dep.policy if dep else planner.BINPACK)
-        snap = snapshot_db.build(now=timezone.now())
+        snap = kept.scratch(now=timezone.now())
         req = planner.ReplicaRequest.from_profile(profile, selector=selector)
         plans = []
         for _ in range(v["replicas"]):

@@ -8,12 +8,14 @@ class PlacementConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        """Answer the inventory's hooks, add placement's doctor checks and metric families to its registries, and
-        register the reconcile task with Celery, so that queueing a pass finds it by name in every process."""
+        """Answer the inventory's hooks, add placement's doctor checks and metric families to its registries,
+        register the reconcile task with Celery (queueing a pass finds it by name in every process), and have
+        holds and power budgets mark the change feed on every save and delete (placement/kept.py)."""
         from inventory import doctor, hooks
         from inventory import metrics as inventory_metrics
-        from placement import doctor_checks, metrics, tasks, workloads  # noqa: F401
+        from placement import doctor_checks, kept, metrics, tasks, workloads  # noqa: F401
 
         hooks.register_workloads(workloads.WORKLOADS)
         inventory_metrics.register(metrics.SOURCE)
         doctor.register(doctor_checks.check_replicas_pending, load=doctor_checks.load_pending_replicas)
+        kept.connect_signals()

@@ -1,27 +1,77 @@
-"""Queueing a reconcile pass once the caller's transaction commits.
+"""Queueing reconcile passes: at most one waiting to start, however many changes ask.
 
-Everything that changes what the reconciler decides from (a deployment
-edited, a node lost, a shard failed) asks for a pass here rather than waiting
-for beat. It looks the task up by name in the Celery app, so that the
-modules that queue a pass never import the reconciler they queue.
+Every shard state change, lost node and deployment edit asks for a pass. A
+pass looks at everything, so one waiting pass answers all the asks made
+before it starts: at 1,000 nodes, queueing one per ask piled up hundreds of
+identical passes behind each other. The first ask takes a cache key (an
+atomic add, on Redis and on the file cache of the embedded default alike)
+and queues the task; later asks find the key and queue nothing. The task
+drops the key as it starts, so a change made during a pass (which that pass
+may have read too early to see) queues exactly one more.
+
+The key expires on its own, so a queued task that never ran (a broker
+purge, a worker killed before it took the message) silences asks for at
+most QUEUED_TTL_S; beat's periodic pass covers the gap meanwhile.
 """
 
 from __future__ import annotations
 
-from celery import current_app
+import logging
+
+from celery import current_app as app
+from django.core.cache import cache
 from django.db import transaction
 
+log = logging.getLogger(__name__)
+
+# The task is asked for by name, so the modules that queue a pass never import
+# the reconciler they queue.
 TASK_NAME = "placement.reconcile"
+QUEUED_KEY = "placement:reconcile:queued"
+QUEUED_TTL_S = 120
 
 
-def queue_reconcile() -> bool:
-    """Ask the reconciler to run once this transaction commits; False where no reconcile task is registered.
+def queue_reconcile(*, reason: str = "") -> bool:
+    """Ask for a reconcile pass once the caller's transaction commits; True when asked.
 
-    Robust: the change that asked for a pass is committed already, so a broker
-    that is down is logged, not raised at the caller; beat's next pass catches up.
+    Nothing is queued when a pass is already waiting to start: that one
+    will see this change. `reason` is logged with the pass that is queued.
+    Asked after the commit, so a rolled-back change neither queues a pass
+    nor holds the key.
     """
-    task = current_app.tasks.get(TASK_NAME)
-    if task is None:
-        return False
-    transaction.on_commit(lambda: task.apply_async(), robust=True)
+    transaction.on_commit(lambda: _send(reason), robust=True)
     return True
+
+
+def _send(reason: str) -> bool:
+    """Queue the task unless one is waiting; True when this call queued it."""
+    try:
+        first = cache.add(QUEUED_KEY, reason or "queued", timeout=QUEUED_TTL_S)
+    except Exception:
+        # A cache that cannot answer must not stop placement: a duplicate pass
+        # is harmless (single-flight), a missing one leaves replicas unplaced.
+        log.warning("reconcile queue key unavailable; queueing anyway", exc_info=True)
+        first = True
+    if not first:
+        return False
+    try:
+        app.send_task(TASK_NAME)
+    except Exception:
+        # Not queued: the next ask must not find the key and give up.
+        cache.delete(QUEUED_KEY)
+        raise
+    log.debug("reconcile queued (%s)", reason or "no reason given")
+    return True
+
+
+def reconcile_started() -> None:
+    """Called by the task as it starts: the next ask queues a new pass."""
+    try:
+        cache.delete(QUEUED_KEY)
+    except Exception:
+        log.warning("reconcile queue key unavailable; it expires by itself", exc_info=True)
+
+
+def reconcile_queued() -> bool:
+    """Whether a pass is queued and not yet started (for the doctor and tests)."""
+    return cache.get(QUEUED_KEY) is not None

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 
 from django.db import transaction
 
-from inventory import allocation
+from inventory import allocation, changes
 from inventory.models import Allocation, NodeState
-from placement import backoff, inflight, placing, planner, replicas, retiring, snapshot_db
+from placement import backoff, batch_writes, inflight, kept, placing, planner, replicas, retiring
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
 from placement.retiring import SERVING, LiveReplica, retire
 from wire import shard_states
@@ -317,9 +317,11 @@ def place_pending(p: Pass) -> None:
     )
     if not pending:
         return
-    snap = snapshot_db.build(now=now)
+    snap = kept.current(now=now)
     # A deployment's refusal holds for its next replicas until the snapshot changes.
     refused: dict[int, planner.NoPlace] = {}
+    # A scale-up's placements are written in batches (placement/batch_writes.py).
+    batch = batch_writes.BatchWriter(snap, now=now) if len(pending) >= batch_writes.MIN_BATCH else None
     for row in pending:
         dep = p.deployments[row.deployment_id]
         if row.not_before is not None and row.not_before > now:
@@ -329,11 +331,11 @@ def place_pending(p: Pass) -> None:
         h = p.history.get(dep.id)
         avoid = h.avoid if h is not None else {}
         try:
-            outcome = placing.place(row, dep, snap, refused, now=now, avoid=avoid)
+            outcome = placing.place(row, dep, snap, refused, now=now, avoid=avoid, batch=batch)
             if outcome == "conflict":
                 report.conflicts += 1
                 # Another writer took some of these cards: look again, try once more.
-                snap = snapshot_db.build(now=now)
+                snap = kept.current(now=now, rebuild=True)
                 refused.clear()
                 outcome = placing.place(row, dep, snap, refused, now=now, avoid=avoid)
         except Exception as exc:
@@ -351,6 +353,9 @@ def place_pending(p: Pass) -> None:
             report.pending += 1
         else:
             report.pending += 1
+    if batch is not None:
+        for row, exc in batch.close(report):
+            backoff.placement_failed(row, exc, now=now)
 
 
 def create_replicas(rows: list[Replica], loaded: dict[int, set[uuid.UUID]], *, now: dt.datetime) -> list[Replica]:
@@ -406,4 +411,6 @@ def release_orphans() -> int:
     this cannot free a placement in flight.
     """
     _, per_model = Allocation.objects.exclude(replica_id__in=Replica.objects.values("id")).delete()
+    if per_model.get(Allocation._meta.label):
+        changes.mark_all()  # rare (a deleted replica): its nodes are unknown here, so every node
     return per_model.get(Allocation._meta.label, 0)

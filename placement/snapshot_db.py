@@ -1,15 +1,22 @@
-"""Reading the cluster from the database into a planning snapshot.
+"""Reading nodes into planner records: for every node (a full build) or for a few (a kept index's reload).
 
-The snapshot itself (placement.snapshot) is pure data and knows no database,
-so the planner, its benchmarks and its tests run without one; this module is
-the one place that reads the tables it is built from, with a constant number
-of queries whatever the size of the cluster.
+The same per-table queries serve both, filtered by node id for a reload, so a
+node reloaded alone is the record a full build would make of it. What needs
+parsing (telemetry's ports, GPU rows, the fabric attachments) is read into a
+node's `NodeFacts` once, when the node is loaded; what depends on the whole
+cluster or on the moment (the canonical subnet-manager map, holds, the lease)
+is applied on top by `node_info`, which is cheap, so a kept index can redo it
+for every node when one of those changes without reading anything again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections import defaultdict
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from django.conf import settings
@@ -18,34 +25,66 @@ from django.db.models import Q, Sum
 from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules
 from inventory import resources, scans, telemetry
-from inventory.models import (
-    GPU,
-    AllocatedGPU,
-    Allocation,
-    EngineInstall,
-    FabricAttachment,
-    LocalWeights,
-    Node,
-    Storage,
-)
+from inventory.models import GPU, AllocatedGPU, Allocation, EngineInstall, FabricAttachment, LocalWeights, Node, Storage
 from placement.models import Hold, PowerBudget, ReplicaState, Shard
 from placement.snapshot import FabricInfo, GPUInfo, HoldInfo, NodeInfo, Snapshot
 from wire import shard_states
 
+# (master subnet manager GUID, the managers the port lists): all the canonical map reads of a port.
+SMPair = tuple[str, tuple[str, ...]]
 
-def build(*, unique_ports: bool | None = None, now: dt.datetime | None = None) -> Snapshot:
-    """Read the cluster into a snapshot with a constant number of queries.
 
-    One query per table (nodes, GPUs, fabrics, storage, weights, engine
-    installs, allocations, held GPUs, live shards' ports, holds, budgets) and
-    one cache round trip for telemetry, whatever the number of nodes. With
-    `now`, a node whose last heartbeat is older than LLMGW_UNREACHABLE_AFTER
-    is refused whatever its state says (the sweep may not have run yet);
-    callers that place (the reconciler, the dry run) always pass it.
+@dataclass(frozen=True, slots=True)
+class NodeFacts:
+    """One node as read and parsed: everything but what the cluster or the moment adds."""
+
+    # The record with held "", silent_s 0 and fabrics unresolved (their keys need the canonical map).
+    base: NodeInfo
+    last_seen: dt.datetime | None
+    # (declared name, adapters, rate) per fabric attachment.
+    attachments: tuple[tuple[str, tuple[str, ...], int], ...]
+    ports: tuple[Any, ...]
+    sm_pairs: frozenset[SMPair]
+    # Power claimed by the node's allocations (W), counted against budgets.
+    power_claimed: float
+
+
+def silent_s(last_seen: dt.datetime | None, *, now: dt.datetime | None, lease: float) -> int:
+    """Seconds of silence past the lease (0: the lease holds; 10**9: never heard from)."""
+    if now is None:
+        return 0
+    silence = (now - last_seen).total_seconds() if last_seen else float("inf")
+    return (int(min(silence, 10**9)) or 1) if silence > lease else 0
+
+
+def sm_pairs(ports: Iterable[Any]) -> frozenset[SMPair]:
+    """What the canonical subnet-manager map reads of these ports."""
+    return frozenset((p.sm_guid or "", tuple(sm.guid for sm in p.sms or [])) for p in ports)
+
+
+def canon_of(pairs: Iterable[SMPair]) -> dict[str, str]:
+    """The canonical subnet-manager map over the cluster's distinct pairs.
+
+    Equal to fabric_rules.canonical_sms over every port: each component is
+    named by its lowest GUID, whatever the order, and duplicates add nothing.
     """
-    unique = settings.LLMGW_SHARD_PORTS_UNIQUE if unique_ports is None else unique_ports
+    ports = [SimpleNamespace(sm_guid=master, sms=[SimpleNamespace(guid=g) for g in listed]) for master, listed in pairs]
+    return fabric_rules.canonical_sms(ports)
+
+
+def _by_node(ids: Collection[str] | None) -> Q:
+    return Q() if ids is None else Q(node_id__in=list(ids))
+
+
+def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
+    """Read nodes (all when None) with one query per table and one cache round trip for telemetry.
+
+    A node id asked for and not found is absent from the answer (forgotten).
+    """
+    f = _by_node(node_ids)
+    node_q = Node.objects.all() if node_ids is None else Node.objects.filter(id__in=list(node_ids))
     nodes = list(
-        Node.objects.values_list(
+        node_q.values_list(
             "id",
             "state",
             "mgmt_addr",
@@ -61,64 +100,61 @@ def build(*, unique_ports: bool | None = None, now: dt.datetime | None = None) -
             "last_seen",
         )
     )
-    lease = settings.LLMGW_UNREACHABLE_AFTER
+    if not nodes:
+        return {}
     ids = [r[0] for r in nodes]
     tele = telemetry.get_many(ids)
 
     gpus: dict[str, list[tuple]] = defaultdict(list)
-    for row in GPU.objects.values_list(
-        "node_id",
-        "index",
-        "gpu_class",
-        "ecc_errors",
-        "problems",
-        "numa_node",
-        "nvlink_peers",
-        "nic_paths",
-        "fabric_health",
-    ).order_by("node_id", "index"):
+    for row in (
+        GPU.objects.filter(f)
+        .values_list(
+            "node_id",
+            "index",
+            "gpu_class",
+            "ecc_errors",
+            "problems",
+            "numa_node",
+            "nvlink_peers",
+            "nic_paths",
+            "fabric_health",
+        )
+        .order_by("node_id", "index")
+    ):
         gpus[row[0]].append(row)
     held_gpus: dict[str, set[int]] = defaultdict(set)
-    for node_id, idx in AllocatedGPU.objects.values_list("node_id", "gpu_index"):
+    for node_id, idx in AllocatedGPU.objects.filter(f).values_list("node_id", "gpu_index"):
         held_gpus[node_id].add(idx)
     claims = {
         r["node_id"]: r
-        for r in Allocation.objects.values("node_id").annotate(
-            mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w")
-        )
+        for r in Allocation.objects.filter(f)
+        .values("node_id")
+        .annotate(mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w"))
     }
     fabrics: dict[str, list[tuple]] = defaultdict(list)
-    for row in FabricAttachment.objects.values_list("node_id", "name", "hcas", "rate_gbps"):
+    for row in FabricAttachment.objects.filter(f).values_list("node_id", "name", "hcas", "rate_gbps"):
         fabrics[row[0]].append(row)
     storage: dict[str, list[Any]] = defaultdict(list)
-    for row in Storage.objects.values_list("node_id", "shared", "free_bytes", "total_bytes", named=True):
+    for row in Storage.objects.filter(f).values_list("node_id", "shared", "free_bytes", "total_bytes", named=True):
         storage[row.node_id].append(row)
     weights: dict[str, set[str]] = defaultdict(set)
-    for node_id, path in LocalWeights.objects.values_list("node_id", "path"):
+    for node_id, path in LocalWeights.objects.filter(f).values_list("node_id", "path"):
         weights[node_id].add(path)
     installs: dict[str, dict[str, str]] = defaultdict(dict)
     installed: dict[str, set[str]] = defaultdict(set)
-    for node_id, engine, state, detail in EngineInstall.objects.values_list("node_id", "engine", "state", "detail"):
+    for node_id, engine, state, detail in EngineInstall.objects.filter(f).values_list(
+        "node_id", "engine", "state", "detail"
+    ):
         if state == "ready":
             installed[node_id].add(engine)
         elif state in ("unsupported", "failed"):
             installs[node_id][engine] = f"engine {engine} {state}" + (f": {detail}" if detail else "")
     ports: dict[str, set[int]] = defaultdict(set)
     live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=shard_states.TERMINAL)
-    for node_id, port in Shard.objects.filter(live).values_list("node_id", "http_port"):
+    for node_id, port in Shard.objects.filter(f).filter(live).values_list("node_id", "http_port"):
         ports[node_id].add(port)
-    holds = [
-        HoldInfo(scope=h[0], node_id=h[1] or "", label_key=h[2], label_value=h[3], fabric=h[4])
-        for h in Hold.objects.values_list("scope", "node_id", "label_key", "label_value", "fabric")
-    ]
-    budgets = {(k, v): w for k, v, w in PowerBudget.objects.values_list("label_key", "label_value", "budget_w")}
 
-    # One canonical subnet-manager map over every port the cluster reports,
-    # so a fabric keeps one key through a failover.
-    all_ports = {i: scans.ports_of(tele.get(i)) for i in ids}
-    canon = fabric_rules.canonical_sms(p for ps in all_ports.values() for p in ps)
-
-    out: dict[str, NodeInfo] = {}
+    out: dict[str, NodeFacts] = {}
     for (
         node_id,
         state,
@@ -134,75 +170,126 @@ def build(*, unique_ports: bool | None = None, now: dt.datetime | None = None) -
         weights_rep,
         last_seen,
     ) in nodes:
-        silence = 0.0 if now is None else (now - last_seen).total_seconds() if last_seen else float("inf")
         t = tele.get(node_id) or {}
         limits = {s.get("index"): float(s.get("power_limit_w") or 0) for s in t.get("gpus") or []}
-        ginfo = []
-        sick = [
-            f"GPU {row[1]} fabric health {row[8]}"
-            for row in gpus.get(node_id, [])
-            if gpu_rules.fabric_unhealthy(row[8])
-        ]
-        for _, idx, cls, ecc, problems, numa, peers, nic, _health in gpus.get(node_id, []):
-            ginfo.append(
-                GPUInfo(
-                    index=idx,
-                    gpu_class=cls,
-                    healthy=gpu_rules.healthy(ecc, problems),
-                    numa=numa,
-                    nvlink_peers=frozenset(peers or []),
-                    nic_paths=dict(nic or {}),
-                    power_limit_w=limits.get(idx, 0.0),
-                )
-            )
-        finfo = []
-        for _, name, hcas, rate in fabrics.get(node_id, []):
-            pf = fabric_rules.physical_fabric(hcas, all_ports[node_id], canon)
-            finfo.append(FabricInfo(name, tuple(hcas), rate, pf.key, pf.known, pf.consistent, pf.keys))
-        labels = dict(labels or {})
-        held = next((h.text() for h in holds if h.matches(node_id, labels, finfo)), "")
+        rows = gpus.get(node_id, [])
+        sick = [f"GPU {row[1]} fabric health {row[8]}" for row in rows if gpu_rules.fabric_unhealthy(row[8])]
+        ginfo = tuple(
+            _gpu(idx, cls, ecc, problems, numa, peers, nic, limits.get(idx, 0.0))
+            for _, idx, cls, ecc, problems, numa, peers, nic, _health in rows
+        )
         c = claims.get(node_id) or {}
-        load = t.get("load") or {}
-        draw = sum(float(s.get("power_w") or 0) for s in t.get("gpus") or []) + float(load.get("cpu_power_w") or 0)
-        free = frozenset(resources.free_gpu_indices(ginfo, held_gpus.get(node_id, ())))
+        load_ = t.get("load") or {}
+        draw = sum(float(s.get("power_w") or 0) for s in t.get("gpus") or []) + float(load_.get("cpu_power_w") or 0)
         disk_free, disk_total = resources.local_disk(storage.get(node_id, ()))
         found = weights.get(node_id, set())
-        out[node_id] = NodeInfo(
-            id=node_id,
-            state=state,
-            mgmt_addr=mgmt,
-            labels=labels,
-            held=held,
-            gpus=tuple(ginfo),
-            free=free,
-            memory_total_gb=(mem_mb or 0) // 1024,
-            memory_claimed_gb=c.get("mem") or 0,
-            cpu_count=cpus or 0,
-            cpu_claimed=c.get("cpu") or 0,
-            disk_free_bytes=disk_free,
-            # Both zero is unknown, not a full disk.
-            disk_known=storage_rep and (disk_free, disk_total) != (0, 0),
-            weights=frozenset(found) if resources.knows_its_weights(weights_rep) else None,
-            engines=frozenset(engine_versions or {}) | installed.get(node_id, set()),
-            engines_probed=probed,
-            engines_blocked=installs.get(node_id, {}),
-            nvlink_domain=domain,
-            nvlink_out="; ".join(sick),
-            imex_up=gpu_rules.imex_up(imex),
-            fabrics=tuple(finfo),
-            power_draw_w=draw,
-            ports=frozenset(ports.get(node_id, ())),
-            silent_s=(int(min(silence, 10**9)) or 1) if silence > lease else 0,
+        node_ports = tuple(scans.ports_of(t))
+        out[node_id] = NodeFacts(
+            base=NodeInfo(
+                id=node_id,
+                state=state,
+                mgmt_addr=mgmt,
+                labels=dict(labels or {}),
+                gpus=ginfo,
+                free=frozenset(resources.free_gpu_indices(ginfo, held_gpus.get(node_id, ()))),
+                memory_total_gb=(mem_mb or 0) // 1024,
+                memory_claimed_gb=c.get("mem") or 0,
+                cpu_count=cpus or 0,
+                cpu_claimed=c.get("cpu") or 0,
+                disk_free_bytes=disk_free,
+                # Both zero is unknown, not a full disk.
+                disk_known=storage_rep and (disk_free, disk_total) != (0, 0),
+                weights=frozenset(found) if resources.knows_its_weights(weights_rep) else None,
+                engines=frozenset(engine_versions or {}) | installed.get(node_id, set()),
+                engines_probed=probed,
+                engines_blocked=installs.get(node_id, {}),
+                nvlink_domain=domain,
+                nvlink_out="; ".join(sick),
+                imex_up=gpu_rules.imex_up(imex),
+                power_draw_w=draw,
+                ports=frozenset(ports.get(node_id, ())),
+            ),
+            last_seen=last_seen,
+            attachments=tuple((name, tuple(hcas), rate) for _, name, hcas, rate in fabrics.get(node_id, [])),
+            ports=node_ports,
+            sm_pairs=sm_pairs(node_ports),
+            power_claimed=float(c.get("power") or 0),
         )
-    snap = Snapshot(
+    return out
+
+
+def _gpu(idx: int, cls: str, ecc: Any, problems: Any, numa: int, peers: Any, nic: Any, limit: float) -> GPUInfo:
+    return GPUInfo(
+        index=idx,
+        gpu_class=cls,
+        healthy=gpu_rules.healthy(ecc, problems),
+        numa=numa,
+        nvlink_peers=frozenset(peers or []),
+        nic_paths=dict(nic or {}),
+        power_limit_w=limit,
+    )
+
+
+def holds_and_budgets() -> tuple[list[HoldInfo], dict[tuple[str, str], float]]:
+    """The facility holds and the power budgets, one query each."""
+    holds = [
+        HoldInfo(scope=h[0], node_id=h[1] or "", label_key=h[2], label_value=h[3], fabric=h[4])
+        for h in Hold.objects.values_list("scope", "node_id", "label_key", "label_value", "fabric")
+    ]
+    budgets = {(k, v): w for k, v, w in PowerBudget.objects.values_list("label_key", "label_value", "budget_w")}
+    return holds, budgets
+
+
+def node_info(
+    facts: NodeFacts, *, canon: Mapping[str, str], holds: Iterable[HoldInfo], now: dt.datetime | None, lease: float
+) -> NodeInfo:
+    """A node's planner record: its facts with fabric keys under the cluster's map, its hold and its lease."""
+    finfo = []
+    for name, hcas, rate in facts.attachments:
+        pf = fabric_rules.physical_fabric(hcas, facts.ports, canon)
+        finfo.append(FabricInfo(name, hcas, rate, pf.key, pf.known, pf.consistent, pf.keys))
+    n = facts.base
+    held = next((h.text() for h in holds if h.matches(n.id, n.labels, finfo)), "")
+    return dataclasses.replace(
+        n, held=held, fabrics=tuple(finfo), silent_s=silent_s(facts.last_seen, now=now, lease=lease)
+    )
+
+
+def assemble(
+    facts: Mapping[str, NodeFacts],
+    holds: list[HoldInfo],
+    budgets: dict[tuple[str, str], float],
+    *,
+    unique_ports: bool,
+    now: dt.datetime | None,
+    canon: Mapping[str, str] | None = None,
+    cls: type[Snapshot] = Snapshot,
+) -> Snapshot:
+    """A snapshot of these nodes (their claimed power counted against the budgets).
+
+    `canon`: the canonical subnet-manager map when the caller has it, else computed from these nodes.
+    """
+    if canon is None:
+        canon = canon_of({p for f in facts.values() for p in f.sm_pairs})
+    lease = settings.LLMGW_UNREACHABLE_AFTER
+    out = {i: node_info(f, canon=canon, holds=holds, now=now, lease=lease) for i, f in facts.items()}
+    snap = cls(
         nodes=out,
         budgets=budgets,
         port_base=settings.LLMGW_SHARD_PORT_BASE,
-        cluster_ports={p for ps in ports.values() for p in ps} if unique else None,
+        cluster_ports={p for n in out.values() for p in n.ports} if unique_ports else None,
     )
     if budgets:
         for node_id, n in out.items():
-            power = (claims.get(node_id) or {}).get("power")
+            power = facts[node_id].power_claimed
             if power:
                 snap.claim_power(n, power)
     return snap
+
+
+def build(*, unique_ports: bool | None = None, now: dt.datetime | None = None) -> Snapshot:
+    """Every node read into a snapshot with a constant number of queries (see snapshot.build)."""
+    unique = settings.LLMGW_SHARD_PORTS_UNIQUE if unique_ports is None else unique_ports
+    facts = load(None)
+    holds, budgets = holds_and_budgets()
+    return assemble(facts, holds, budgets, unique_ports=unique, now=now)

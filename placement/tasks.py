@@ -26,6 +26,8 @@ def reconcile_task(now: str | dt.datetime | None = None) -> dict | None:
     """
     if isinstance(now, str):
         now = dt.datetime.fromisoformat(now)
+    # Before anything is read: a change from here on queues the next pass.
+    queueing.reconcile_started()
     # A database lock, not a cache key: it ends with its holder's session, so a
     # worker killed mid-pass blocks the next pass for no time at all.
     with locks.single_flight(LOCK_NAME) as held:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The gateway's data plane (ASGI, granian) on HOST:PORT, in the foreground (make run, the benchmark).
+# It also answers the agents' wakeup long-poll, GET /api/v1/agent/wait (agents/wakeup.py).
 #   LLMGW_GATEWAY_WORKERS  data plane processes (default 1; they agree through Redis)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -43,6 +43,9 @@ WIRING = frozenset(
         "llmgw.wsgi",
         "llmgw.asgi",
         "llmgw.celery",
+        # The gateway's process entry point: the data plane, and the agents'
+        # long-poll beside it (agents/wakeup.py), in one ASGI process.
+        "gateway.asgi",
     }
 )
 # Who may import whom (besides itself): the one-way direction.

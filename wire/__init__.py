@@ -73,6 +73,7 @@ from wire.heartbeat import (
     ShardStatus,
     SubnetManager,
 )
+from wire.lease import LEASE_PATH, Lease, LeaseResponse
 from wire.register import (
     GPU,
     IMEX,
@@ -95,6 +96,7 @@ __all__ = [
     "IMEX",
     "LABEL_KEY_PATTERN",
     "LABEL_MAX",
+    "LEASE_PATH",
     "MASK",
     "MAX_COMMANDS",
     "MAX_GPUS",
@@ -123,6 +125,8 @@ __all__ = [
     "LabelKey",
     "LabelValue",
     "Labels",
+    "Lease",
+    "LeaseResponse",
     "Load",
     "LocalWeights",
     "Message",

@@ -181,3 +181,5 @@ class HeartbeatResponse(Message):
     heartbeat_interval_s: float = 5.0
     # An operator asked for a new credential: the agent calls the rotate endpoint.
     rotate_credential: bool | None = None
+    # This control plane takes lease renewals (wire/lease.py) between full heartbeats.
+    leases: bool | None = None

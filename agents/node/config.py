@@ -39,6 +39,7 @@ TOP_KEYS = (
     "metrics_listen",
     "metrics_token",
     "metrics_open",
+    "wakeup_url",
 )
 FABRIC_KEYS = ("name", "hcas", "rate_gbps")
 
@@ -78,6 +79,8 @@ class Config:
     metrics_listen: str = ""
     metrics_token: str = field(default="", repr=False)
     metrics_open: bool = False
+    # Where GET /api/v1/agent/wait is served ("" = the control_plane URL); agents/node/wakeup.py.
+    wakeup_url: str = ""
     source: str = ""
 
     def token(self) -> str:
@@ -216,6 +219,9 @@ def parse(data: Any, *, source: str = "<agent.yaml>") -> Config:
             raise ConfigError(f"{source}: fabrics: HCA {h!r} is declared on two fabrics")
 
     metrics_listen, metrics_token, metrics_open = _metrics(data, source=source)
+    wakeup_url = _str(data, "wakeup_url", source=source)
+    if wakeup_url and (urlparse(wakeup_url).scheme not in ("http", "https") or not urlparse(wakeup_url).netloc):
+        raise ConfigError(f"{source}: wakeup_url must be an http(s) URL, not {wakeup_url!r}")
     return Config(
         control_plane=cp.rstrip("/"),
         join_token=token,
@@ -231,6 +237,7 @@ def parse(data: Any, *, source: str = "<agent.yaml>") -> Config:
         metrics_listen=metrics_listen,
         metrics_token=metrics_token,
         metrics_open=metrics_open,
+        wakeup_url=wakeup_url.rstrip("/"),
         source=source,
     )
 

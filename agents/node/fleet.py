@@ -219,6 +219,7 @@ class Fleet:
             node.credential = answer["credential"]
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         node.registered = True
+        node.leases, node.status = False, None
         node.last_fabrics = self.clock()
         self.stats.registered += 1
         now = self.clock()
@@ -228,9 +229,11 @@ class Fleet:
 
     async def _heartbeat(self, node: VirtualNode) -> bool:
         now = self.clock()
-        body, acks = node.heartbeat(now)
+        leased = node.lease(now)
+        key = None if leased else node.status_key(now)
+        body, acks = leased or node.heartbeat(now)
         t0 = time.perf_counter()
-        r = await self._post("/api/v1/agent/heartbeat", body, node.credential)
+        r = await self._post(wire.LEASE_PATH if leased else "/api/v1/agent/heartbeat", body, node.credential)
         if r.status_code in (401, 403, 404):
             node.registered = False
             self.stats.heartbeat_errors[str(r.status_code)] += 1
@@ -246,6 +249,12 @@ class Fleet:
         for a in acks:
             node.acks.pop(a, None)
         answer = r.json()
+        if leased:
+            self.stats.leases += 1
+            if answer.get("send_status"):
+                node.status = None
+        else:
+            node.leases, node.status = bool(answer.get("leases")), (now, key)
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         now = self.clock()
         for cmd in answer.get("commands") or []:

@@ -37,6 +37,8 @@ class Stats:
     registered: int = 0
     register_refused: Counter = field(default_factory=Counter)
     heartbeats: int = 0
+    # Of the heartbeats, those sent as leases (wire.Lease) rather than the whole status.
+    leases: int = 0
     heartbeat_errors: Counter = field(default_factory=Counter)
     unreachable: int = 0
     answers_dropped: int = 0
@@ -54,6 +56,7 @@ class Stats:
             "registered": self.registered,
             "register_refused": dict(self.register_refused),
             "heartbeats": self.heartbeats,
+            "leases": self.leases,
             "heartbeat_errors": dict(self.heartbeat_errors),
             "unreachable": self.unreachable,
             "answers_dropped": self.answers_dropped,

@@ -40,7 +40,9 @@ from agents.node.netif import interface_addr
 from agents.node.probe import DiscoveryProbe, Probe
 from agents.node.shardload import ShardMeter
 from agents.node.state import AppliedJournal, CredentialFile
+from agents.node.status import StatusGate
 from agents.node.supervisor import Supervisor
+from agents.node.wakeup import Listener, shard_states
 
 # Part of this module's interface: the CLI and the tests take them from here.
 __all__ = ["Agent", "DiscoveryProbe", "NeedsRegister", "Probe", "Refused", "Unreachable", "backoff_delay"]
@@ -112,7 +114,12 @@ class Agent:
         self._problems: set[str] = set()
         self._declared_hcas: frozenset[str] = frozenset()
         self._seen_hcas: frozenset[str] = frozenset()
+        # Status when it changed, a lease otherwise (agents/node/status.py).
+        self.status = StatusGate()
         self.stop_event = threading.Event()
+        # Set by the wakeup long-poll (agents/node/wakeup.py): work is waiting, heartbeat now.
+        self.woken = threading.Event()
+        self.listener: Listener | None = None
         self.metrics = Latest(clock)
         self.metrics_server = (
             MetricsServer(
@@ -236,6 +243,7 @@ class Agent:
             log.info("the control plane adopted shards %s", ", ".join(resp.adopted))
         self.interval = max(self.config.heartbeat_interval, min(600.0, resp.heartbeat_interval_s or 0))
         self.registered = True
+        self.status.reset()
         self._last_fabrics = self.clock()  # the registration carried them
         self.commands.apply_all(resp.commands)
         return resp
@@ -279,11 +287,18 @@ class Agent:
         self.metrics.update(body)
         return body
 
-    def heartbeat(self) -> wire.HeartbeatResponse:
-        """Send one heartbeat and apply the commands in its answer."""
+    def heartbeat(self) -> wire.HeartbeatResponse | wire.LeaseResponse:
+        """Send one heartbeat (the status, or a lease when nothing changed) and apply the commands in its answer."""
         body = self.heartbeat_body()
-        r = self.control_plane.post("/api/v1/agent/heartbeat", body, self.credential())
-        resp = self._answer(r, wire.HeartbeatResponse, "heartbeat", reregister_on=(401, 403, 404))
+        lease = self.status.lease(body, now=self.clock())
+        sent, path, model = (
+            (body, "/api/v1/agent/heartbeat", wire.HeartbeatResponse)
+            if lease is None
+            else (lease, wire.LEASE_PATH, wire.LeaseResponse)
+        )
+        r = self.control_plane.post(path, sent, self.credential())
+        resp = self._answer(r, model, "heartbeat", reregister_on=(401, 403, 404))
+        self.status.answered(sent, resp, now=self.clock())
         self.commands.acknowledged(body.acks)
         self.commands.apply_all(resp.commands)
         if resp.rotate_credential:
@@ -307,11 +322,16 @@ class Agent:
             left = end - time.monotonic()
             if left <= 0:
                 return
-            self.stop_event.wait(min(1.0, left))
+            if self.woken.wait(min(1.0, left)):
+                self.woken.clear()
+                return
+            before = shard_states(self.supervisor)
             try:
                 self.supervisor.poll()
             except Exception:
                 log.exception("supervising shards")
+            if shard_states(self.supervisor) != before:
+                return  # a shard changed state: the control plane hears it now, not next interval
 
     def run(self, *, max_steps: int | None = None) -> None:
         """Heartbeat until stopped; every error is logged and retried with backoff, none ends the agent."""
@@ -320,6 +340,11 @@ class Agent:
         log.info(
             "llmgw-agent %s: node %s, control plane %s", AGENT_VERSION, self.config.node_id, self.config.control_plane
         )
+        if self.listener is None and max_steps is None:
+            base = self.config.wakeup_url or self.config.control_plane
+            self.listener = Listener(
+                base, self.config.node_id, self.credential, woken=self.woken, stop=self.stop_event
+            ).start()
         while not self.stop_event.is_set() and (max_steps is None or steps < max_steps):
             steps += 1
             try:
@@ -345,11 +370,13 @@ class Agent:
             if failures:
                 log.info("control plane reachable again")
             failures = 0
-            self._wait(self.interval)
+            self._wait(self.status.wait_s(self.interval))
 
     def close(self) -> None:
         """Stop the loop; shards keep running (the next agent adopts them)."""
         self.stop_event.set()
+        if self.listener is not None:
+            self.listener.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         self.supervisor.close()

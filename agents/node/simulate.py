@@ -145,6 +145,7 @@ def prepare_node(
     heartbeat_interval: float = 5.0,
     profiles_dir: Path = PROFILES_DIR,
     ordinal: int | None = None,
+    wakeup_url: str = "",
 ) -> SimNode:
     """Copy a profile for simulated node `index`, rewrite its identities, write its agent.yaml.
 
@@ -180,6 +181,8 @@ def prepare_node(
         "heartbeat_interval": heartbeat_interval,
         "fabrics": derive_fabrics(node.root),
     }
+    if wakeup_url:
+        cfg["wakeup_url"] = wakeup_url
     node.config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return node
 
@@ -198,6 +201,7 @@ class Fleet:
         domain_size: int = 2,
         heartbeat_interval: float = 5.0,
         profiles_dir: Path = PROFILES_DIR,
+        wakeup_url: str = "",
     ) -> None:
         names = profiles or shipped_profiles()
         if not names:
@@ -219,6 +223,7 @@ class Fleet:
                 domain_size=domain_size,
                 heartbeat_interval=heartbeat_interval,
                 profiles_dir=profiles_dir,
+                wakeup_url=wakeup_url,
             )
             for i in range(nodes)
         ]

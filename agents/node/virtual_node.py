@@ -19,6 +19,7 @@ import wire
 from agents.node import discovery
 from agents.node.loop import AGENT_VERSION, FABRIC_EVERY_S
 from agents.node.simulate import NS, PROFILES_DIR, ZERO_UUID, derive_fabrics
+from agents.node.status import STATUS_FLOOR_S
 
 if TYPE_CHECKING:
     from agents.node.fleet import Fleet
@@ -139,11 +140,13 @@ class VirtualNode:
         "index",
         "interval",
         "last_fabrics",
+        "leases",
         "mgmt_addr",
         "node_id",
         "profile",
         "registered",
         "shards",
+        "status",
         "tick",
     )  # fmt: skip
 
@@ -163,6 +166,10 @@ class VirtualNode:
         self.faults = Faults()
         self.last_fabrics = 0.0
         self.tick = 0
+        # Leases between statuses (agents/node/status.py): whether the control plane takes them, and
+        # the last status it accepted (when, and what it said that can change here), None to send one.
+        self.leases = False
+        self.status: tuple[float, Any] | None = None
 
     def _gpu_uuid(self, original: str) -> str:
         return "GPU-" + str(uuid.uuid5(NS, f"{self.node_id}/{original}")) if original else original
@@ -236,6 +243,21 @@ class VirtualNode:
         if self.faults.any_report() or (fabrics and self.profile.gpu_fabrics):
             return self._heartbeat_slow(values, fabrics), acks
         return (self.fleet.templates[self.profile.name] % values).encode(), acks
+
+    def status_key(self, now: float) -> Any:
+        """What a simulated node's status says that can change: its sensors are its profile's, steady,
+        and its counters grow at a steady rate, so its shards' states and its faults."""
+        shards = tuple((s.shard_id, self.fleet.shard_state(s, now)) for s in self.shards.values())
+        return shards, frozenset(self.faults.cards_off), frozenset(self.faults.ports_down)
+
+    def lease(self, now: float) -> tuple[bytes, list[str]] | None:
+        """A lease instead of the status, None when the status must go (as StatusGate decides for an agent)."""
+        if not self.leases or self.status is None or now - self.status[0] >= STATUS_FLOOR_S:
+            return None
+        if self.status[1] != self.status_key(now):
+            return None
+        acks = list(self.acks)[: wire.MAX_COMMANDS]
+        return json.dumps({"node_id": self.node_id, "at": now, "acks": acks}).encode(), acks
 
     def _identity(self) -> dict[str, str]:
         """The heartbeat's values that never change for this node (JSON-encoded), made once."""

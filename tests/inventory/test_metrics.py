@@ -11,7 +11,7 @@ from django.core.cache import cache
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
-from inventory import doctor, telemetry
+from inventory import doctor, doctor_refresh, telemetry
 from inventory.models import GPU, AllocatedGPU, Allocation, Node, NodeState
 from inventory.nodes import change_state
 from placement.models import Deployment, EngineProfile, Replica, ReplicaState
@@ -169,7 +169,7 @@ def test_scrape_query_count_at_1000_nodes(client, django_assert_num_queries):
     # Six samples a node (state, heartbeat age, cards, held, joined, IMEX), whatever its cards and ports.
     # (The process's own counters, such as cache errors, depend on what this process met before.)
     ours = {name: samples for name, samples in m.items() if name not in PROCESS_COUNTERS}
-    assert sum(len(samples) for samples in ours.values()) == 6 * 1000 + 3 * len(doctor.check_names())
+    assert sum(len(samples) for samples in ours.values()) == 6 * 1000 + 3 * len(doctor.check_names()) + 1
 
 
 METRIC_NAMES = {
@@ -181,6 +181,7 @@ METRIC_NAMES = {
     "llmgw_imex_up",
     "llmgw_replicas",
     "llmgw_doctor_checks",
+    "llmgw_doctor_age_seconds",
 }
 # Counted by each web process (inventory/telemetry.py), every op present from the start.
 PROCESS_COUNTERS = {"llmgw_telemetry_cache_errors_total"}
@@ -284,8 +285,12 @@ def test_a_scrape_within_the_window_reuses_the_doctor(client, cluster, django_as
     assert second["llmgw_node_state"][lbl(node="tray-1", state="unreachable")] == 1.0
     assert lbl(node="tray-1", state="ready") not in second["llmgw_node_state"]
     doctor.forget_cached()
+    # Past the window: the last results at once (their age says so), and the worker refreshes them.
     third = scrape(client)
-    assert third["llmgw_doctor_checks"][lbl(check="nodes_reachable", result="warn")] == 1.0
+    assert third["llmgw_doctor_checks"] == first["llmgw_doctor_checks"]
+    doctor_refresh.refresh_doctor()
+    fourth = scrape(client)
+    assert fourth["llmgw_doctor_checks"][lbl(check="nodes_reachable", result="warn")] == 1.0
 
 
 def test_the_api_says_when_its_checks_ran_and_runs_them_fresh_on_demand(client, viewer, cluster):
@@ -360,8 +365,12 @@ def test_the_scrape_is_streamed_and_gzipped_when_asked(client, cluster):
 
     # The same text apart from django-prometheus' own request counters, which the first scrape moved.
     def ours(raw: bytes) -> list[bytes]:
-        # The heartbeat's age moves between two scrapes; everything else of llmgw's stays.
-        return [line for line in raw.splitlines() if line.startswith(b"llmgw_") and b"heartbeat_age" not in line]
+        # The ages (heartbeats, the doctor's results) move between two scrapes; everything else of llmgw's stays.
+        return [
+            line
+            for line in raw.splitlines()
+            if line.startswith(b"llmgw_") and b"heartbeat_age" not in line and b"doctor_age" not in line
+        ]
 
     assert ours(body) == ours(text)
     assert len(ours(body)) > 10

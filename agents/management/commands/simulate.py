@@ -38,8 +38,12 @@ class Command(BaseCommand):
         parser.add_argument("--domain-size", type=int, default=2, help="simulated nodes per NVLink domain")
         parser.add_argument("--heartbeat-interval", type=float, default=5.0)
         parser.add_argument("--workdir", default=str(Path(settings.VAR_DIR) / "simulate"))
+        parser.add_argument(
+            "--wakeup", default="", help="where the agents' long-poll is served (make run: the gateway's address)"
+        )
 
     def handle(self, *args, nodes, control_plane, join_token, profiles, domain_size, heartbeat_interval, workdir, **kw):
+        wakeup = kw.get("wakeup", "")
         if nodes < 1:
             raise CommandError("--nodes must be at least 1")
         if not join_token:
@@ -57,6 +61,7 @@ class Command(BaseCommand):
                 profiles=names,
                 domain_size=domain_size,
                 heartbeat_interval=heartbeat_interval,
+                wakeup_url=wakeup,
             )
         except ValueError as e:
             raise CommandError(str(e)) from e

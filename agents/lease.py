@@ -1,0 +1,110 @@
+"""POST /api/v1/agent/lease: a node renews its lease between full heartbeats.
+
+A lease (wire/lease.py) says the node is alive and which commands it has
+applied; the control plane keeps the node's last status (the telemetry
+entry its last full heartbeat left) and answers with commands only when some
+wait. The database work is inventory/lease.py: one statement when nothing
+waits, a second when commands do. Nothing else is read: no shard states, no
+telemetry; about one lease in STATUS_CHECK_EVERY makes one cache call that
+renews the last status's time to live and says whether it is still there.
+
+The refusals come in the order of every agent endpoint (agents/api.py):
+401 (no credential, an unknown or revoked one), then the body (415, 413,
+400), then 403 (a credential of another node). The body is read before the
+database is asked, since the statement needs the node it names; telling a
+bad body from a bad credential, or 401 from 403, costs a lookup of its own,
+only on those refusals. A refused lease renews nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from django.utils import timezone
+
+import wire
+from agents import credentials, protocol
+from agents.api import AgentEndpoint, KiB, documented, problem
+from agents.models import NodeCredential
+from inventory import lease as lease_db
+from inventory import outbox
+from inventory.models import Command
+
+TABLES = lease_db.Tables(credentials=NodeCredential._meta.db_table, commands=Command._meta.db_table)
+# 256 acknowledgements of 36-character ids, as JSON, with room to spare.
+MAX_LEASE_BODY = 16 * KiB
+# A lease renews the time to live of the node's last status and learns whether the cache still
+# holds it, at a cost (a Redis round trip) comparable to the renewal's own statement. The status
+# outlives its time to live without it (the agent resends it at least every 60 s, under the 120 s
+# time to live), and a cache that lost it is rare: about one lease in 6 asks, so a node whose
+# status was lost is asked for it within about 30 s at a 5 s interval, and the others pay nothing.
+STATUS_CHECK_EVERY = 6
+
+
+def lease_request(token: str | None, body: protocol.Body[wire.Lease], *, now: dt.datetime) -> wire.LeaseResponse:
+    """Authenticate a lease, renew it, acknowledge what it lists, and answer with the commands that wait.
+
+    `body` is the request's body as its endpoint parsed it (its refusal, if it earned one). The
+    answer asks for a full heartbeat at once (send_status, again) when the
+    control plane no longer holds the node's last status, and says `again`
+    when more commands wait than it carries.
+    """
+    if token is None or not token.startswith(credentials.NODE_PREFIX):
+        raise protocol.UNAUTHENTICATED
+    try:
+        msg = body.message()
+    except protocol.Refused:
+        if credentials.authenticate_node(token) is None:
+            raise protocol.UNAUTHENTICATED from None
+        raise
+    token_hash = credentials.hash_secret(token)
+    renewal = lease_db.renew(TABLES, node_id=msg.node_id, token_hash=token_hash, now=now, acks=msg.acks)
+    if renewal is None:
+        # Rare (a refusal): which one is worth a lookup.
+        raise protocol.UNAUTHENTICATED if credentials.authenticate_node(token) is None else protocol.NOT_YOURS
+    if renewal.previous_hash is not None and renewal.token_hash == token_hash:
+        # The agent uses the new secret of a rotation: the old one is done
+        # (as agents/credentials.py does for every other request).
+        NodeCredential.objects.filter(node_id=msg.node_id, token_hash=token_hash).update(previous_hash=None)
+    # About one lease in STATUS_CHECK_EVERY asks the cache (see there); the others cost it nothing.
+    want_status = random.random() * STATUS_CHECK_EVERY < 1 and not lease_db.keep_status(msg.node_id)
+    pending: list[outbox.WireCommand] = []
+    more = False
+    if renewal.waiting:
+        rows, more = lease_db.take_waiting(TABLES, msg.node_id, now=now, limit=wire.MAX_COMMANDS)
+        pending = [outbox.to_wire(Command(id=i, kind=k, payload=p)) for i, k, p in rows]
+    return wire.LeaseResponse(
+        commands=pending,
+        server_time=now.timestamp(),
+        heartbeat_interval_s=settings.LLMGW_HEARTBEAT_INTERVAL,
+        send_status=want_status,
+        again=want_status or more,
+        rotate_credential=True if renewal.rotation_requested_at is not None else None,
+    )
+
+
+@documented(
+    "agent_lease",
+    wire.LeaseResponse,
+    "A lease renewal between full heartbeats: the node is alive and has applied the commands in `acks`. "
+    "The control plane keeps the node's last status; the answer carries the commands that wait, "
+    "`send_status` when it wants a full heartbeat now, and `again` when the agent should come back "
+    "at once rather than after its interval.",
+)
+class LeaseView(AgentEndpoint):
+    """A node's lease renewal; the answer carries its pending commands until acknowledged."""
+
+    message = wire.Lease
+    max_body = MAX_LEASE_BODY
+
+    def serve(self, django_request: HttpRequest) -> HttpResponse:
+        now = timezone.now()
+        token = credentials.bearer(django_request.META.get("HTTP_AUTHORIZATION"))
+        try:
+            result = lease_request(token, self.parse(django_request), now=now)
+        except protocol.Refused as exc:
+            return problem(exc.status, exc.detail, exc.errors)
+        return self.answer(result)

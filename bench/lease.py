@@ -1,0 +1,223 @@
+"""Lease renewals per second against the real stack, with full status updates mixed in.
+
+The stack of bench/heartbeat.py (a fresh database, the production web server
+as `make run` starts it, PostgreSQL, Redis, load-generator processes holding
+keep-alive connections on the same cores), NODES 8-GPU nodes with 4 shards
+each, every node's status sent once first (as an agent does after
+registering). Then three phases:
+
+- leases alone, as fast as answers come back: the CPU a renewal costs the
+  server, PostgreSQL and Redis (the target is 0.5 ms, all three together);
+- leases with one full heartbeat (about 9 KB) in every BENCH_LEASE_MIX
+  requests (12: a status a minute at a 5 s interval, the floor), offered at
+  BENCH_LEASE_RATE a second (2,000: ten thousand nodes at 5 s), latency
+  measured from each request's scheduled time, so queueing is charged;
+- the same mix, as fast as answered;
+- full heartbeats alone, as fast as answered: what a lease saves, measured
+  on the same machine at the same moment.
+
+Knobs (environment): BENCH_LEASE_NODES (2000), BENCH_LEASE_SECONDS (10 per
+phase), BENCH_LEASE_RATE (2000), BENCH_LEASE_MIX (12; 0: leases only),
+and bench/heartbeat.py's BENCH_HB_SERVER, BENCH_HB_WORKERS, BENCH_HB_THREADS,
+BENCH_HB_CLIENTS, BENCH_HB_CONCURRENCY. The node count does not change a
+renewal's cost (one primary-key lookup and update): each node simply renews
+more often than every 5 s here.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from bench.heartbeat import (
+    _MAKE_SHARDS,
+    CPUMeter,
+    KeepAlive,
+    _env_int,
+    _loadavg,
+    _percentile,
+    _post,
+    _server_description,
+    heartbeat_template,
+    heartbeat_values,
+    register_payload,
+    served_control_plane,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+LEASE = "/api/v1/agent/lease"
+HEARTBEAT = "/api/v1/agent/heartbeat"
+
+
+def lease_body(node_id: str, at: float) -> bytes:
+    """A lease as the agent sends it (wire.Lease, exclude_none): node id and clock, no acks."""
+    return json.dumps({"node_id": node_id, "at": at, "acks": []}, separators=(",", ":")).encode()
+
+
+def _load(port: int, nodes: list, seconds: float, concurrency: int, rate: float, mix: int, q) -> None:
+    """One load process: `concurrency` keep-alive connections; every `mix`-th request a full heartbeat.
+
+    Returns (lease latencies, heartbeat latencies, errors) through `q`.
+    """
+    lat_lease: list[float] = []
+    lat_full: list[float] = []
+    errors = [0]
+    lock = threading.Lock()
+    templates = {node_id: heartbeat_template(node_id, shards) for node_id, _, shards in nodes} if mix else {}
+    start = time.perf_counter()
+    deadline = start + seconds
+
+    def worker(k: int) -> None:
+        mine = nodes[k::concurrency]
+        leases: list[float] = []
+        fulls: list[float] = []
+        bad = 0
+        interval = concurrency / rate if rate else 0.0
+        scheduled = start + interval * k / concurrency
+        conn = KeepAlive(port)
+        tick = 1
+        sent = k
+        while time.perf_counter() < deadline:
+            for salt, (node_id, cred, _) in enumerate(mine):
+                now = time.perf_counter()
+                if now >= deadline:
+                    break
+                full = bool(mix) and sent % mix == 0
+                sent += 1
+                if full:
+                    path, body = HEARTBEAT, (templates[node_id] % heartbeat_values(tick, salt)).encode()
+                else:
+                    path, body = LEASE, lease_body(node_id, 1_800_000_000.0 + 5 * tick)
+                if interval:
+                    if now < scheduled:
+                        time.sleep(scheduled - now)
+                    t0 = scheduled
+                    scheduled += interval
+                else:
+                    t0 = time.perf_counter()
+                try:
+                    status, _ = conn.post(path, body, cred)
+                except (OSError, ValueError, IndexError):
+                    conn.close()
+                    status = 0
+                (fulls if full else leases).append(time.perf_counter() - t0)
+                if status != 200:
+                    bad += 1
+            tick += 1
+        conn.close()
+        with lock:
+            lat_lease.extend(leases)
+            lat_full.extend(fulls)
+            errors[0] += bad
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    q.put((lat_lease, lat_full, errors[0]))
+
+
+def _drive(port: int, nodes: list, seconds: float, clients: int, concurrency: int, rate: float, mix: int) -> tuple:
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_load, args=(port, nodes[c::clients], seconds, concurrency, rate / clients, mix, q))
+        for c in range(clients)
+    ]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    results = [q.get() for _ in procs]
+    for p in procs:
+        p.join()
+    elapsed = time.perf_counter() - t0
+    leases = [x for r in results for x in r[0]]
+    fulls = [x for r in results for x in r[1]]
+    return leases, fulls, sum(r[2] for r in results), elapsed
+
+
+def _measured(meter: CPUMeter, *args) -> tuple:
+    before = meter.sample()
+    leases, fulls, errors, elapsed = _drive(*args)
+    after = meter.sample()
+    return leases, fulls, errors, elapsed, {k: after[k] - before[k] for k in before}
+
+
+def _ms(values: list[float], p: float) -> str:
+    return f"{_percentile(values, p) * 1000:.1f}" if values else "-"
+
+
+def _figures(label: str, leases: list, fulls: list, errors: int, elapsed: float, cpu: dict[str, float]) -> list[str]:
+    n = max(1, len(leases) + len(fulls))
+    per = {k: v / n * 1000 for k, v in cpu.items()}
+    served = per["server"] + per["postgres"] + per["redis"]
+    both = leases + fulls
+    lines = [
+        f"{label}: {n / elapsed:,.0f} requests/s ({len(leases)} leases + {len(fulls)} full heartbeats "
+        f"in {elapsed:.1f} s, {errors} errors); leases {len(leases) / elapsed:,.0f}/s",
+        f"  latency, all: p50 {_ms(both, 50)} ms, p99 {_ms(both, 99)} ms, max {max(both) * 1000:.1f} ms; "
+        f"leases p99 {_ms(leases, 99)} ms; full heartbeats p99 {_ms(fulls, 99)} ms",
+        f"  CPU per request: server + PostgreSQL + Redis {served:.3f} ms = {per['server']:.3f} + "
+        f"{per['postgres']:.3f} + {per['redis']:.3f}; load generator {per['load']:.3f}",
+    ]
+    return lines
+
+
+def run() -> list[str]:
+    n_nodes = _env_int("BENCH_LEASE_NODES", 2000)
+    seconds = float(os.environ.get("BENCH_LEASE_SECONDS", 10))
+    rate = float(os.environ.get("BENCH_LEASE_RATE", 2000))
+    mix = _env_int("BENCH_LEASE_MIX", 12)
+    clients = _env_int("BENCH_HB_CLIENTS", 2)
+    concurrency = _env_int("BENCH_HB_CONCURRENCY", 8)
+
+    load_before = _loadavg()
+    lines: list[str] = []
+    with served_control_plane("lease") as served:
+        port, join, env = served.port, served.join, served.env
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        ids = [f"lease-{i:05d}" for i in range(n_nodes)]
+        creds: dict[str, str] = {}
+        for node_id in ids:
+            status, answer = _post(conn, "/api/v1/agent/register", json.dumps(register_payload(node_id)).encode(), join)
+            if status != 200:
+                raise RuntimeError(f"registration of {node_id}: {status} {answer[:300]!r}")
+            creds[node_id] = json.loads(answer)["credential"]
+        made = subprocess.run(
+            [sys.executable, "-c", _MAKE_SHARDS], cwd=ROOT, env=env, input=json.dumps(ids),
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        shards = json.loads(made.stdout)
+        nodes = [(n, creds[n], shards[n]) for n in ids]
+        # Every node's status once (an agent's first heartbeat after registering), then a warm-up.
+        for node_id, cred, node_shards in nodes:
+            body = (heartbeat_template(node_id, node_shards) % heartbeat_values(1, 0)).encode()
+            status, answer = _post(conn, HEARTBEAT, body, cred)
+            if status != 200 or not json.loads(answer).get("leases"):
+                raise RuntimeError(f"status of {node_id}: {status} {answer[:300]!r}")
+        conn.close()
+        _drive(port, nodes, 2.0, clients, concurrency, 0, 0)
+        meter = CPUMeter(served.pid, served.db_url)
+        alone = _measured(meter, port, nodes, seconds, clients, concurrency, 0, 0)
+        paced = _measured(meter, port, nodes, seconds, clients, concurrency, rate, mix) if rate else None
+        mixed = _measured(meter, port, nodes, seconds, clients, concurrency, 0, mix) if mix else None
+        # The same machine, the same moment: what a full heartbeat costs, for comparison.
+        full = _measured(meter, port, nodes, seconds, clients, concurrency, 0, 1)
+        lines += [
+            f"{n_nodes} nodes; server: {_server_description(env)}; load: {clients} processes x {concurrency} "
+            f"keep-alive connections, on the same {os.cpu_count()} cores (load average at the start: {load_before})",
+            *_figures("leases alone, as fast as answered", *alone),
+            *(_figures(f"1 full heartbeat in {mix}, offered {rate:,.0f}/s", *paced) if paced else []),
+            *(_figures(f"1 full heartbeat in {mix}, as fast as answered", *mixed) if mixed else []),
+            *_figures("full heartbeats alone, as fast as answered", *full),
+            f"load average at the end: {_loadavg()}",
+        ]
+    return lines

@@ -1,0 +1,253 @@
+"""A lease renewal in the database: one small statement when no command waits, a second when some do.
+
+Ten thousand nodes renewing every 5 s are 2,000 renewals a second, so each
+one must cost PostgreSQL as little as an indexed UPDATE can. One statement
+authenticates the node's credential (by its hash, current or previous, and
+only for the node the body names), renews last_seen, acknowledges the
+commands the lease lists, and says whether any other command waits; it runs
+outside any transaction (a single statement is atomic on its own) and commits
+asynchronously, like a heartbeat: a lease lost in a database crash is sent
+again 5 s later. Only when commands wait does a second statement fetch them
+and count their delivery.
+
+The tables of the credentials and the command queue are the caller's to
+name (`Tables`): the inventory does not import the apps that own them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+from django.core.cache import cache
+from django.db import connection, transaction
+
+from inventory import telemetry
+from inventory.models import Node, NodeState
+from inventory.nodes import change_state
+from llmgw.db import prepared_cursor
+
+
+@dataclass(frozen=True)
+class Tables:
+    """Where the credentials and the command queue live (their db_table names).
+
+    credentials: node_id (primary key), token_hash, previous_hash, rotation_requested_at.
+    commands: id (uuid), node_id, kind, payload (json), created_at, acked_at, deliveries, first_delivered_at.
+    """
+
+    credentials: str
+    commands: str
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """A renewed lease: the credential's row as the statement found it, and whether commands wait."""
+
+    node_id: str
+    token_hash: str
+    previous_hash: str | None
+    rotation_requested_at: dt.datetime | None
+    state: str
+    # Commands not acknowledged (other than those this lease acknowledged).
+    waiting: bool
+
+
+@functools.cache
+def renewal_sql(tables: Tables, *, acks: bool, relax: bool) -> str:
+    """The PostgreSQL statement renewing a lease (parameters: see renew)."""
+    node = Node._meta.db_table
+    relax_item = ", (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit" if relax else ""
+    # The credential must be the named node's: a credential of another node
+    # matches no row, and renews nothing.
+    cred_match = "c.node_id = %(node)s AND (c.token_hash = %(hash)s OR c.previous_hash = %(hash)s)"
+    ack_cte = not_acked = ""
+    if acks:
+        # A data-modifying CTE sees the snapshot the main statement sees, so the
+        # commands it acknowledges still look pending below: they are left out by id.
+        ack_cte = (
+            f"WITH acked AS (UPDATE {tables.commands} SET acked_at = %(now)s "
+            f"WHERE node_id = %(node)s AND id = ANY(%(acks)s) AND acked_at IS NULL "
+            f"AND EXISTS (SELECT 1 FROM {tables.credentials} AS c WHERE {cred_match}) RETURNING id) "
+        )
+        not_acked = " AND NOT (m.id = ANY(%(acks)s))"
+    return (
+        f"{ack_cte}UPDATE {node} AS n SET last_seen = %(now)s, unreachable_since = NULL "
+        f"FROM {tables.credentials} AS c{relax_item} "
+        f"WHERE {cred_match} AND n.id = c.node_id "
+        "RETURNING c.token_hash, c.previous_hash, c.rotation_requested_at, n.state, "
+        f"EXISTS (SELECT 1 FROM {tables.commands} AS m WHERE m.node_id = n.id AND m.acked_at IS NULL{not_acked})"
+    )
+
+
+def renew(
+    tables: Tables,
+    *,
+    node_id: str,
+    token_hash: str,
+    now: dt.datetime,
+    acks: Sequence[str] = (),
+    durable: bool = False,
+) -> Renewal | None:
+    """Renew `node_id`'s lease if `token_hash` is its credential's (current or previous); None when it is not.
+
+    None says nothing about why (no such credential, or another node's): the
+    caller asks the credentials when it must tell 401 from 403. Acks that are
+    not UUIDs are ignored; so are ids of other nodes' commands. A node that
+    was unreachable or lost comes back to ready (statements of their own, as
+    rare as the silence that caused them).
+    """
+    ack_ids = _uuids(acks)
+    if connection.vendor != "postgresql":
+        return _renew_portable(tables, node_id=node_id, token_hash=token_hash, now=now, acks=ack_ids)
+    sql = renewal_sql(tables, acks=bool(ack_ids), relax=not durable)
+    with prepared_cursor() as cur:
+        cur.execute(sql, {"now": now, "node": node_id, "hash": token_hash, "acks": ack_ids})
+        row = cur.fetchone()
+    if row is None:
+        return None
+    return _renewal(node_id, row, now=now)
+
+
+def _uuids(ids: Sequence[str]) -> list[uuid.UUID]:
+    out = []
+    for i in ids:
+        try:
+            out.append(uuid.UUID(str(i)))
+        except ValueError:
+            continue
+    return out
+
+
+def _renewal(node_id: str, row: Sequence, *, now: dt.datetime) -> Renewal:
+    state = row[3]
+    if state in (NodeState.UNREACHABLE, NodeState.LOST) and change_state(
+        node_id, NodeState.READY, now=now, expected=state, reason="heartbeat resumed", actor_name="agent"
+    ):
+        state = NodeState.READY
+    return Renewal(
+        node_id=node_id,
+        token_hash=row[0],
+        previous_hash=row[1],
+        rotation_requested_at=row[2],
+        state=state,
+        waiting=bool(row[4]),
+    )
+
+
+def _renew_portable(
+    tables: Tables, *, node_id: str, token_hash: str, now: dt.datetime, acks: list[uuid.UUID]
+) -> Renewal | None:
+    # SQLite (the embedded default) cannot return columns of an UPDATE's FROM
+    # items, and has no round trip to save: the same steps, one at a time, in
+    # one transaction. Django keeps its UUIDs there as 32 hex digits.
+    with transaction.atomic(), prepared_cursor() as cur:
+        cur.execute(
+            f"SELECT token_hash, previous_hash, rotation_requested_at FROM {tables.credentials} "
+            "WHERE node_id = %s AND (token_hash = %s OR previous_hash = %s)",
+            [node_id, token_hash, token_hash],
+        )
+        cred = cur.fetchone()
+        if cred is None:
+            return None
+        cur.execute(
+            f"UPDATE {Node._meta.db_table} SET last_seen = %s, unreachable_since = NULL WHERE id = %s",
+            [now, node_id],
+        )
+        cur.execute(f"SELECT state FROM {Node._meta.db_table} WHERE id = %s", [node_id])
+        found = cur.fetchone()
+        if found is None:
+            return None
+        hexes = [a.hex for a in acks]
+        marks = ", ".join(["%s"] * len(hexes))
+        if hexes:
+            cur.execute(
+                f"UPDATE {tables.commands} SET acked_at = %s "
+                f"WHERE node_id = %s AND acked_at IS NULL AND id IN ({marks})",
+                [now, node_id, *hexes],
+            )
+        cur.execute(
+            f"SELECT 1 FROM {tables.commands} WHERE node_id = %s AND acked_at IS NULL LIMIT 1",
+            [node_id],
+        )
+        waiting = cur.fetchone() is not None
+    return _renewal(node_id, (*cred, found[0], waiting), now=now)
+
+
+@functools.cache
+def take_sql(tables: Tables) -> str:
+    """The PostgreSQL statement fetching a node's waiting commands and counting their delivery."""
+    t = tables.commands
+    return (
+        f"WITH w AS (SELECT id, created_at FROM {t} WHERE node_id = %(node)s AND acked_at IS NULL "
+        "ORDER BY created_at, id LIMIT %(more)s), "
+        f"u AS (UPDATE {t} AS m SET deliveries = m.deliveries + 1, "
+        "first_delivered_at = COALESCE(m.first_delivered_at, %(now)s) "
+        "FROM (SELECT id FROM w ORDER BY created_at, id LIMIT %(limit)s) AS s WHERE m.id = s.id "
+        "RETURNING m.id, m.kind, m.payload, m.created_at) "
+        "SELECT id, kind, payload, (SELECT count(*) FROM w) FROM u ORDER BY created_at, id"
+    )
+
+
+def take_waiting(
+    tables: Tables, node_id: str, *, now: dt.datetime, limit: int
+) -> tuple[list[tuple[uuid.UUID, str, dict]], bool]:
+    """A node's oldest `limit` pending commands as (id, kind, payload), counted delivered; and whether more wait.
+
+    One statement on PostgreSQL. They stay pending until acknowledged.
+    """
+    if connection.vendor != "postgresql":
+        return _take_portable(tables, node_id, now=now, limit=limit)
+    with prepared_cursor() as cur:
+        cur.execute(take_sql(tables), {"node": node_id, "now": now, "limit": limit, "more": limit + 1})
+        rows = cur.fetchall()
+    more = bool(rows) and rows[0][3] > limit
+    return [(r[0], r[1], _json(r[2])) for r in rows], more
+
+
+def _json(value: Any) -> dict:
+    # Django has psycopg hand JSON columns over as text (and SQLite has nothing else).
+    return json.loads(value) if isinstance(value, str | bytes) else value
+
+
+def _take_portable(
+    tables: Tables, node_id: str, *, now: dt.datetime, limit: int
+) -> tuple[list[tuple[uuid.UUID, str, dict]], bool]:
+    with transaction.atomic(), prepared_cursor() as cur:
+        cur.execute(
+            f"SELECT id, kind, payload FROM {tables.commands} WHERE node_id = %s AND acked_at IS NULL "
+            "ORDER BY created_at, id LIMIT %s",
+            [node_id, limit + 1],
+        )
+        found = cur.fetchall()
+        rows = found[:limit]
+        if rows:
+            marks = ", ".join(["%s"] * len(rows))
+            cur.execute(
+                f"UPDATE {tables.commands} SET deliveries = deliveries + 1, "
+                f"first_delivered_at = COALESCE(first_delivered_at, %s) WHERE id IN ({marks})",
+                [now, *[r[0] for r in rows]],
+            )
+    out = [(uuid.UUID(str(i)), k, _json(p)) for i, k, p in rows]
+    return out, len(found) > limit
+
+
+def keep_status(node_id: str) -> bool:
+    """Renew the time to live of a node's last status (its telemetry entry); False when there is none.
+
+    The lease keeps the status the node last sent for as long as leases
+    come (the agent sends its status again when it changes, and at a floor
+    interval below the time to live in any case). One cache call, that moves
+    no value. A cache that cannot answer says True: asking every node for
+    its status while the cache is down would only load the control plane
+    with statuses it cannot keep.
+    """
+    return telemetry.best_effort(
+        "touch", lambda: bool(cache.touch(telemetry.key(node_id), settings.LLMGW_TELEMETRY_TTL)), True
+    )

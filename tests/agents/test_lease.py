@@ -1,0 +1,282 @@
+"""POST /api/v1/agent/lease: one statement when nothing waits, two when commands do.
+
+And the credential rules of every agent endpoint.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import httpx
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+
+import agents.lease
+import wire
+from agents import credentials
+from agents.lease import MAX_LEASE_BODY
+from agents.models import NodeCredential
+from agents.node import config as config_mod
+from agents.node.loop import Agent
+from inventory import outbox, telemetry
+from inventory.models import Command, Node, NodeEvent
+from tests.agents.conftest import heartbeat_payload, post
+from tests.agents.node.test_loop import Probe, Sampled
+from tests.factories import register_payload
+
+pytestmark = pytest.mark.django_db
+
+
+def lease(node_id: str = "node-a", **extra) -> dict:
+    return {"node_id": node_id, "at": 1_800_000_000.0, **extra}
+
+
+def renew(client, token: str | None, body=None):
+    return post(client, "lease", lease() if body is None else body, token)
+
+
+@pytest.fixture(autouse=True)
+def _every_lease_checks_the_status(monkeypatch):
+    # Production asks the cache on about one lease in STATUS_CHECK_EVERY; the tests, on every one.
+    monkeypatch.setattr(agents.lease, "STATUS_CHECK_EVERY", 1)
+
+
+@pytest.fixture
+def reporting(client, joined) -> str:
+    """node-a joined and sent one full heartbeat (the control plane holds its status)."""
+    resp = post(client, "heartbeat", heartbeat_payload(at=1.0, counters=10), joined)
+    assert resp.status_code == 200
+    assert resp.json()["leases"] is True
+    return joined
+
+
+def test_a_lease_with_nothing_waiting_is_one_statement(client, reporting):
+    old = timezone.now() - dt.timedelta(seconds=20)
+    Node.objects.filter(id="node-a").update(last_seen=old)
+    with CaptureQueriesContext(connection) as q:
+        resp = renew(client, reporting)
+    assert resp.status_code == 200, resp.content
+    assert len(q.captured_queries) == 1, [x["sql"] for x in q.captured_queries]
+    assert q.captured_queries[0]["sql"].startswith("UPDATE inventory_node AS n SET last_seen")
+    answer = wire.LeaseResponse.model_validate_json(resp.content)
+    assert (answer.commands, answer.again, answer.send_status, answer.rotate_credential) == ([], False, False, None)
+    assert Node.objects.get(id="node-a").last_seen > old
+    # A lease's answer is small, like the lease.
+    assert len(resp.content) < 200 and len(wire.Lease(**lease()).model_dump_json()) < 200
+
+
+def test_a_lease_with_commands_waiting_is_two_statements(client, reporting, now):
+    cmd = outbox.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=now)
+    with CaptureQueriesContext(connection) as q:
+        resp = renew(client, reporting)
+    assert len(q.captured_queries) == 2, [x["sql"] for x in q.captured_queries]
+    answer = wire.LeaseResponse.model_validate_json(resp.content)
+    assert [c.id for c in answer.commands] == [str(cmd.id)]
+    assert answer.again is False
+    row = Command.objects.get(id=cmd.id)
+    assert (row.deliveries, row.first_delivered_at is not None, row.acked_at) == (1, True, None)
+    # Delivered until acknowledged.
+    assert [c["id"] for c in renew(client, reporting).json()["commands"]] == [str(cmd.id)]
+    assert Command.objects.get(id=cmd.id).deliveries == 2
+
+
+def test_acks_ride_in_the_lease_statement(client, reporting, now):
+    done = outbox.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=now)
+    with CaptureQueriesContext(connection) as q:
+        answer = renew(client, reporting, lease(acks=[str(done.id), "not-a-uuid"])).json()
+    assert len(q.captured_queries) == 1
+    assert answer["commands"] == [] and Command.objects.get(id=done.id).acked_at is not None
+    # An ack and another command waiting: still one renewal, and one fetch.
+    again = outbox.enqueue("node-a", wire.InstallEngine(engine="vllm"), now=now)
+    later = outbox.enqueue("node-a", wire.InstallEngine(engine="trt"), now=now + dt.timedelta(seconds=1))
+    with CaptureQueriesContext(connection) as q:
+        answer = renew(client, reporting, lease(acks=[str(again.id)])).json()
+    assert len(q.captured_queries) == 2
+    assert [c["id"] for c in answer["commands"]] == [str(later.id)]
+
+
+def test_acks_of_another_nodes_commands_are_ignored(client, join_token, reporting, now):
+    post(client, "register", register_payload("node-b"), join_token)
+    theirs = outbox.enqueue("node-b", wire.InstallEngine(engine="sglang"), now=now)
+    assert renew(client, reporting, lease(acks=[str(theirs.id)])).status_code == 200
+    assert Command.objects.get(id=theirs.id).acked_at is None
+
+
+def test_more_commands_than_an_answer_carries_says_come_back_at_once(client, reporting, now):
+    Command.objects.bulk_create(
+        Command(
+            node_id="node-a",
+            kind="install_engine",
+            payload={"engine": f"e{i}"},
+            created_at=now + dt.timedelta(microseconds=i),
+        )
+        for i in range(wire.MAX_COMMANDS + 3)
+    )
+    with CaptureQueriesContext(connection) as q:
+        answer = wire.LeaseResponse.model_validate_json(renew(client, reporting).content)
+    assert len(q.captured_queries) == 2
+    assert (len(answer.commands), answer.again, answer.send_status) == (wire.MAX_COMMANDS, True, False)
+    # Oldest first, as a heartbeat delivers them.
+    assert [c.engine for c in answer.commands[:3]] == ["e0", "e1", "e2"]
+    assert Command.objects.filter(deliveries=1).count() == wire.MAX_COMMANDS
+    Command.objects.filter(id__in=[c.id for c in answer.commands]).update(acked_at=now)
+    answer = wire.LeaseResponse.model_validate_json(renew(client, reporting).content)
+    assert (len(answer.commands), answer.again) == (3, False)
+
+
+def test_a_lost_status_is_asked_for_and_a_kept_one_lives_on(client, reporting):
+    assert renew(client, reporting).json()["send_status"] is False
+    assert telemetry.get("node-a")["ib_ports"]  # the last status is still there
+    telemetry.forget("node-a")
+    answer = renew(client, reporting).json()
+    assert (answer["send_status"], answer["again"]) == (True, True)
+    # The full heartbeat that follows puts it back.
+    assert post(client, "heartbeat", heartbeat_payload(at=2.0, counters=20), reporting).status_code == 200
+    assert renew(client, reporting).json()["send_status"] is False
+
+
+def test_most_leases_leave_the_cache_alone(client, reporting, monkeypatch):
+    monkeypatch.setattr(agents.lease, "STATUS_CHECK_EVERY", 10**9)
+    telemetry.forget("node-a")
+    assert [renew(client, reporting).json()["send_status"] for _ in range(3)] == [False] * 3
+
+
+def test_a_full_heartbeat_still_works_unchanged_and_offers_leases(client, joined):
+    # An agent that sends everything, every time, as before.
+    for at in (1.0, 6.0, 11.0):
+        resp = post(client, "heartbeat", heartbeat_payload(at=at, counters=int(at)), joined)
+        assert resp.status_code == 200
+        assert resp.json()["leases"] is True
+    assert telemetry.get("node-a")["agent_at"] == 11.0
+
+
+def test_a_lease_wakes_an_unreachable_or_lost_node(client, reporting):
+    for state in ("unreachable", "lost"):
+        old = timezone.now() - dt.timedelta(hours=1)
+        Node.objects.filter(id="node-a").update(last_seen=old, state=state, unreachable_since=old)
+        assert renew(client, reporting).status_code == 200
+        node = Node.objects.get(id="node-a")
+        assert (node.state, node.unreachable_since, node.last_seen > old) == ("ready", None, True)
+    assert NodeEvent.objects.filter(node_id="node-a", kind="state").count() >= 2
+
+
+# --- the credential rules ------------------------------------------------------
+
+
+def test_no_credential_or_an_unknown_one_is_401(client, reporting, join_token):
+    for token in (None, "llmgw-node-unknown", "something-else", join_token):
+        resp = renew(client, token)
+        assert resp.status_code == 401, token
+        assert resp["WWW-Authenticate"] == 'Bearer realm="llmgw-agent"'
+
+
+def test_a_revoked_credential_is_401(client, reporting, now):
+    assert credentials.reset("node-a", now=now)
+    assert renew(client, reporting).status_code == 401
+
+
+def test_another_nodes_credential_is_403_and_renews_nothing(client, join_token, reporting, now):
+    other = post(client, "register", register_payload("node-b"), join_token).json()["credential"]
+    old = timezone.now() - dt.timedelta(hours=1)
+    Node.objects.update(last_seen=old, state="unreachable", unreachable_since=old)
+    mine = outbox.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=now)
+    events = NodeEvent.objects.count()
+    for body in (lease("node-b"), lease("node-zzz"), lease("node-b", acks=[str(mine.id)])):
+        resp = renew(client, reporting, body)
+        assert resp.status_code == 403
+        assert resp.json() == {"detail": "this credential does not authorise requests about that node", "errors": []}
+    # node-b's credential on node-a's lease, with node-a's command acknowledged: refused, nothing written.
+    assert renew(client, other, lease("node-a", acks=[str(mine.id)])).status_code == 403
+    assert list(Node.objects.order_by("id").values_list("last_seen", "state")) == [
+        (old, "unreachable"),
+        (old, "unreachable"),
+    ]
+    assert Command.objects.get(id=mine.id).acked_at is None
+    assert NodeEvent.objects.count() == events
+    assert renew(client, other, lease("node-b")).status_code == 200
+
+
+def test_refusals_come_in_the_order_of_every_agent_endpoint(client, reporting):
+    assert renew(client, "llmgw-node-wrong", b"{not json").status_code == 401
+    assert renew(client, None, b"{not json").status_code == 401
+    resp = renew(client, reporting, {"at": 1.0})
+    assert resp.status_code == 400 and resp.json()["errors"][0]["field"] == "node_id"
+    assert renew(client, reporting, lease(acks=["x"] * (wire.MAX_COMMANDS + 1))).status_code == 400
+    assert renew(client, reporting, lease(padding="x" * MAX_LEASE_BODY)).status_code == 413
+    auth = {"HTTP_AUTHORIZATION": f"Bearer {reporting}"}
+    resp = client.post("/api/v1/agent/lease", data="x", content_type="text/plain", **auth)
+    assert resp.status_code == 415
+    assert client.get("/api/v1/agent/lease", **auth).status_code == 405
+
+
+def test_rotation_by_lease(client, reporting, now):
+    assert renew(client, reporting).json()["rotate_credential"] is None
+    assert credentials.request_rotation("node-a", now=now)
+    assert renew(client, reporting).json()["rotate_credential"] is True
+    new = post(client, "rotate", {"node_id": "node-a"}, reporting).json()["credential"]
+    # The answer may have been lost: the old secret still renews, until the new one is used.
+    assert renew(client, reporting).status_code == 200
+    answer = renew(client, new).json()
+    assert answer["rotate_credential"] is None
+    assert NodeCredential.objects.get(node_id="node-a").previous_hash is None
+    assert renew(client, reporting).status_code == 401
+
+
+def test_the_lease_is_in_the_openapi_document(client, operator):
+    client.force_login(operator)
+    doc = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json").json()
+    op = doc["paths"]["/api/v1/agent/lease"]["post"]
+    assert op["operationId"] == "agent_lease"
+    assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/LeaseResponse")
+    assert {"401", "403", "400", "413", "415"} <= set(op["responses"])
+
+
+# --- a real agent against the real endpoints ------------------------------------
+
+
+def test_an_agent_sends_its_status_then_leases_until_something_changes(client, join_token, tmp_path):
+    paths: list[str] = []
+
+    def through_django(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        r = client.post(
+            request.url.path,
+            data=request.content,
+            content_type="application/json",
+            HTTP_AUTHORIZATION=request.headers["Authorization"],
+        )
+        return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+
+    cfg = config_mod.parse(
+        {"control_plane": "http://cp", "join_token": join_token, "node_id": "node-a", "state_dir": str(tmp_path)}
+    )
+    probe = Probe()
+    http = httpx.Client(base_url="http://cp", transport=httpx.MockTransport(through_django))
+    agent = Agent(cfg, probe=probe, http=http)
+    try:
+        for _ in range(3):
+            agent.step()
+        assert paths == ["/api/v1/agent/register", "/api/v1/agent/heartbeat", wire.LEASE_PATH, wire.LEASE_PATH]
+        # A card warms by 10 °C: status.
+        probe.sample = lambda previous=None: Sampled(gpus=[wire.GPUSensor(index=0, temp_c=50)])
+        agent.step()
+        assert paths[-1] == "/api/v1/agent/heartbeat" and agent.status.reason == "gpu 0 temperature"
+        assert telemetry.get("node-a")["gpus"][0]["temp_c"] == 50
+        # A command comes with a lease; applying it changes the engine installs, so its ack rides in a status.
+        cmd = outbox.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=timezone.now())
+        agent.step()
+        assert paths[-1] == wire.LEASE_PATH and "sglang" in agent.installs
+        agent.step()
+        assert paths[-1] == "/api/v1/agent/heartbeat" and agent.status.reason == "engine installs"
+        assert Command.objects.get(id=cmd.id).acked_at is not None
+        # The control plane lost the status: the lease's answer asks for it, and the agent comes back at once.
+        telemetry.forget("node-a")
+        agent.step()
+        assert paths[-1] == wire.LEASE_PATH and agent.status.wait_s(5.0) == 0.0
+        agent.step()
+        assert paths[-1] == "/api/v1/agent/heartbeat" and agent.status.reason == "asked"
+        assert telemetry.get("node-a") is not None
+    finally:
+        agent.close()
