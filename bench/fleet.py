@@ -236,7 +236,7 @@ class Loop:
 
     def stats(self) -> dict:
         """The fleet's counters summed over its processes."""
-        total: dict = {"registered": 0, "heartbeats": 0, "unreachable": 0, "register_refused": {},
+        total: dict = {"registered": 0, "heartbeats": 0, "leases": 0, "unreachable": 0, "register_refused": {},
                        "heartbeat_errors": {}, "latency": [0] * len(EDGES),
                        "register_latency": [0] * len(EDGES)}  # fmt: skip
         for k in range(len(self.fleet)):
@@ -244,8 +244,8 @@ class Loop:
                 s = json.loads((self.work / f"stats-{k}.json").read_text())
             except (OSError, ValueError):
                 continue
-            for key in ("registered", "heartbeats", "unreachable"):
-                total[key] += s[key]
+            for key in ("registered", "heartbeats", "leases", "unreachable"):
+                total[key] += s.get(key, 0)
             for key in ("register_refused", "heartbeat_errors"):
                 for code, n in s[key].items():
                     total[key][code] = total[key].get(code, 0) + n
@@ -351,13 +351,15 @@ def _phases(loop: Loop) -> Iterator[str]:
     s1, c1, w1 = loop.stats(), loop.cpu(), time.monotonic()
     elapsed = w1 - w0
     beats = s1["heartbeats"] - s0["heartbeats"]
+    leases = s1["leases"] - s0["leases"]
     lat = _hist_diff(s1["latency"], s0["latency"])
     errors = {k: v - s0["heartbeat_errors"].get(k, 0) for k, v in s1["heartbeat_errors"].items()}
     cpu = {k: c1[k] - c0[k] for k in c0}
     per_node = {k: v / elapsed / n * 1e6 for k, v in cpu.items()}
     per_beat = {k: v / max(1, beats) * 1e3 for k, v in cpu.items()}
     yield (
-        f"steady state ({elapsed:.0f} s): {beats / elapsed:,.0f} heartbeats/s (expected {n / loop.interval:,.0f}), "
+        f"steady state ({elapsed:.0f} s): {beats / elapsed:,.0f} heartbeats/s (expected {n / loop.interval:,.0f}; "
+        f"{leases / max(1, beats):.0%} of them leases), "
         f"p50 {_ms(histogram_percentile(lat, 50))}, p99 {_ms(histogram_percentile(lat, 99))} "
         f"(histogram buckets 5% wide), errors {errors or 'none'}"
     )
