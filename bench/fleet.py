@@ -111,6 +111,7 @@ class Loop:
         self.url = f"http://127.0.0.1:{self.port}"
         redis_url = os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0"
         self.redis_url = redis_url
+        self.metrics_token = secrets.token_urlsafe(24)
         self.env = dict(os.environ)
         self.env.update(
             {
@@ -120,6 +121,8 @@ class Loop:
                 "SECRET_KEY": secrets.token_urlsafe(32),
                 "DEBUG": "0",
                 "LLMGW_JOIN_TOKEN": self.join,
+                # Scraped as Prometheus would be: with its bearer token.
+                "LLMGW_METRICS_TOKEN": self.metrics_token,
                 "CELERY_BROKER_URL": redis_url,
                 "LLMGW_CACHE_PREFIX": os.environ.get("LLMGW_CACHE_PREFIX", "llmgw") + "-fleet",
                 "LLMGW_VAR_DIR": str(work / "var"),
@@ -467,7 +470,7 @@ def _scrape(loop: Loop) -> Iterator[str]:
     times, size = [], 0
     for _ in range(int(_env("BENCH_FLEET_SCRAPES", 3))):
         t0 = time.perf_counter()
-        r = httpx.get(f"{loop.url}/metrics", timeout=120)
+        r = httpx.get(f"{loop.url}/metrics", headers={"Authorization": f"Bearer {loop.metrics_token}"}, timeout=120)
         times.append(time.perf_counter() - t0)
         size = len(r.content)
         if r.status_code != 200:
