@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -318,35 +318,44 @@ class KeepAlive:
         self.buf += chunk
 
 
-def _load(port: int, nodes: list[tuple[str, str, list[str]]], seconds: float, concurrency: int, rate: float, q) -> None:
-    """One load-generator process: `concurrency` threads, each with its own keep-alive connection.
+# One request of a load generator: (node id, round, node's place in its connection's list, requests
+# the connection sent before) -> (what it counts as, path, body).
+Request = Callable[[str, int, int, int], tuple[str, str, bytes]]
 
-    With `rate` (heartbeats a second for this process) each connection sends
+
+def paced_requests(
+    port: int, nodes: list, seconds: float, concurrency: int, rate: float, request: Request
+) -> tuple[dict[str, list[float]], int]:
+    """`concurrency` threads, each with its own keep-alive connection, sending `request`s for `seconds`.
+
+    With `rate` (requests a second for this process) each connection sends
     on a fixed schedule and latency is measured from the scheduled time, so a
     server that falls behind is charged for the queueing it causes; without,
-    each connection sends as fast as answers come back.
+    each connection sends as fast as answers come back. Returns the
+    latencies by what `request` said each was, and the count of errors.
     """
-    lat: list[float] = []
+    lat: dict[str, list[float]] = {}
     errors = [0]
     lock = threading.Lock()
-    templates = {node_id: heartbeat_template(node_id, shards) for node_id, _, shards in nodes}
     start = time.perf_counter()
     deadline = start + seconds
 
     def worker(k: int) -> None:
         mine = nodes[k::concurrency]
-        local: list[float] = []
+        local: dict[str, list[float]] = {}
         bad = 0
         interval = concurrency / rate if rate else 0.0
         scheduled = start + interval * k / concurrency
         conn = KeepAlive(port)
         tick = 1
+        sent = k
         while time.perf_counter() < deadline:
             for salt, (node_id, cred, _) in enumerate(mine):
                 now = time.perf_counter()
                 if now >= deadline:
                     break
-                body = (templates[node_id] % heartbeat_values(tick, salt)).encode()
+                kind, path, body = request(node_id, tick, salt, sent)
+                sent += 1
                 if interval:
                     if now < scheduled:
                         time.sleep(scheduled - now)
@@ -355,17 +364,18 @@ def _load(port: int, nodes: list[tuple[str, str, list[str]]], seconds: float, co
                 else:
                     t0 = time.perf_counter()
                 try:
-                    status, _ = conn.post("/api/v1/agent/heartbeat", body, cred)
+                    status, _ = conn.post(path, body, cred)
                 except (OSError, ValueError, IndexError):
                     conn.close()
                     status = 0
-                local.append(time.perf_counter() - t0)
+                local.setdefault(kind, []).append(time.perf_counter() - t0)
                 if status != 200:
                     bad += 1
             tick += 1
         conn.close()
         with lock:
-            lat.extend(local)
+            for kind, values in local.items():
+                lat.setdefault(kind, []).extend(values)
             errors[0] += bad
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
@@ -373,7 +383,18 @@ def _load(port: int, nodes: list[tuple[str, str, list[str]]], seconds: float, co
         t.start()
     for t in threads:
         t.join()
-    q.put((lat, errors[0]))
+    return lat, errors[0]
+
+
+def _load(port: int, nodes: list[tuple[str, str, list[str]]], seconds: float, concurrency: int, rate: float, q) -> None:
+    """One load-generator process sending full heartbeats (see paced_requests); (latencies, errors) through `q`."""
+    templates = {node_id: heartbeat_template(node_id, shards) for node_id, _, shards in nodes}
+
+    def heartbeat(node_id: str, tick: int, salt: int, sent: int) -> tuple[str, str, bytes]:
+        return "heartbeat", "/api/v1/agent/heartbeat", (templates[node_id] % heartbeat_values(tick, salt)).encode()
+
+    lat, errors = paced_requests(port, nodes, seconds, concurrency, rate, heartbeat)
+    q.put((lat.get("heartbeat", []), errors))
 
 
 def _percentile(values: list[float], p: float) -> float:

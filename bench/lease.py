@@ -32,14 +32,12 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from bench.heartbeat import (
     _MAKE_SHARDS,
     CPUMeter,
-    KeepAlive,
     _env_int,
     _loadavg,
     _percentile,
@@ -47,6 +45,7 @@ from bench.heartbeat import (
     _server_description,
     heartbeat_template,
     heartbeat_values,
+    paced_requests,
     register_payload,
     served_control_plane,
 )
@@ -66,63 +65,15 @@ def _load(port: int, nodes: list, seconds: float, concurrency: int, rate: float,
 
     Returns (lease latencies, heartbeat latencies, errors) through `q`.
     """
-    lat_lease: list[float] = []
-    lat_full: list[float] = []
-    errors = [0]
-    lock = threading.Lock()
     templates = {node_id: heartbeat_template(node_id, shards) for node_id, _, shards in nodes} if mix else {}
-    start = time.perf_counter()
-    deadline = start + seconds
 
-    def worker(k: int) -> None:
-        mine = nodes[k::concurrency]
-        leases: list[float] = []
-        fulls: list[float] = []
-        bad = 0
-        interval = concurrency / rate if rate else 0.0
-        scheduled = start + interval * k / concurrency
-        conn = KeepAlive(port)
-        tick = 1
-        sent = k
-        while time.perf_counter() < deadline:
-            for salt, (node_id, cred, _) in enumerate(mine):
-                now = time.perf_counter()
-                if now >= deadline:
-                    break
-                full = bool(mix) and sent % mix == 0
-                sent += 1
-                if full:
-                    path, body = HEARTBEAT, (templates[node_id] % heartbeat_values(tick, salt)).encode()
-                else:
-                    path, body = LEASE, lease_body(node_id, 1_800_000_000.0 + 5 * tick)
-                if interval:
-                    if now < scheduled:
-                        time.sleep(scheduled - now)
-                    t0 = scheduled
-                    scheduled += interval
-                else:
-                    t0 = time.perf_counter()
-                try:
-                    status, _ = conn.post(path, body, cred)
-                except (OSError, ValueError, IndexError):
-                    conn.close()
-                    status = 0
-                (fulls if full else leases).append(time.perf_counter() - t0)
-                if status != 200:
-                    bad += 1
-            tick += 1
-        conn.close()
-        with lock:
-            lat_lease.extend(leases)
-            lat_full.extend(fulls)
-            errors[0] += bad
+    def lease_or_status(node_id: str, tick: int, salt: int, sent: int) -> tuple[str, str, bytes]:
+        if mix and sent % mix == 0:
+            return "full", HEARTBEAT, (templates[node_id] % heartbeat_values(tick, salt)).encode()
+        return "lease", LEASE, lease_body(node_id, 1_800_000_000.0 + 5 * tick)
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    q.put((lat_lease, lat_full, errors[0]))
+    lat, errors = paced_requests(port, nodes, seconds, concurrency, rate, lease_or_status)
+    q.put((lat.get("lease", []), lat.get("full", []), errors))
 
 
 def _drive(port: int, nodes: list, seconds: float, clients: int, concurrency: int, rate: float, mix: int) -> tuple:
