@@ -24,7 +24,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Names:
-    """Where each figure lives in an engine's /metrics; several names are tried in order."""
+    """Where each figure lives in an engine's /metrics; several names are tried in order.
+
+    `hits` and `queries` are pairs, index by index: a ratio is only taken within one family,
+    since a scrape can hold the new queries counter beside only the deprecated hits one.
+    """
 
     running: tuple[str, ...]
     waiting: tuple[str, ...]
@@ -81,7 +85,14 @@ LLAMACPP = Names(
 VLLM_NEW_NAMES = (0, 9, 2)
 
 
+# A build from a checkout without tags calls itself 0.1.devN (setuptools-scm's fallback):
+# its age is unknown, not older than 0.9.2.
+_UNTAGGED = re.compile(r"0\.1\.dev\d+")
+
+
 def _version(v: str) -> tuple[int, ...] | None:
+    if _UNTAGGED.match(v.strip()):
+        return None
     m = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", v.strip())
     if not m:
         return None
@@ -133,17 +144,25 @@ def _first(values: dict[str, list[float]], names: tuple[str, ...], *, mean: bool
     return None
 
 
+def hit_ratio(values: dict[str, list[float]], names: Names) -> float | None:
+    """The prefix-cache hit ratio: the engine's own gauge, else hits over queries of one family."""
+    ratio = _first(values, names.hit_rate, mean=True)
+    if ratio is not None:
+        return ratio
+    for hits, queries in zip(names.hits, names.queries, strict=True):
+        if hits in values and queries in values:
+            asked = sum(values[queries])
+            return sum(values[hits]) / asked if asked else None
+    return None
+
+
 def parse(text: str, names: Names) -> EngineLoad | None:
     """The figures in an engine's /metrics text; None when it has none of the request gauges."""
     values = samples(text)
     running, waiting = _first(values, names.running), _first(values, names.waiting)
     if running is None and waiting is None:
         return None
-    ratio = _first(values, names.hit_rate, mean=True)
-    if ratio is None:
-        hits, queries = _first(values, names.hits), _first(values, names.queries)
-        if hits is not None and queries:
-            ratio = hits / queries
+    ratio = hit_ratio(values, names)
     return EngineLoad(
         running=running or 0.0,
         waiting=waiting or 0.0,

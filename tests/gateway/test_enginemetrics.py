@@ -7,7 +7,17 @@ from pathlib import Path
 import pytest
 
 from agents.node import echo
-from gateway.enginemetrics import LLAMACPP, SGLANG, VLLM_NEW, VLLM_OLD, EngineLoad, names_for, parse
+from gateway.enginemetrics import (
+    LLAMACPP,
+    SGLANG,
+    VLLM_NEW,
+    VLLM_OLD,
+    EngineLoad,
+    hit_ratio,
+    names_for,
+    parse,
+    samples,
+)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
 
@@ -25,6 +35,9 @@ def _read(name: str) -> str:
         ("vllm", "0.9.1", VLLM_OLD),
         ("vllm", "v0.8.5.post1", VLLM_OLD),
         ("vllm", "", VLLM_NEW),
+        ("vllm", "0.8", VLLM_OLD),
+        # A source build without tags (seen reported as "vLLM 0.1.dev20051+g487ecf187"): age unknown.
+        ("vllm", "0.1.dev20051+g487ecf187", VLLM_NEW),
         ("sglang", "0.5.2", SGLANG),
         ("llamacpp", "b6500", LLAMACPP),
         ("echo", "", VLLM_NEW),
@@ -75,3 +88,54 @@ def test_the_echo_engine_speaks_vllm():
         assert parse(srv.metrics(), names_for("echo", "")) == EngineLoad(0.0, 0.0, 2 / 2048, 0.5)
     finally:
         srv.server_close()
+
+
+# Recordings: /metrics text real engines printed, pasted in public threads (see fixtures/engines/SOURCES.md).
+
+
+def test_recorded_vllm_v1_with_the_old_names():
+    text = _read("vllm-0.8-production-stack-318.txt")
+    # Idle engine; the queries family is announced (HELP, TYPE) with no sample after it in the paste.
+    assert parse(text, names_for("vllm", "0.8")) == EngineLoad(0.0, 0.0, 0.0, None)
+    # An unknown version reads the new names first and falls back to the old KV gauge.
+    assert parse(text, names_for("vllm", "")) == EngineLoad(0.0, 0.0, 0.0, None)
+
+
+def test_recorded_vllm_0_10_serves_old_and_new_cache_names_and_created_gauges():
+    text = _read("vllm-0.10.0-production-stack-617.txt")
+    values = samples(text)
+    assert values["vllm:kv_cache_usage_perc"] == [9.75010481363281e-06]
+    assert values["vllm:prefix_cache_queries_total"] == [32.0]
+    assert values["vllm:gpu_prefix_cache_hits_total"] == [0.0]
+    # prometheus_client's `_created` timestamps are families of their own, never counts.
+    assert values["vllm:gpu_prefix_cache_queries_created"] == [1.7537953269352946e09]
+    assert "vllm:gpu_prefix_cache_queries_total" not in values
+    # The paste holds the new queries counter but only the deprecated hits counter: no ratio
+    # is made across the two families (it read 0/32 = 0.0 before).
+    assert hit_ratio(values, names_for("vllm", "0.10.0")) is None
+    # The request gauges fall outside the pasted excerpt.
+    assert parse(text, names_for("vllm", "0.10.0")) is None
+
+
+def test_hit_ratio_takes_the_first_family_with_both_counters():
+    values = {"vllm:gpu_prefix_cache_hits_total": [5.0], "vllm:gpu_prefix_cache_queries_total": [20.0]}
+    assert hit_ratio(values, VLLM_NEW) == 0.25
+    values["vllm:prefix_cache_hits_total"] = [3.0]
+    values["vllm:prefix_cache_queries_total"] = [4.0]
+    assert hit_ratio(values, VLLM_NEW) == 0.75
+    assert (
+        hit_ratio({"vllm:prefix_cache_hits_total": [0.0], "vllm:prefix_cache_queries_total": [0.0]}, VLLM_NEW) is None
+    )
+
+
+def test_recorded_sglang():
+    text = _read("sglang-main-2025-03-sglang-pr4444.txt")
+    # num_queue_reqs and cache_hit_rate fall outside the pasted excerpt.
+    assert parse(text, names_for("sglang", "")) == EngineLoad(0.0, 0.0, 0.0, None)
+
+
+def test_recorded_llamacpp_with_escaped_comment_lines():
+    text = _read("llamacpp-master-2025-01-llama.cpp-pr11512.txt")
+    # The paste escapes `#` as `\#`; those lines are not samples and must not be read as any.
+    assert samples(text) == {"llamacpp:requests_processing": [0.0], "llamacpp:requests_deferred": [0.0]}
+    assert parse(text, names_for("llamacpp", "")) == EngineLoad(0.0, 0.0, None, None)
