@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count
+from django.db.models import Count, DateTimeField, F, Value
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.middleware.gzip import re_accepts_gzip
 from django.utils import timezone
@@ -188,7 +188,10 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     now = now or timezone.now()
     # The last results at once, a stale one refreshed by the worker (inventory/doctor_refresh.py).
     doctor_at, results = doctor_refresh.for_scrape(now=now)
-    nodes = Node.objects.order_by("id").values_list("id", "state", "last_seen", "imex_state")
+    # The database subtracts: Django reads a timestamp through a pure-Python loader (a third
+    # of a scrape's Python time at 10,000 nodes), an interval in C, to the same microsecond.
+    since = Value(now, output_field=DateTimeField()) - F("last_seen")
+    nodes = Node.objects.order_by("id").annotate(since=since).values_list("id", "state", "since", "imex_state")
     cards: dict[str, int] = {}
     joined: dict[str, int] = {}
     # Counted by the database per node and fabric report, and the rule asked
@@ -214,11 +217,11 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
         source.fill(families, now)
     node_state, heartbeat_age, imex_up = f["node_state"].rows, f["heartbeat_age"].rows, f["imex_up"].rows
     gpus, allocated, nvlink_joined = f["gpus"].rows, f["allocated"].rows, f["nvlink_joined"].rows
-    for nid, state, last_seen, imex_state in nodes:
+    for nid, state, since, imex_state in nodes:
         labels = (nid,)
         node_state.append(((nid, state), 1.0))
-        if last_seen is not None:
-            heartbeat_age.append((labels, max((now - last_seen).total_seconds(), 0.0)))
+        if since is not None:
+            heartbeat_age.append((labels, max(since.total_seconds(), 0.0)))
         if imex_state:
             imex_up.append((labels, 1.0 if gpu_rules.imex_up(imex_state) else 0.0))
         gpus.append((labels, float(cards.get(nid, 0))))
