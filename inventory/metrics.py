@@ -190,8 +190,8 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     doctor_at, results = doctor_refresh.for_scrape(now=now)
     # The database subtracts: Django reads a timestamp through a pure-Python loader (a third
     # of a scrape's Python time at 10,000 nodes), an interval in C, to the same microsecond.
-    since = Value(now, output_field=DateTimeField()) - F("last_seen")
-    nodes = Node.objects.order_by("id").annotate(since=since).values_list("id", "state", "since", "imex_state")
+    elapsed = Value(now, output_field=DateTimeField()) - F("last_seen")
+    nodes = Node.objects.order_by("id").annotate(since=elapsed).values_list("id", "state", "since", "imex_state")
     cards: dict[str, int] = {}
     joined: dict[str, int] = {}
     # Counted by the database per node and fabric report, and the rule asked
