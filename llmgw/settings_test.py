@@ -11,8 +11,8 @@ os.environ.setdefault("REDIS_URL", "redis://127.0.0.1:6379/15")
 os.environ.setdefault("CELERY_BROKER_URL", "memory://")
 os.environ.setdefault("SECRET_KEY", "llmgw-test-key")
 os.environ.setdefault("LLMGW_CACHE_PREFIX", "llmgw-test")
-# A pool waits this long for a database that is not there (`make test`'s
-# makemigrations check runs where only the test database exists).
+# A request waits at most this long for a pooled connection (30 s otherwise):
+# a test that cannot get one fails sooner.
 os.environ.setdefault("DATABASE_POOL_TIMEOUT", "10")
 # The test client and the test servers scrape from loopback (tests/inventory/test_metrics.py checks the refusals).
 os.environ.setdefault("LLMGW_METRICS_ALLOW", "127.0.0.1/32,::1/128")

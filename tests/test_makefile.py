@@ -1,5 +1,6 @@
 """The Makefile's install stamp: redone when the requirements change, and
-never left behind by an install whose modules do not import."""
+never left behind by an install whose modules do not import; and `make test`'s
+migrations check, quiet before any database exists."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import shutil
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -73,3 +75,34 @@ def test_an_install_whose_modules_do_not_import_is_not_marked_done(project):
     # Running it again tries again, rather than trusting a stamp.
     second = make(project, "-n", STAMP)
     assert "pip install --quiet -r requirements.txt" in second.stdout
+
+
+def migrations_check(**variables: str) -> str:
+    """`make test`'s makemigrations line, as make expands it (with any make variables given)."""
+    dry = subprocess.run(
+        ["make", "-n", "test", *(f"{k}={v}" for k, v in variables.items())],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    (line,) = [line for line in dry.stdout.splitlines() if "manage.py makemigrations --check" in line]
+    return line
+
+
+def test_the_migrations_check_is_quiet_where_no_database_exists_yet():
+    # As on a fresh `make test`: the configured database is absent until pytest creates its own.
+    env = clean_env(DATABASE_URL=f"postgres://postgres@127.0.0.1:5432/llmgw_absent_{uuid.uuid4().hex[:8]}")
+    run = subprocess.run(
+        ["bash", "-c", migrations_check()], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "No changes detected"
+    assert "does not exist" not in run.stderr and "Warning" not in run.stderr, run.stderr
+    # A server that does not answer is still said (and the check of the files still passes).
+    unreachable = migrations_check(MIGRATIONS_CHECK_DB="postgres://postgres@127.0.0.1:1/postgres")
+    run = subprocess.run(["bash", "-c", unreachable], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "Got an error checking a consistent migration history" in run.stderr
