@@ -494,20 +494,28 @@ def _silence(loop: Loop, dep: int, replicas: int, silent_n: int, timeout: float)
 
 
 def _scrape(loop: Loop) -> Iterator[str]:
-    """/metrics, BENCH_FLEET_SCRAPES times; then the memory of every process."""
+    """/metrics, BENCH_FLEET_SCRAPES times (once when the budget is spent); then the memory of every process."""
     times, size = [], 0
-    for _ in range(int(_env("BENCH_FLEET_SCRAPES", 3))):
+    for k in range(int(_env("BENCH_FLEET_SCRAPES", 3))):
+        if k and loop.left(1) <= 0:
+            break
         t0 = time.perf_counter()
-        r = httpx.get(f"{loop.url}/metrics", headers={"Authorization": f"Bearer {loop.metrics_token}"}, timeout=120)
+        try:
+            r = httpx.get(f"{loop.url}/metrics", headers={"Authorization": f"Bearer {loop.metrics_token}"},
+                          timeout=max(30.0, loop.left(120)))  # fmt: skip
+        except httpx.TimeoutException:
+            yield f"/metrics: no answer within {time.perf_counter() - t0:.0f} s"
+            break
         times.append(time.perf_counter() - t0)
         size = len(r.content)
         if r.status_code != 200:
             yield f"/metrics: HTTP {r.status_code}"
             break
-    yield (
-        f"/metrics: median {statistics.median(times):.2f} s (min {min(times):.2f}, max {max(times):.2f}, "
-        f"{len(times)} scrapes), {size / 1e6:.1f} MB"
-    )
+    if times:
+        yield (
+            f"/metrics: median {statistics.median(times):.2f} s (min {min(times):.2f}, max {max(times):.2f}, "
+            f"{len(times)} scrapes), {size / 1e6:.1f} MB"
+        )
     yield "  memory at the end: " + "; ".join(loop.memory())
 
 
