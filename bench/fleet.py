@@ -20,6 +20,12 @@ BENCH_FLEET_PROCS processes) against them. Phases:
    and BENCH_FLEET_LOST_AFTER, sweep and reconcile every BENCH_FLEET_TICK s);
 5. a scrape of /metrics: time and size.
 
+The phases share a budget of BENCH_FLEET_BUDGET seconds (840, from the first
+node's start): each waits at most what its own timeout and the budget allow,
+and a phase that runs out says how far it got instead of waiting on (the join
+storm is bounded by BENCH_FLEET_JOIN_TIMEOUT, 300 s). BENCH_FLEET_REPLICAS=0
+skips the scale-up and the silent nodes, BENCH_FLEET_SILENT=0 the latter.
+
 Everything runs on the same cores as the server (the fleet, the worker, the
 database), so the figures are those of the whole loop sharing one machine.
 Redis's CPU is what the whole Redis server used, whoever asked.
@@ -145,6 +151,11 @@ class Loop:
         self.fleet: list[subprocess.Popen] = []
         self.control = work / "control.json"
         self.token_file = work / "join-token"
+        self.deadline = float("inf")
+
+    def left(self, timeout: float) -> float:
+        """`timeout`, or less when the phases' budget ends sooner (never below zero)."""
+        return max(0.0, min(timeout, self.deadline - time.monotonic()))
 
     # --- processes ----------------------------------------------------------
 
@@ -334,8 +345,11 @@ def _phases(loop: Loop) -> Iterator[str]:
     )
     # 1. Join storm.
     t0 = time.monotonic()
+    budget = _env("BENCH_FLEET_BUDGET", 840)
+    loop.deadline = t0 + budget
     loop.start_fleet()
-    loop.within(lambda: loop.stats()["registered"] >= n, _env("BENCH_FLEET_JOIN_TIMEOUT", max(120, n / 5)), poll=0.5)
+    join_timeout = loop.left(_env("BENCH_FLEET_JOIN_TIMEOUT", 300))
+    loop.within(lambda: loop.stats()["registered"] >= n, join_timeout, poll=0.5)
     joined = time.monotonic() - t0
     s = loop.stats()
     in_db = loop.sql("SELECT count(*) FROM inventory_node")[0][0]
@@ -346,9 +360,11 @@ def _phases(loop: Loop) -> Iterator[str]:
         f"refusals {s['register_refused'] or 'none'}; transport errors {s['unreachable']}; "
         f"never let in: {n - min(n, in_db)}"
     )
+    if s["registered"] < n:
+        yield f"  the join storm was cut at {join_timeout:.0f} s: the steady state below has nodes still joining"
     # 2. Steady state: one interval to settle, then measure.
     time.sleep(loop.interval * 1.5)
-    seconds = _env("BENCH_FLEET_SECONDS", 30)
+    seconds = max(1.0, loop.left(_env("BENCH_FLEET_SECONDS", 30)))
     s0, c0, w0 = loop.stats(), loop.cpu(), time.monotonic()
     time.sleep(seconds)
     s1, c1, w1 = loop.stats(), loop.cpu(), time.monotonic()
@@ -375,6 +391,11 @@ def _phases(loop: Loop) -> Iterator[str]:
     yield "  memory: " + "; ".join(loop.memory())
     # 3. Scale-up.
     replicas = int(_env("BENCH_FLEET_REPLICAS", min(1000, n)))
+    if replicas <= 0 or loop.left(budget) <= 0:
+        why = "BENCH_FLEET_REPLICAS=0" if replicas <= 0 else f"the budget of {budget:g} s was spent"
+        yield f"scale-up and silent nodes skipped: {why}"
+        yield from _scrape(loop)
+        return
     t0 = time.monotonic()
     spec = json.dumps({"replicas": replicas})
     made = subprocess.run([sys.executable, "-c", _CREATE], cwd=ROOT, env=loop.env, input=spec,
@@ -385,9 +406,12 @@ def _phases(loop: Loop) -> Iterator[str]:
     count = "SELECT count(*) FROM placement_replica WHERE deployment_id = %s AND state = ANY(%s)"
     timeout = _env("BENCH_FLEET_SCALE_TIMEOUT", max(300, replicas / 2))
     placed = ready = None
-    if loop.within(lambda: loop.sql(count, [dep, ["starting", "ready"]])[0][0] >= replicas, timeout) is not None:
+    if (
+        loop.within(lambda: loop.sql(count, [dep, ["starting", "ready"]])[0][0] >= replicas, loop.left(timeout))
+        is not None
+    ):
         placed = time.time() - float(committed)
-        if loop.within(lambda: loop.sql(count, [dep, ["ready"]])[0][0] >= replicas, timeout) is not None:
+        if loop.within(lambda: loop.sql(count, [dep, ["ready"]])[0][0] >= replicas, loop.left(timeout)) is not None:
             ready = time.time() - float(committed)
     cut_short = loop.log_count("worker.log", "SoftTimeLimitExceeded")
     limits = f"; {cut_short} reconcile pass(es) cut at the task's soft time limit" if cut_short else ""
@@ -410,7 +434,9 @@ def _phases(loop: Loop) -> Iterator[str]:
     )
     # 4. Nodes going silent at once.
     silent_n = int(_env("BENCH_FLEET_SILENT", 50))
-    if silent_n:
+    if silent_n and loop.left(budget) <= 0:
+        yield f"silent nodes skipped: the budget of {budget:g} s was spent"
+    elif silent_n:
         yield _silence(loop, dep, replicas, silent_n, timeout)
     yield from _scrape(loop)
 
@@ -440,12 +466,14 @@ def _silence(loop: Loop, dep: int, replicas: int, silent_n: int, timeout: float)
         f"{loop.tick:g} s)"
     )
     try:
-        unreach = loop.within(lambda: loop.sql(states, [victims, ["unreachable", "lost"]])[0][0] >= len(victims), wait)
+        unreach = loop.within(
+            lambda: loop.sql(states, [victims, ["unreachable", "lost"]])[0][0] >= len(victims), loop.left(wait)
+        )
         if unreach is None:
-            return f"{head}: not all unreachable after {wait:g} s"
-        lost = loop.within(lambda: loop.sql(states, [victims, ["lost"]])[0][0] >= len(victims), wait)
+            return f"{head}: not all unreachable within the wait (or the budget was spent)"
+        lost = loop.within(lambda: loop.sql(states, [victims, ["lost"]])[0][0] >= len(victims), loop.left(wait))
         if lost is None:
-            return f"{head}: not all lost after {wait:g} s"
+            return f"{head}: not all lost within the wait (or the budget was spent)"
         verdicts = loop.sql(
             "SELECT min(at), max(at) FROM inventory_nodeevent WHERE node_id = ANY(%s) AND kind = 'lost'", [victims]
         )[0]
@@ -453,9 +481,9 @@ def _silence(loop: Loop, dep: int, replicas: int, silent_n: int, timeout: float)
             "SELECT count(*) FROM placement_replica r WHERE r.deployment_id = %s AND r.state = 'ready' AND NOT EXISTS "
             "(SELECT 1 FROM placement_shard s WHERE s.replica_id = r.id AND s.node_id = ANY(%s))"
         )
-        back = loop.within(lambda: loop.sql(elsewhere, [dep, victims])[0][0] >= replicas, timeout)
+        back = loop.within(lambda: loop.sql(elsewhere, [dep, victims])[0][0] >= replicas, loop.left(timeout))
         spread = (verdicts[1] - verdicts[0]).total_seconds() if verdicts[0] else 0.0
-        tail = f"{back:.1f} s after" if back is not None else f"not within {timeout:g} s of"
+        tail = f"{back:.1f} s after" if back is not None else "not within the wait (or the budget) after"
         return (
             f"{head}: all unreachable {unreach:.1f} s after the silence, all lost {unreach + lost:.1f} s "
             f"(verdicts spread over {spread:.1f} s), every replica ready elsewhere {tail} the last lost verdict "
@@ -466,20 +494,28 @@ def _silence(loop: Loop, dep: int, replicas: int, silent_n: int, timeout: float)
 
 
 def _scrape(loop: Loop) -> Iterator[str]:
-    """/metrics, BENCH_FLEET_SCRAPES times; then the memory of every process."""
+    """/metrics, BENCH_FLEET_SCRAPES times (once when the budget is spent); then the memory of every process."""
     times, size = [], 0
-    for _ in range(int(_env("BENCH_FLEET_SCRAPES", 3))):
+    for k in range(int(_env("BENCH_FLEET_SCRAPES", 3))):
+        if k and loop.left(1) <= 0:
+            break
         t0 = time.perf_counter()
-        r = httpx.get(f"{loop.url}/metrics", headers={"Authorization": f"Bearer {loop.metrics_token}"}, timeout=120)
+        try:
+            r = httpx.get(f"{loop.url}/metrics", headers={"Authorization": f"Bearer {loop.metrics_token}"},
+                          timeout=max(30.0, loop.left(120)))  # fmt: skip
+        except httpx.TimeoutException:
+            yield f"/metrics: no answer within {time.perf_counter() - t0:.0f} s"
+            break
         times.append(time.perf_counter() - t0)
         size = len(r.content)
         if r.status_code != 200:
             yield f"/metrics: HTTP {r.status_code}"
             break
-    yield (
-        f"/metrics: median {statistics.median(times):.2f} s (min {min(times):.2f}, max {max(times):.2f}, "
-        f"{len(times)} scrapes), {size / 1e6:.1f} MB"
-    )
+    if times:
+        yield (
+            f"/metrics: median {statistics.median(times):.2f} s (min {min(times):.2f}, max {max(times):.2f}, "
+            f"{len(times)} scrapes), {size / 1e6:.1f} MB"
+        )
     yield "  memory at the end: " + "; ".join(loop.memory())
 
 

@@ -3,6 +3,12 @@
 #   LLMGW_WEB_SERVER   granian (default) or gunicorn (with gunicorn.conf.py)
 #   WEB_CONCURRENCY    worker processes (default: one per core)
 #   LLMGW_WEB_THREADS  threads per worker running the WSGI application (default 4)
+#   DATABASE_POOL_MAX  default 0 here: persistent connections, one per thread
+# Both servers run a fixed number of threads, so persistent connections are
+# bounded (WEB_CONCURRENCY x LLMGW_WEB_THREADS) without the pool, whose
+# checkout check is a round trip to PostgreSQL before every request; the
+# persistent connection's check asks the socket instead (llmgw/db.py). On an
+# agent's lease, one small statement, that round trip was as much again.
 # Granian parses HTTP in Rust: on the agent heartbeat it costs the cores
 # about a sixth less than gunicorn's gthread workers (README: make bench).
 set -euo pipefail
@@ -13,6 +19,8 @@ PORT="${ADDR##*:}"
 PY="${PYTHON:-.venv/bin/python}"
 export WEB_CONCURRENCY="${WEB_CONCURRENCY:-$(nproc)}"
 export LLMGW_WEB_THREADS="${LLMGW_WEB_THREADS:-4}"
+export DATABASE_POOL_MAX="${DATABASE_POOL_MAX:-0}"
+export DATABASE_CONN_MAX_AGE="${DATABASE_CONN_MAX_AGE:-600}"
 case "${LLMGW_WEB_SERVER:-granian}" in
 granian)
     exec "$PY" -m granian --interface wsgi llmgw.wsgi:application --host "$HOST" --port "$PORT" \

@@ -74,3 +74,23 @@ def test_serve_script_runs_the_agent_fast_path(server):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [({}, "0 600"), ({"DATABASE_POOL_MAX": "4"}, "4 600"), ({"DATABASE_CONN_MAX_AGE": "60"}, "0 60")],
+)
+def test_serve_script_keeps_one_persistent_connection_per_thread_unless_told(tmp_path, given, expected):
+    # The server's fixed threads bound persistent connections; the pool's checkout check would cost
+    # every request a round trip to PostgreSQL. What the server process is started with, not run.
+    python = tmp_path / "python"
+    python.write_text('#!/bin/sh\necho "$DATABASE_POOL_MAX $DATABASE_CONN_MAX_AGE"\n')
+    python.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_POOL_MAX", "DATABASE_CONN_MAX_AGE")}
+    env.update(given, PYTHON=str(python))
+    for server in ("granian", "gunicorn"):
+        done = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "serve.sh"), "127.0.0.1:1"],
+            cwd=ROOT, env={**env, "LLMGW_WEB_SERVER": server}, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert (done.returncode, done.stdout.strip()) == (0, expected), done.stderr

@@ -169,3 +169,54 @@ def test_a_heartbeat_after_the_database_ended_the_connection_is_answered(app, jo
     status, _, body = call(fast, f"{AGENT_PREFIX}heartbeat", heartbeat_payload(at=2.0), token=credential, signals=True)
     assert status == 200, body
     assert _backend_pid() != pid
+
+
+def test_an_answer_goes_back_as_one_bytes_object_already_closed(app, joined):
+    # granian writes a list in one call; an iterator it walks from its own side, a GIL trip a chunk.
+    fast, _ = app
+    finished = []
+
+    def on_finished(**kwargs) -> None:
+        finished.append(True)
+
+    request_finished.connect(on_finished)
+    try:
+        started = []
+        data = json.dumps(heartbeat_payload(at=1.0)).encode()
+        environ = {
+            "REQUEST_METHOD": "POST", "PATH_INFO": f"{AGENT_PREFIX}heartbeat", "SCRIPT_NAME": "", "QUERY_STRING": "",
+            "SERVER_NAME": "127.0.0.1", "SERVER_PORT": "80", "SERVER_PROTOCOL": "HTTP/1.1", "HTTP_HOST": "127.0.0.1",
+            "CONTENT_TYPE": "application/json", "CONTENT_LENGTH": str(len(data)), "wsgi.input": io.BytesIO(data),
+            "wsgi.errors": io.StringIO(), "wsgi.url_scheme": "http", "HTTP_AUTHORIZATION": f"Bearer {joined}",
+        }  # fmt: skip
+        with _inside_test_transaction():
+            result = fast(environ, lambda status, headers, exc_info=None: started.append((status, headers)))
+        assert type(result) is list and len(result) == 1 and isinstance(result[0], bytes)
+        assert started[0][0] == "200 OK"
+        assert json.loads(result[0])["commands"] == []
+        # Closed before the server writes it: the request's connection handling has run.
+        assert finished == [True]
+    finally:
+        request_finished.disconnect(on_finished)
+
+
+def test_other_answers_are_bytes_too_and_streams_stay_streams():
+    from django.http import FileResponse, HttpResponse
+
+    def django_page(environ, start_response):
+        start_response("200 OK", [])
+        return HttpResponse(b"page", content_type="text/plain")
+
+    def django_file(environ, start_response):
+        start_response("200 OK", [])
+        return FileResponse(io.BytesIO(b"file"))
+
+    assert with_agent_fast_path(django_page)(_bare("/"), lambda *a: None) == [b"page"]
+    streamed = with_agent_fast_path(django_file)(_bare("/"), lambda *a: None)
+    assert isinstance(streamed, FileResponse)
+    assert b"".join(streamed) == b"file"
+    streamed.close()
+
+
+def _bare(path: str) -> dict:
+    return {"REQUEST_METHOD": "GET", "PATH_INFO": path, "wsgi.input": io.BytesIO(b"")}

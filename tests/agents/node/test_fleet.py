@@ -360,3 +360,21 @@ def test_fifty_virtual_nodes_against_a_real_control_plane(plane, settings):
         assert Node.objects.exclude(state="ready").get().id == victim
     finally:
         fleet.join()
+
+
+def test_a_steady_virtual_node_sends_leases_and_its_status_at_the_floor():
+    # What the fleet bench's share of leases rests on: recorded sensors are steady, so between
+    # statuses only a shard's state or a fault sends one, and the floor (60 s) one in twelve at 5 s.
+    from agents.node.status import STATUS_FLOOR_S
+
+    fleet = Fleet(control_plane="http://127.0.0.1:9", join_token="j", nodes=4, seed=1)
+    for node in fleet.nodes:
+        assert node.lease(100.0) is None  # leases not offered yet
+        node.leases, node.status = True, (100.0, node.status_key(100.0))
+        sent = [node.lease(100.0 + 5 * k) is not None for k in range(1, 13)]
+        assert sent == [True] * 11 + [False], node.profile.name
+        assert STATUS_FLOOR_S == 5 * 12
+        fleet.port_down(node.node_id, "mlx5_0")
+        assert node.lease(105.0) is None
+        fleet.port_down(node.node_id, "mlx5_0", down=False)
+        assert node.lease(105.0) is not None
