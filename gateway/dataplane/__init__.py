@@ -9,7 +9,8 @@ gateway process agrees.
 Streams are passed through chunk by chunk as they arrive. A client that
 disconnects cancels the upstream request at once (its connection is closed).
 A connection error or a 5xx before the first byte is retried once on another
-replica; once a byte has reached the client nothing is retried. A replica
+replica (a connection error on the same one when no other is left); once a
+byte has reached the client nothing is retried. A replica
 failing LLMGW_GATEWAY_EJECT_AFTER times in a row is ejected for
 LLMGW_GATEWAY_EJECT_FOR seconds.
 

@@ -62,7 +62,9 @@ class DataPlane(Background, Upstream, Relay):
     async def startup(self) -> None:
         """Open the pools, load the table, start the background loops."""
         self.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500, keepalive_expiry=30),
+            # Idle connections are let go before the engines' own keep-alive timeout (uvicorn's
+            # 5 s, vLLM's server) closes them under a request being sent.
+            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500, keepalive_expiry=4),
             timeout=httpx.Timeout(settings.LLMGW_GATEWAY_UPSTREAM_TIMEOUT, connect=5.0),
         )
         if settings.REDIS_URL:

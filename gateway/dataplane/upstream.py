@@ -80,6 +80,8 @@ class Upstream:
         rkey = routing.prefix_key(body)
         tried: set[str] = set()
         last = ""
+        # A replica whose connection failed before any answer, to be asked again if no other is left.
+        again: Backend | None = None
         for attempt in range(2):
             now = time.monotonic()
             if self.round_robin:
@@ -89,6 +91,10 @@ class Upstream:
                 backend = routing.choose(
                     route.backends, key=rkey, load=self.loads(route.backends), exclude=tried | self._ejected(now)
                 )
+            # A connection that failed before any answer is most often the connection's fault (a
+            # kept-alive one the engine closed, a full accept queue), not the replica's: with one
+            # replica, not asking it again made every such blip a 502 under load.
+            backend = backend or again
             if backend is None:
                 break
             tried.add(backend.id)
@@ -104,11 +110,13 @@ class Upstream:
                     response = await self.client.send(request, stream=True)
                 except httpx.TransportError as e:
                     self._failed(backend)
+                    again = backend if backend.id not in self._ejected(time.monotonic()) else None
                     last = f"replica {backend.id[:8]}: {type(e).__name__}"
                     self.metrics.retries.inc(1 - attempt)
                     continue
                 if response.status_code >= 500:
                     await response.aclose()
+                    again = None
                     self._failed(backend)
                     last = f"replica {backend.id[:8]}: HTTP {response.status_code}"
                     self.metrics.retries.inc(1 - attempt)
