@@ -394,4 +394,6 @@ def run() -> list[str]:
     lines = [f"{runs} runs; load average before: {os.getloadavg()[0]:.2f}"]
     for k, v in figures.items():
         lines.append(f"{k}: min {min(v):.3f} / median {statistics.median(v):.3f} / max {max(v):.3f}")
+    lines.extend(f"failed: {line}" for line in failures_report("all runs"))
+    lines.append(f"every process's output: {LOGS}")
     return lines
