@@ -119,10 +119,11 @@ def test_chat_streaming(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-def test_streams_are_chunked_on_a_connection_kept_alive_and_the_backlog_is_uvicorns(server):
+def test_streams_are_chunked_on_a_connection_kept_alive_and_the_socket_set_as_uvicorns(server):
     srv, url = server
     srv.ready_at = 0
     assert srv.request_queue_size == 2048
+    assert srv.RequestHandlerClass.disable_nagle_algorithm
     body = {"model": "demo", "stream": True, "prompt": "x y"}
     with httpx.Client(base_url=url) as c:
         first = c.post("/v1/completions", json=body)
