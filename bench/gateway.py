@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
@@ -83,22 +84,31 @@ def _env() -> dict[str, str]:
     return env
 
 
+# Every process the benchmarks start writes its output here (BENCH_LOGS), one file each,
+# so that a failed request can be read in the log of the front or replica that failed it.
+LOGS = Path(os.environ.get("BENCH_LOGS", str(ROOT / "var" / "bench-logs")))
+
+
 class Procs:
-    """The processes the benchmark starts, stopped together."""
+    """The processes the benchmark starts, stopped together; their output kept under LOGS."""
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        LOGS.mkdir(parents=True, exist_ok=True)
 
-    def start(self, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
-        p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)  # fmt: skip
+    def start(self, argv: list[str], env: dict[str, str], name: str = "") -> subprocess.Popen:
+        name = name or Path(argv[0]).name
+        log = open(LOGS / f"{time.strftime('%H%M%S')}-{name}-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        with log:
+            p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
         self.procs.append(p)
         return p
 
     def echo(self, env: dict[str, str], model: str, *flags: str) -> str:
         port = _free_port()
         self.start([sys.executable, "-m", "agents.node.echo", "--port", str(port), "--served-model-name", model,
-                    *flags], env)  # fmt: skip
+                    *flags], env, f"echo-{port}")  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         _wait(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200)
         return url
@@ -134,6 +144,24 @@ def _pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(p / 100 * len(s)))]
 
 
+def failure(response: httpx.Response | None, error: BaseException | None = None) -> str:
+    """What a failed request came to, in a line: its status and body's start, or the exception."""
+    if response is not None:
+        return f"HTTP {response.status_code}: {response.content[:160].decode('utf-8', 'replace')}"
+    return f"{type(error).__name__}: {str(error)[:160]}"
+
+
+# Every failed request of a run, by what it came to (printed by the benchmarks, then cleared).
+FAILURES: Counter[str] = Counter()
+
+
+def failures_report(what: str) -> list[str]:
+    """The failed requests recorded since the last report, most frequent first, as lines; clears them."""
+    lines = [f"{what}: {n} x {desc}" for desc, n in FAILURES.most_common(8)]
+    FAILURES.clear()
+    return lines
+
+
 async def _steady(url: str, key: str, model: str, rate: float, seconds: float, stream: bool) -> tuple[list[float], int]:
     """Offer `rate` requests a second for `seconds`; each request's latency (to its last byte) and the errors."""
     body = {"model": model, "messages": [{"role": "user", "content": "one two three four five six seven eight"}]}
@@ -153,9 +181,11 @@ async def _steady(url: str, key: str, model: str, rate: float, seconds: float, s
                 r = await client.post("/v1/chat/completions", content=data)
                 if r.status_code != 200 or (stream and not r.content.rstrip().endswith(b"[DONE]")):
                     errors += 1
+                    FAILURES[failure(r)] += 1
                     return
-            except httpx.HTTPError:
+            except httpx.HTTPError as e:
                 errors += 1
+                FAILURES[failure(None, e)] += 1
                 return
             lat.append(time.perf_counter() - t0)
 
@@ -364,4 +394,6 @@ def run() -> list[str]:
     lines = [f"{runs} runs; load average before: {os.getloadavg()[0]:.2f}"]
     for k, v in figures.items():
         lines.append(f"{k}: min {min(v):.3f} / median {statistics.median(v):.3f} / max {max(v):.3f}")
+    lines.extend(f"failed: {line}" for line in failures_report("all runs"))
+    lines.append(f"every process's output: {LOGS}")
     return lines

@@ -18,7 +18,9 @@ such and left out, and the others still run. Everything listens on loopback.
    "short,sessions") over 4 fresh echo replicas per front: prefix-cache hit
    ratio from the replicas' own counters, mean time to first token.
 Each part runs BENCH_PEERS_RUNS times (default 3): min / median / max, and
-llmgw's ratio to each peer. BENCH_PEERS (default "vllm-router,litellm") picks the peers.
+llmgw's ratio to each peer. BENCH_PEERS (default "vllm-router,litellm") picks the peers ("none": llmgw alone).
+Every failed request is reported with its status and body, or its exception,
+and every process's output is kept under BENCH_LOGS (var/bench-logs).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ import httpx
 
 from bench.gateway import (
     _SETUP,
+    FAILURES,
+    LOGS,
     ROOT,
     WORKLOADS,
     Procs,
@@ -51,6 +55,8 @@ from bench.gateway import (
     _steady,
     _wait,
     ceiling,
+    failure,
+    failures_report,
 )
 from bench.heartbeat import _free_port, _recreate_database
 
@@ -100,7 +106,7 @@ def _start_vllm_router(procs: Procs, exe: Path, urls: list[str], workdir: Path) 
     port = _free_port()
     procs.start([str(exe), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
                  "--worker-urls", *urls, "--log-level", "error", "--prometheus-port", str(_free_port())],
-                _peer_env())  # fmt: skip
+                _peer_env(), f"vllm-router-{port}")  # fmt: skip
     return f"http://127.0.0.1:{port}"
 
 
@@ -114,7 +120,7 @@ def _start_litellm(procs: Procs, exe: Path, urls: list[str], workdir: Path, mode
     port = _free_port()
     # It refuses to start without a master key (the key its clients then send).
     procs.start([str(exe), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-                 "--num_workers", "1"], {**_peer_env(), "LITELLM_MASTER_KEY": key})  # fmt: skip
+                 "--num_workers", "1"], {**_peer_env(), "LITELLM_MASTER_KEY": key}, f"litellm-{port}")  # fmt: skip
     return f"http://127.0.0.1:{port}"
 
 
@@ -128,7 +134,8 @@ def _fronts(
                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     for policy in policies:
         port = _free_port()
-        procs.start(["bash", "scripts/gateway.sh", f"127.0.0.1:{port}"], {**env, "LLMGW_GATEWAY_POLICY": policy})
+        procs.start(["bash", "scripts/gateway.sh", f"127.0.0.1:{port}"], {**env, "LLMGW_GATEWAY_POLICY": policy},
+                    f"llmgw-{policy}-{port}")  # fmt: skip
         out["llmgw" if policy == "prefix" else f"llmgw {policy}"] = (f"http://127.0.0.1:{port}", key)
     if "vllm-router" in peers:
         out["vllm-router"] = (_start_vllm_router(procs, peers["vllm-router"], urls, workdir), key)
@@ -169,8 +176,11 @@ async def _closed(url: str, key: str, model: str, clients: int, seconds: float) 
                 try:
                     r = await client.post("/v1/chat/completions", json=body)
                     ok = r.status_code == 200 and r.content.rstrip().endswith(b"[DONE]")
-                except httpx.HTTPError:
+                    if not ok:
+                        FAILURES[failure(r)] += 1
+                except httpx.HTTPError as e:
                     ok = False
+                    FAILURES[failure(None, e)] += 1
                 done += ok
                 errors += not ok
 
@@ -213,6 +223,7 @@ def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir
             out[f"{name}: errors, {kind}"] = [float(e2)]
             out[f"direct: errors, {kind}"] = out.get(f"direct: errors, {kind}", [0.0])
             out[f"direct: errors, {kind}"][0] += e1
+            _note(f"{name} and direct, {kind} at {rate:g}/s")
     for name, (url, key) in fronts.items():
         held = 0.0
         for step in STEPS:
@@ -220,11 +231,13 @@ def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir
             if errors or _pct(lat, 99) > 0.050:
                 break
             held = float(step)
+        _note(f"{name}, stepping up streamed")
         out[f"{name}: highest streamed rate with p99 < 50 ms, req/s"] = [held]
         clients = int(os.environ.get("BENCH_PEERS_CLIENTS", 64))
         rate_done, errors = _bounded(_closed(url, key, "bench", clients, seconds), seconds + 60, (0.0, clients))
         out[f"{name}: throughput, {clients} clients streaming back to back, req/s"] = [rate_done]
         out[f"{name}: errors, back to back"] = [float(errors)]
+        _note(f"{name}, back to back")
     procs.stop()
     return out
 
@@ -252,6 +265,7 @@ def _routing(
             statistics.fmean(ttft) * 1000 if ttft else float("nan")
         ]
         out[f"{w.name}, {name}: errors"] = [float(errors)]
+        _note(f"{w.name}, {name}")
         procs.stop()
     out[f"{w.name}, ceiling (one replica, unbounded cache): prefix-cache hit ratio"] = [ceiling(w, seed)]
     return out
@@ -274,6 +288,17 @@ def _ratios(figures: dict[str, list[float]], peers: list[str]) -> list[str]:
     return lines
 
 
+# Each failed request, by phase and what it came to (status and body, or exception), for the report.
+NOTES: list[str] = []
+
+
+def _note(phase: str) -> None:
+    lines = failures_report(phase)
+    for line in lines:
+        print(f"   failed: {line}", flush=True)
+    NOTES.extend(lines)
+
+
 def _keep(loads: list[float], figures: dict[str, list[float]]) -> None:
     # What the parts so far measured, kept should a later one not finish.
     (PEERS_DIR / "figures.json").write_text(json.dumps({"load": loads, "figures": figures}, indent=1))
@@ -286,7 +311,8 @@ def run() -> list[str]:
     workloads = [WORKLOADS[n] for n in os.environ.get("BENCH_PEERS_WORKLOADS", "short,sessions").split(",")]
     lines: list[str] = []
     peers: dict[str, Path] = {}
-    for name in os.environ.get("BENCH_PEERS", ",".join(PEERS)).split(","):
+    # BENCH_PEERS=none (or empty): llmgw alone.
+    for name in filter(None, os.environ.get("BENCH_PEERS", ",".join(PEERS)).replace("none", "").split(",")):
         exe, why = install(name)
         lines.append(f"{name}: {why}")
         if exe is not None:
@@ -315,4 +341,6 @@ def run() -> list[str]:
     for k, v in figures.items():
         lines.append(f"{k}: min {min(v):.3f} / median {statistics.median(v):.3f} / max {max(v):.3f}")
     lines.extend(_ratios(figures, list(peers)))
+    lines.extend(f"failed: {n}" for n in NOTES)
+    lines.append(f"every process's output: {LOGS}")
     return lines

@@ -79,6 +79,10 @@ class EchoServer(ThreadingHTTPServer):
     """The HTTP server with the engine's state."""
 
     daemon_threads = True
+    # The listen backlog of uvicorn, which vLLM serves with. socketserver's
+    # default of 5 made the engine reset connections whenever a few dozen
+    # clients connected at once: a failure of the stand-in, not of a router.
+    request_queue_size = 2048
 
     def __init__(
         self,
@@ -92,6 +96,7 @@ class EchoServer(ThreadingHTTPServer):
         block_tokens: int = 16,
         cache_blocks: int = 2048,
         max_batch: int = 0,
+        drop_first: int = 0,
     ) -> None:
         super().__init__(addr, Handler)
         self.cache = PrefixCache(block_tokens, cache_blocks)
@@ -109,6 +114,10 @@ class EchoServer(ThreadingHTTPServer):
         self.token_seconds = max(0.0, token_seconds)
         # Fault injection: drop the connection after this many streamed tokens (0: never).
         self.break_after_tokens = break_after_tokens
+        # Fault injection: close the connection of the first this many completions
+        # without an answer, as an engine whose accept queue overflowed does.
+        self.drop_first = drop_first
+        self.dropped = 0
         self._lock = threading.Lock()
         # What a test or a router can ask of it afterwards.
         self.served = 0
@@ -153,7 +162,7 @@ class EchoServer(ThreadingHTTPServer):
             self.batch.release()
 
     def count(self, name: str, delta: int = 1) -> None:
-        """Add to one of the counters (served, cancelled, in_flight) under the lock."""
+        """Add to one of the counters (served, cancelled, in_flight, dropped) under the lock."""
         with self._lock:
             setattr(self, name, getattr(self, name) + delta)
 
@@ -190,6 +199,9 @@ class Handler(BaseHTTPRequestHandler):
 
     server: EchoServer
     protocol_version = "HTTP/1.1"
+    # TCP_NODELAY, as uvicorn sets: an answer's body written after its head otherwise
+    # waited for the client's delayed ACK, 40 ms on every kept-alive request.
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt: str, *args: Any) -> None:
         sys.stderr.write(f"echo: {self.address_string()} {fmt % args}\n")
@@ -287,6 +299,11 @@ class Handler(BaseHTTPRequestHandler):
         body = self._body()
         if body is None:
             return None
+        if self.server.dropped < self.server.drop_first:
+            self.server.count("dropped")
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return None
         if not self.server.ready():
             return self._error(503, "model is loading", kind="service_unavailable")
         model = body.get("model", self.server.model)
@@ -350,12 +367,12 @@ class Handler(BaseHTTPRequestHandler):
         return None
 
     def _stream(self, ident: str, words: list[str], *, chat: bool, finish: str, usage: dict | None) -> None:
+        # Chunked, on a connection kept alive for the next request, as vLLM (uvicorn) answers.
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
+        self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
-        self.close_connection = True
         obj = "chat.completion.chunk" if chat else "text_completion"
         created = int(time.time())
 
@@ -372,37 +389,43 @@ class Handler(BaseHTTPRequestHandler):
             msg = {"id": ident, "object": obj, "created": created, "model": self.server.model, "choices": [choice]}
             return f"data: {json.dumps(msg)}\n\n".encode()
 
+        def write(data: bytes) -> None:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
         try:
             if chat:
-                self.wfile.write(chunk(None, None, first=True))
+                write(chunk(None, None, first=True))
             for i, w in enumerate(words):
                 if self.server.break_after_tokens and i >= self.server.break_after_tokens:
                     # The engine dies mid-answer: the connection drops without an end.
                     self.wfile.flush()
+                    self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
                 if self.server.token_seconds:
                     time.sleep(self.server.token_seconds)
-                self.wfile.write(chunk(w if i == 0 else " " + w, None))
+                write(chunk(w if i == 0 else " " + w, None))
                 self.wfile.flush()
-            self.wfile.write(chunk(None if chat else "", finish))
+            write(chunk(None if chat else "", finish))
             if usage is not None:
                 last = {"id": ident, "object": obj, "created": created, "model": self.server.model}
                 last.update({"choices": [], "usage": usage})
-                self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
-            self.wfile.write(b"data: [DONE]\n\n")
+                write(f"data: {json.dumps(last)}\n\n".encode())
+            write(b"data: [DONE]\n\n")
+            self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
             self.server.count("served")
         except (BrokenPipeError, ConnectionResetError):
             # The client went away: a real engine aborts the request here.
+            self.close_connection = True
             self.server.count("cancelled")
 
 
 def serve(*, host: str, port: int, model: str, load_seconds: float, **options: Any) -> EchoServer:
     """Start an echo server in a background thread (for tests); stop it with .shutdown().
 
-    `options`: token_seconds, break_after_tokens, prefill_tokens_per_s, block_tokens,
-    cache_blocks, max_batch (see EchoServer). Unlike the command line, the
+    `options`: token_seconds, break_after_tokens, drop_first, prefill_tokens_per_s,
+    block_tokens, cache_blocks, max_batch (see EchoServer). Unlike the command line, the
     defaults here cost no time.
     """
     server = EchoServer((host, port), model=model, load_seconds=load_seconds, **options)

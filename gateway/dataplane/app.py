@@ -25,6 +25,7 @@ from gateway.dataplane.background import Background
 from gateway.dataplane.http import ClientGone, Receive, Scope, Send, error_body, send_json, send_raw
 from gateway.dataplane.limits import Limiter
 from gateway.dataplane.metrics import Metrics
+from gateway.dataplane.pool import Pool
 from gateway.dataplane.streaming import Outcome, Relay
 from gateway.dataplane.upstream import Health, Upstream
 from gateway.enginemetrics import EngineLoad
@@ -50,6 +51,14 @@ class DataPlane(Background, Upstream, Relay):
         self.metrics = Metrics()
         self.process_id = uuid.uuid4().hex[:12]
         self.client: httpx.AsyncClient | None = None
+        # Requests to the replicas. Idle connections are let go before the engines' own
+        # keep-alive timeout (uvicorn's 5 s, vLLM's server) closes them under a request.
+        self.pool = Pool(
+            connect_timeout=5.0,
+            read_timeout=settings.LLMGW_GATEWAY_UPSTREAM_TIMEOUT,
+            keepalive_expiry=4.0,
+            max_idle=500,
+        )
         self.redis: aioredis.Redis | None = None
         self.limiter = Limiter(None, settings.LLMGW_CACHE_PREFIX)
         self.usage = usage.Accumulator()
@@ -61,10 +70,8 @@ class DataPlane(Background, Upstream, Relay):
 
     async def startup(self) -> None:
         """Open the pools, load the table, start the background loops."""
-        self.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=2000, max_keepalive_connections=500, keepalive_expiry=30),
-            timeout=httpx.Timeout(settings.LLMGW_GATEWAY_UPSTREAM_TIMEOUT, connect=5.0),
-        )
+        # The engines' figures, read once a second.
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.LLMGW_GATEWAY_UPSTREAM_TIMEOUT, connect=5.0))
         if settings.REDIS_URL:
             self.redis = aioredis.Redis.from_url(settings.REDIS_URL)
             self.limiter.redis = self.redis
@@ -94,6 +101,7 @@ class DataPlane(Background, Upstream, Relay):
             await self._flush_usage(asyncio.get_running_loop())
         if self.client is not None:
             await self.client.aclose()
+        await self.pool.aclose()
         if self.redis is not None:
             with contextlib.suppress(Exception):
                 await placement_inflight.report_async(self.redis, self.process_id, None)

@@ -10,9 +10,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from gateway.dataplane.http import ClientGone, Receive, Send
+from gateway.dataplane.pool import Response
 from gateway.table import Backend
 
 
@@ -44,7 +43,7 @@ class Relay:
         self,
         receive: Receive,
         send: Send,
-        response: httpx.Response,
+        response: Response,
         backend: Backend,
         started: float,
         settle: Callable[[Outcome], Awaitable[None]] | None,
@@ -73,7 +72,7 @@ class Relay:
             if message["type"] == "http.disconnect":
                 return
 
-    async def _pump(self, send: Send, response: httpx.Response, backend: Backend, out: Outcome, started: float) -> None:
+    async def _pump(self, send: Send, response: Response, backend: Backend, out: Outcome, started: float) -> None:
         headers = [(b"x-llmgw-replica", backend.id.encode())]
         ctype = response.headers.get("content-type", "application/json")
         headers.append((b"content-type", ctype.encode()))

@@ -8,16 +8,18 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import httpx
 from django.conf import settings
 
 from gateway import routing
 from gateway.dataplane.http import Receive, Send, error_body, send_raw
 from gateway.dataplane.metrics import Metrics
+from gateway.dataplane.pool import Pool, UpstreamError
 from gateway.dataplane.streaming import Outcome
 from gateway.table import Backend, ModelRoute
 
 log = logging.getLogger("gateway.dataplane")
+
+HEADERS = b"Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
 
 
 @dataclass
@@ -31,7 +33,7 @@ class Health:
 class Upstream:
     """The data plane's forwarding half. Its state (client, health, in-flight counts) is the DataPlane's."""
 
-    client: httpx.AsyncClient | None
+    pool: Pool
     health: dict[str, Health]
     inflight: dict[str, int]
     metrics: Metrics
@@ -69,7 +71,6 @@ class Upstream:
         settle: Callable[[Outcome], Awaitable[None]] | None = None,
     ) -> Outcome:
         """Send the request to a replica, once more to another on a failure before the first byte, and relay."""
-        assert self.client is not None
         stream = bool(body.get("stream"))
         if stream and path != "/v1/embeddings":
             opts = body.get("stream_options")
@@ -80,6 +81,8 @@ class Upstream:
         rkey = routing.prefix_key(body)
         tried: set[str] = set()
         last = ""
+        # A replica whose connection failed before any answer, to be asked again if no other is left.
+        again: Backend | None = None
         for attempt in range(2):
             now = time.monotonic()
             if self.round_robin:
@@ -89,26 +92,26 @@ class Upstream:
                 backend = routing.choose(
                     route.backends, key=rkey, load=self.loads(route.backends), exclude=tried | self._ejected(now)
                 )
+            # A connection that failed before any answer is most often the connection's fault (a
+            # kept-alive one the engine closed, a full accept queue), not the replica's: with one
+            # replica, not asking it again made every such blip a 502 under load.
+            backend = backend or again
             if backend is None:
                 break
             tried.add(backend.id)
             self.inflight[backend.id] += 1
             try:
-                request = self.client.build_request(
-                    "POST",
-                    backend.endpoint + path,
-                    content=raw,
-                    headers={"content-type": "application/json", "accept": "application/json, text/event-stream"},
-                )
                 try:
-                    response = await self.client.send(request, stream=True)
-                except httpx.TransportError as e:
+                    response = await self.pool.post(backend.endpoint + path, raw, HEADERS)
+                except UpstreamError as e:
                     self._failed(backend)
-                    last = f"replica {backend.id[:8]}: {type(e).__name__}"
+                    again = backend if backend.id not in self._ejected(time.monotonic()) else None
+                    last = f"replica {backend.id[:8]}: {e}"
                     self.metrics.retries.inc(1 - attempt)
                     continue
                 if response.status_code >= 500:
                     await response.aclose()
+                    again = None
                     self._failed(backend)
                     last = f"replica {backend.id[:8]}: HTTP {response.status_code}"
                     self.metrics.retries.inc(1 - attempt)

@@ -204,6 +204,20 @@ def test_connection_refused_is_retried(gateway, echoes, user):
     assert good.served == 6
 
 
+def test_a_connection_dropped_before_the_answer_is_asked_again_of_the_only_replica(gateway, echoes, user):
+    # As an engine resets a connection when its accept queue overflows under load.
+    only = echoes(drop_first=1)
+    (rep,) = make_deployment("demo", [url_of(only)])
+    key = make_key(user)
+    gateway.wait_ready(key, "demo", 1)
+    with gateway.client(key) as c:
+        r = c.post("/v1/chat/completions", json=chat("one two three", stream=True))
+    assert r.status_code == 200, r.text
+    assert r.headers["x-llmgw-replica"] == str(rep.id)
+    assert r.text.rstrip().endswith("data: [DONE]")
+    assert (only.dropped, only.served) == (1, 1)
+
+
 def _prompt_for(replicas, target, body_of):
     """A body whose routing key sends it to `target` (the gateway's own pure choice, with nothing in flight)."""
     backends = [Backend(str(r.id), r.endpoint, "echo", "", "demo") for r in replicas]

@@ -119,6 +119,35 @@ def test_chat_streaming(server):
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+def test_streams_are_chunked_on_a_connection_kept_alive_and_the_socket_set_as_uvicorns(server):
+    srv, url = server
+    srv.ready_at = 0
+    assert srv.request_queue_size == 2048
+    assert srv.RequestHandlerClass.disable_nagle_algorithm
+    body = {"model": "demo", "stream": True, "prompt": "x y"}
+    with httpx.Client(base_url=url) as c:
+        first = c.post("/v1/completions", json=body)
+        peer = first.extensions["network_stream"].get_extra_info("client_addr")
+        second = c.post("/v1/completions", json=body)
+        assert second.extensions["network_stream"].get_extra_info("client_addr") == peer
+    assert first.headers["transfer-encoding"] == "chunked"
+    assert "connection" not in first.headers
+    assert _events(second.text)[-1] == "[DONE]"
+
+
+def test_dropped_requests_get_no_answer_then_the_rest_are_served():
+    srv = echo.serve(host="127.0.0.1", port=0, model="demo", load_seconds=0, drop_first=1)
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}/v1/completions"
+        with pytest.raises(httpx.RemoteProtocolError):
+            httpx.post(url, json={"model": "demo", "prompt": "x"})
+        assert httpx.post(url, json={"model": "demo", "prompt": "x"}).json()["choices"][0]["text"] == "x"
+        assert (srv.dropped, srv.served) == (1, 1)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_completion_streaming(server):
     srv, url = server
     srv.ready_at = 0

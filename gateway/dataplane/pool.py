@@ -1,0 +1,210 @@
+"""The data plane's connections to replicas: HTTP/1.1 over asyncio streams, kept alive per replica.
+
+A request takes the connection its replica used last (LIFO) in constant time;
+one the engine has closed is seen from the event loop (its end of stream
+arrived) without a system call. httpx's pool, used before, looked at every
+pooled connection on each request and on each answer's end (a poll and a
+getpeername each, and a count of the idle ones for each idle one): with 64
+clients streaming that was most of the gateway's time per request.
+
+Only what the data plane needs: POST with a body, answers framed by
+Content-Length, chunks or the connection's end, read as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+READ_SIZE = 65536
+# The most an answer's status line and headers may take.
+HEAD_LIMIT = 64 * 1024
+
+
+class UpstreamError(Exception):
+    """The connection to a replica failed: refused, timed out, reset or closed mid-answer, or spoke no HTTP."""
+
+
+class _Conn:
+    __slots__ = ("idle_since", "reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer, self.idle_since = reader, writer, 0.0
+
+    def usable(self, now: float, expiry: float) -> bool:
+        return not self.reader.at_eof() and not self.writer.is_closing() and now - self.idle_since < expiry
+
+
+class Response:
+    """A replica's answer: its status and headers (lower-case names), the body read as it arrives."""
+
+    def __init__(self, pool: Pool, origin: tuple, conn: _Conn, status: int, headers: dict[str, str], keep: bool):
+        self.status_code = status
+        self.headers = headers
+        self._pool, self._origin, self._conn = pool, origin, conn
+        self._keep = keep
+        self._done = False
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's bytes as they arrive (chunked framing removed); UpstreamError if it breaks off."""
+        try:
+            if self.headers.get("transfer-encoding", "").lower() == "chunked":
+                async for data in self._chunked():
+                    yield data
+            elif "content-length" in self.headers:
+                left = int(self.headers["content-length"])
+                while left > 0:
+                    data = await self._read(min(left, READ_SIZE))
+                    if not data:
+                        raise UpstreamError("the replica closed the connection mid-answer")
+                    left -= len(data)
+                    yield data
+            else:
+                self._keep = False
+                while data := await self._read(READ_SIZE):
+                    yield data
+        except (OSError, asyncio.IncompleteReadError, ValueError) as e:
+            raise UpstreamError(f"{type(e).__name__}: {e}") from e
+        self._done = True
+
+    async def _read(self, n: int) -> bytes:
+        async with asyncio.timeout(self._pool.read_timeout):
+            return await self._conn.reader.read(n)
+
+    async def _chunked(self) -> AsyncIterator[bytes]:
+        # Every complete chunk in what has arrived goes out at once: one send to the client, not one per chunk.
+        buf = b""
+        while True:
+            out = []
+            while (i := buf.find(b"\r\n")) >= 0:
+                size = int(buf[:i].split(b";", 1)[0], 16)
+                if size == 0:
+                    end = buf.find(b"\r\n\r\n", i)
+                    if end < 0:
+                        break
+                    if out:
+                        yield b"".join(out)
+                    return
+                if len(buf) < i + size + 4:
+                    break
+                out.append(buf[i + 2 : i + 2 + size])
+                buf = buf[i + size + 4 :]
+            if out:
+                yield b"".join(out)
+            data = await self._read(READ_SIZE)
+            if not data:
+                raise UpstreamError("the replica closed the connection mid-answer")
+            buf += data
+
+    async def aclose(self) -> None:
+        """Give the connection back if the answer was read to its end, else close it (the engine sees it)."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._done and self._keep:
+            self._pool._put(self._origin, conn)
+        else:
+            conn.writer.close()
+
+
+class Pool:
+    """Kept-alive connections to each replica, taken last-in first-out."""
+
+    def __init__(self, *, connect_timeout: float, read_timeout: float, keepalive_expiry: float, max_idle: int):
+        self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
+        self.keepalive_expiry, self.max_idle = keepalive_expiry, max_idle
+        self._idle: dict[tuple, list[_Conn]] = {}
+        self._origins: dict[str, tuple] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def _origin(self, url: str) -> tuple[tuple, str]:
+        base, sep, path = url.partition("/v1/")
+        origin = self._origins.get(base)
+        if origin is None:
+            parts = urlsplit(base)
+            tls = parts.scheme == "https"
+            host = parts.hostname or "127.0.0.1"
+            prefix = parts.path.rstrip("/")
+            origin = (host, parts.port or (443 if tls else 80), tls, parts.netloc.encode(), prefix)
+            self._origins[base] = origin
+        return origin, f"{origin[4]}{sep}{path}" if sep else origin[4] or "/"
+
+    async def _connect(self, origin: tuple) -> _Conn:
+        host, port, tls = origin[0], origin[1], origin[2]
+        if tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()
+        async with asyncio.timeout(self.connect_timeout):
+            reader, writer = await asyncio.open_connection(host, port, ssl=self._ssl if tls else None, limit=HEAD_LIMIT)
+        return _Conn(reader, writer)
+
+    def _take(self, origin: tuple) -> _Conn | None:
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.usable(now, self.keepalive_expiry):
+                return conn
+            conn.writer.close()
+        return None
+
+    def _put(self, origin: tuple, conn: _Conn) -> None:
+        idle = self._idle.setdefault(origin, [])
+        if len(idle) >= self.max_idle:
+            conn.writer.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    async def post(self, url: str, body: bytes, headers: bytes) -> Response:
+        """POST `body` to `url` with `headers` (complete "Name: value\\r\\n" lines); the answer once its head is in."""
+        origin, path = self._origin(url)
+        conn = self._take(origin)
+        try:
+            if conn is None:
+                conn = await self._connect(origin)
+            head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n%s\r\n" % (
+                path.encode(),
+                origin[3],
+                len(body),
+                headers,
+            )
+            conn.writer.write(head + body if len(body) < READ_SIZE else head)
+            if len(body) >= READ_SIZE:
+                conn.writer.write(body)
+            await conn.writer.drain()
+            async with asyncio.timeout(self.read_timeout):
+                raw = await conn.reader.readuntil(b"\r\n\r\n")
+            status, fields, keep = _parse_head(raw)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
+            if conn is not None:
+                conn.writer.close()
+            raise UpstreamError(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
+        except BaseException:
+            if conn is not None:
+                conn.writer.close()
+            raise
+        return Response(self, origin, conn, status, fields, keep)
+
+    async def aclose(self) -> None:
+        """Close every idle connection."""
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.writer.close()
+        self._idle.clear()
+
+
+def _parse_head(raw: bytes) -> tuple[int, dict[str, str], bool]:
+    lines = raw[:-4].decode("latin-1").split("\r\n")
+    version, _, rest = lines[0].partition(" ")
+    if not version.startswith("HTTP/1."):
+        raise ValueError(f"not an HTTP/1 answer: {lines[0][:80]!r}")
+    status = int(rest[:3])
+    fields: dict[str, str] = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        fields[name.strip().lower()] = value.strip()
+    keep = version == "HTTP/1.1" and fields.get("connection", "").lower() != "close"
+    return status, fields, keep

@@ -1,0 +1,110 @@
+"""The data plane's connections to replicas: framing, reuse, a connection the replica closed, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from agents.node import echo
+from gateway.dataplane.pool import Pool, UpstreamError
+from tests.gateway.conftest import free_port, url_of
+
+HEADERS = b"Content-Type: application/json\r\n"
+
+
+def _pool() -> Pool:
+    return Pool(connect_timeout=2, read_timeout=5, keepalive_expiry=30, max_idle=8)
+
+
+async def _body(pool: Pool, url: str, data: dict) -> tuple[int, bytes]:
+    r = await pool.post(url, json.dumps(data).encode(), HEADERS)
+    out = b"".join([c async for c in r.aiter_raw()])
+    await r.aclose()
+    return r.status_code, out
+
+
+@pytest.fixture
+def engine():
+    srv = echo.serve(host="127.0.0.1", port=0, model="demo", load_seconds=0)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_streamed_and_plain_answers_reuse_one_connection(engine):
+    async def run() -> None:
+        pool = _pool()
+        url = url_of(engine) + "/v1/chat/completions"
+        chat = {"model": "demo", "messages": [{"role": "user", "content": "one two"}]}
+        code, streamed = await _body(pool, url, {**chat, "stream": True})
+        assert code == 200
+        assert streamed.endswith(b"data: [DONE]\n\n")
+        (conn,) = next(iter(pool._idle.values()))
+        code, plain = await _body(pool, url, chat)
+        assert code == 200
+        assert json.loads(plain)["choices"][0]["message"]["content"] == "one two"
+        assert next(iter(pool._idle.values())) == [conn]
+        await pool.aclose()
+
+    asyncio.run(run())
+
+
+async def _serve(answers: list[list[bytes]]) -> tuple[asyncio.Server, list[int]]:
+    """A replica answering its n-th connection's request with answers[n], written piece by piece, then closing."""
+    accepted: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+        await reader.readexactly(length)
+        accepted.append(len(accepted))
+        for piece in answers[len(accepted) - 1]:
+            writer.write(piece)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", free_port())
+    return server, accepted
+
+
+def test_chunks_split_anywhere_are_read_whole_and_a_closed_connection_is_not_reused():
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-T: 1\r\n\r\n"
+    )
+    plain = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    async def run() -> None:
+        # Byte by byte: every framing boundary falls between two reads somewhere.
+        server, accepted = await _serve([[bytes([b]) for b in chunked], [plain]])
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        pool = _pool()
+        assert await _body(pool, url, {}) == (200, b"hello world")
+        (conn,) = next(iter(pool._idle.values()))
+        while not conn.reader.at_eof():  # the replica's close reaches the event loop
+            await asyncio.sleep(0.01)
+        # The closed connection is left, a new one taken: no error reaches the caller.
+        assert await _body(pool, url, {}) == (200, b"ok")
+        assert accepted == [0, 1]
+        await pool.aclose()
+        server.close()
+
+    asyncio.run(run())
+
+
+def test_refused_and_cut_off_answers_are_upstream_errors():
+    async def run() -> None:
+        pool = _pool()
+        with pytest.raises(UpstreamError, match="ConnectionRefusedError"):
+            await pool.post(f"http://127.0.0.1:{free_port()}/v1/completions", b"{}", HEADERS)
+        server, _ = await _serve([[b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort"]])
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        r = await pool.post(url, b"{}", HEADERS)
+        with pytest.raises(UpstreamError, match="mid-answer"):
+            [c async for c in r.aiter_raw()]
+        await r.aclose()
+        assert pool._idle.get(next(iter(pool._origins.values())), []) == []
+        server.close()
+
+    asyncio.run(run())
