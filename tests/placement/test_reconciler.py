@@ -337,6 +337,29 @@ def test_steady_state_queries_do_not_grow_with_deployments(now, profile):
     assert small == big == 5
 
 
+def test_a_pass_placing_one_replica_costs_seventeen_statements(now, profile):
+    from django.test.utils import CaptureQueriesContext
+
+    for i in range(3):
+        make_node(f"n{i}", now=now, gpus=8)
+    dep = deploy(profile)
+    reconcile(now=now)
+    Deployment.objects.filter(id=dep.id).update(replicas=2)
+    with CaptureQueriesContext(connection) as ctx:
+        report = reconcile(now=now)
+    assert (report.created, report.placed) == (1, 1)
+    # Savepoints are the test's transaction around the pass's own; a pass run by the worker has none.
+    sql = [q["sql"].split(" ", 1)[0] for q in ctx.captured_queries if "SAVEPOINT" not in q["sql"]]
+    # Five reads (orphaned claims, deployments, replicas, shards, failed starts); the new replica created
+    # under its deployment's lock (four); the lease query of the kept index; the placement (the replica's
+    # move, allocation, GPUs, shard, command, event); the drained-nodes check.
+    assert sql == ["SELECT"] * 5 + ["SELECT", "SELECT", "INSERT", "INSERT"] + ["SELECT"] + ["WITH"] + ["INSERT"] * 5 + [
+        "SELECT"
+    ]
+    assert Replica.objects.filter(deployment=dep, state="starting").count() == 2
+    assert PlacementEvent.objects.filter(replica__deployment=dep, kind="created").count() == 2
+
+
 def test_claims_of_a_deleted_replica_are_released(now):
     make_node("n1", now=now)
     gone, kept = uuid.uuid4(), uuid.uuid4()
