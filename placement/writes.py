@@ -298,7 +298,7 @@ def insert(model: type[models.Model], names: tuple[str, ...], rows: list[tuple[A
 
     A scale-up writes thousands of rows; building and compiling a model
     instance for each took longer than the database took to store them.
-    Columns not named must be nullable.
+    Columns not named must be nullable or the primary key the database assigns.
     """
     if not rows:
         return
