@@ -407,6 +407,23 @@ def test_a_pass_creates_no_replicas_when_another_created_some_since_it_read(now,
     assert Replica.objects.filter(deployment=dep).count() == 3
 
 
+def test_the_new_replicas_of_many_deployments_cost_four_statements_and_only_changed_ones_wait(now, profile):
+    from django.test.utils import CaptureQueriesContext
+
+    deps = [deploy(profile, name=f"d{i}", replicas=2) for i in range(5)]
+    changed = deps[2]
+    other = Replica.objects.create(deployment=changed, created_at=now, updated_at=now)  # another pass's
+    ours = [Replica(deployment_id=d.id, created_at=now, updated_at=now, reason="new") for d in deps for _ in range(2)]
+    with CaptureQueriesContext(connection) as ctx:
+        created = create_replicas(ours, {d.id: set() for d in deps}, now=now)
+    # The deployments locked in one statement, their live replicas read in one, one insert per table.
+    assert len([q for q in ctx.captured_queries if "SAVEPOINT" not in q["sql"]]) == 4
+    assert sorted({r.deployment_id for r in created}) == sorted(d.id for d in deps if d is not changed)
+    assert list(Replica.objects.filter(deployment=changed).values_list("id", flat=True)) == [other.id]
+    events = PlacementEvent.objects.filter(kind="created").values_list("replica_id", "to_state", "reason", "actor_name")
+    assert sorted(events) == sorted((r.id, "pending", "new", "system") for r in created)
+
+
 @pytest.mark.django_db(transaction=True)
 def test_racing_reconcilers_place_exactly_the_desired_count(now, profile):
     for name in ("a", "b", "c"):
