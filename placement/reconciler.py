@@ -30,7 +30,7 @@ from django.db import transaction
 
 from inventory import allocation, changes
 from inventory.models import Allocation, NodeState
-from placement import backoff, batch_writes, inflight, kept, placing, planner, replicas, retiring, writes
+from placement import backoff, batch_writes, inflight, kept, placing, planner, replicas, retiring
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
 from placement.retiring import SERVING, LiveReplica, retire
 from wire import shard_states
@@ -391,13 +391,18 @@ def create_replicas(rows: list[Replica], loaded: dict[int, set[uuid.UUID]], *, n
             created.extend(by_dep[dep_id])
         if created:
             Replica.objects.bulk_create(created)
-            writes.insert(
-                PlacementEvent,
-                writes.EVENT_FIELDS,
+            PlacementEvent.objects.bulk_create(
                 [
-                    writes.event_row("created", r.deployment_id, r.id, "", RS.PENDING, r.reason, now=now)
+                    replicas.event(
+                        "created",
+                        now=now,
+                        deployment_id=r.deployment_id,
+                        replica_id=r.id,
+                        to_state=RS.PENDING,
+                        reason=r.reason,
+                    )
                     for r in created
-                ],
+                ]
             )
     return created
 

@@ -17,15 +17,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from django.db import connection, models, transaction
-from django.utils import timezone
+from django.db import connection, transaction
 
 import wire
 from inventory import changes, outbox, wakeups
 from inventory.models import AllocatedGPU, Allocation, Command
 from placement import planner
 from placement.models import REPLICA_TRANSITIONS, Deployment, PlacementEvent, Replica, ReplicaState, Shard
-from placement.replicas import TransitionError
+from placement.replicas import TransitionError, event
 from placement.signals import replicas_changed
 from placement.snapshot import Snapshot
 from wire import shard_states
@@ -44,9 +43,9 @@ class Placement:
     # (node id, shard id, sorted GPU indices, memory GB, cores, watts) per shard.
     claims: list[tuple[str, uuid.UUID, list[int], int, int, float]]
     shards: list[Shard]
-    # (command id, node id, kind, payload, shard key) in the order they are queued: per shard an
-    # InstallEngine where asked, then its StartShard.
-    commands: list[tuple[uuid.UUID, str, str, dict[str, Any], str]]
+    # (node id, kind, payload, shard key) in the order they are queued: per shard an InstallEngine where asked,
+    # then its StartShard.
+    commands: list[tuple[str, str, dict[str, Any], str]]
     # The replica's fields as it moves to starting (VARYING).
     fields: dict[str, str]
 
@@ -130,11 +129,9 @@ def placement_rows(
     return out
 
 
-def _command(
-    node_id: str, message: outbox.WireCommand, now: dt.datetime
-) -> tuple[uuid.UUID, str, str, dict[str, Any], str]:
+def _command(node_id: str, message: outbox.WireCommand, now: dt.datetime) -> tuple[str, str, dict[str, Any], str]:
     row = outbox.unsaved(node_id, message, now=now)
-    return row.id, row.node_id, row.kind, row.payload, row.shard_id
+    return row.node_id, row.kind, row.payload, row.shard_id
 
 
 def write(batch: list[Placement], *, now: dt.datetime) -> tuple[list[Placement], list[Placement]]:
@@ -164,37 +161,48 @@ def write(batch: list[Placement], *, now: dt.datetime) -> tuple[list[Placement],
     gone = [p for p in batch if id(p) not in done]
     if not written:
         return [], gone
-    claims = [(p.row.id, *c) for p in written for c in p.claims]
-    created = timezone.now()
-    insert(
-        Allocation,
-        ("node", "replica_id", "shard_id", "memory_gb", "cpu_cores", "power_w", "created_at"),
-        [(node_id, rid, sid, mem, cores, w, created) for rid, node_id, sid, _, mem, cores, w in claims],
-    )
-    _hold_gpus([(sid, g) for _, _, sid, gpus, *_ in claims for g in gpus])
-    insert(Shard, SHARD_FIELDS, [tuple(getattr(s, f) for f in _SHARD_ATTRS) for p in written for s in p.shards])
-    insert(
-        Command,
-        ("id", "node", "kind", "payload", "created_at", "deliveries", "shard_id"),
+    # Built afresh on each try: a rolled-back insert leaves its primary keys on the objects.
+    claims = [c for p in written for c in p.claims]
+    allocs = [
+        Allocation(node_id=node_id, replica_id=p.row.id, shard_id=shard_id, memory_gb=mem, cpu_cores=cores, power_w=w)
+        for p in written
+        for node_id, shard_id, _, mem, cores, w in p.claims
+    ]
+    Allocation.objects.bulk_create(allocs)
+    AllocatedGPU.objects.bulk_create(
         [
-            (cid, node_id, kind, payload, now, 0, key)
-            for p in written
-            for cid, node_id, kind, payload, key in p.commands
-        ],
+            AllocatedGPU(allocation=a, node_id=node_id, gpu_index=g)
+            for a, (node_id, _, gpus, *_) in zip(allocs, claims, strict=True)
+            for g in gpus
+        ]
     )
-    insert(
-        PlacementEvent,
-        EVENT_FIELDS,
+    Shard.objects.bulk_create([_copy(s) for p in written for s in p.shards])
+    Command.objects.bulk_create(
         [
-            event_row("state", p.row.deployment_id, p.row.id, p.row.state, RS.STARTING, p.fields["reason"], now=now)
+            Command(node_id=node_id, kind=kind, payload=payload, created_at=now, shard_id=key)
             for p in written
-        ],
+            for node_id, kind, payload, key in p.commands
+        ]
+    )
+    PlacementEvent.objects.bulk_create(
+        [
+            event(
+                "state",
+                now=now,
+                deployment_id=p.row.deployment_id,
+                replica_id=p.row.id,
+                from_state=p.row.state,
+                to_state=RS.STARTING,
+                reason=p.fields["reason"],
+            )
+            for p in written
+        ]
     )
     # The agents' long-polls answer once this commits, and other processes'
     # kept placement indexes reload these nodes.
-    for node_id in sorted({node_id for p in written for _, node_id, *_ in p.commands}):
+    for node_id in sorted({node_id for p in written for node_id, *_ in p.commands}):
         wakeups.publish_on_commit(node_id)
-    changes.mark(node_id for _, node_id, *_ in claims)
+    changes.mark(node_id for node_id, *_ in claims)
     ids = [p.row.id for p in written]
     # Routers see the new replicas as soon as they are committed.
     transaction.on_commit(lambda: replicas_changed.send(sender=Replica, replica_ids=ids))
@@ -247,94 +255,6 @@ def _move(placements: list[Placement], *, now: dt.datetime) -> int:
     return moved
 
 
-# Internal types whose values go to the database as Python holds them; the others are prepared by their field.
-_PLAIN = frozenset(
-    {"CharField", "TextField", "IntegerField", "PositiveIntegerField", "PositiveSmallIntegerField", "FloatField"}
-)
-SHARD_FIELDS = (
-    "id",
-    "replica",
-    "node",
-    "rank",
-    "gpu_indices",
-    "hcas",
-    "http_port",
-    "state",
-    "reason",
-    "profile_fp",
-    "created_at",
-    "updated_at",
-)
-_SHARD_ATTRS = tuple(Shard._meta.get_field(n).attname for n in SHARD_FIELDS)
-EVENT_FIELDS = (
-    "at",
-    "deployment",
-    "deployment_name",
-    "replica",
-    "kind",
-    "from_state",
-    "to_state",
-    "reason",
-    "actor_name",
-)
-
-
-def event_row(
-    kind: str,
-    deployment_id: int,
-    replica_id: uuid.UUID,
-    from_state: str,
-    to_state: str,
-    reason: str,
-    *,
-    now: dt.datetime,
-) -> tuple[Any, ...]:
-    """A replica's event by the system, as `insert` takes it (EVENT_FIELDS): what replicas.event builds, unbuilt."""
-    return (now, deployment_id, "", replica_id, kind, from_state, to_state, reason, "system")
-
-
-def insert(model: type[models.Model], names: tuple[str, ...], rows: list[tuple[Any, ...]]) -> None:
-    """Rows inserted as they are, one statement per chunk: no model instance, no compiling value by value.
-
-    A scale-up writes thousands of rows; building and compiling a model
-    instance for each took longer than the database took to store them.
-    Columns not named must be nullable or the primary key the database assigns.
-    """
-    if not rows:
-        return
-    qn = connection.ops.quote_name
-    fields = [model._meta.get_field(n) for n in names]
-    prep = [None if (f.target_field if f.is_relation else f).get_internal_type() in _PLAIN else f for f in fields]
-    head = f"INSERT INTO {qn(model._meta.db_table)} ({', '.join(qn(f.column) for f in fields)}) VALUES "
-    one = "(" + ", ".join(["%s"] * len(fields)) + ")"
-    per = max(1, (connection.features.max_query_params or 10_000) // len(fields))
-    with connection.cursor() as cur:
-        for start in range(0, len(rows), per):
-            chunk = rows[start : start + per]
-            params = [
-                v if f is None or v is None else f.get_db_prep_save(v, connection)
-                for row in chunk
-                for f, v in zip(prep, row, strict=True)
-            ]
-            cur.execute(head + ", ".join([one] * len(chunk)), params)
-
-
-def _hold_gpus(held: list[tuple[uuid.UUID, int]]) -> None:
-    """Each claimed card held by its shard's allocation, just inserted: found by the shard's id, so no
-    allocation id has to come back from the database."""
-    qn = connection.ops.quote_name
-    gpu, alloc = AllocatedGPU._meta, Allocation._meta
-    shard_id = alloc.get_field("shard_id")
-    cols = ", ".join(qn(gpu.get_field(n).column) for n in ("allocation", "node", "gpu_index"))
-    per = max(1, (connection.features.max_query_params or 10_000) // 2)
-    with connection.cursor() as cur:
-        for start in range(0, len(held), per):
-            chunk = held[start : start + per]
-            params = [x for sid, g in chunk for x in (shard_id.get_db_prep_save(sid, connection), g)]
-            values = ", ".join(["(%s, %s)"] * len(chunk))
-            cur.execute(
-                f"WITH v(s, g) AS (VALUES {values}) INSERT INTO {qn(gpu.db_table)} ({cols}) "
-                f"SELECT a.{qn(alloc.pk.column)}, a.{qn(alloc.get_field('node').column)}, v.g "
-                f"FROM v JOIN {qn(alloc.db_table)} a ON a.{qn(shard_id.column)} = v.s",
-                params,
-            )
+def _copy(s: Shard) -> Shard:
+    # A fresh instance per try, for the same reason as the allocations.
+    return Shard(**{f.attname: getattr(s, f.attname) for f in Shard._meta.concrete_fields})

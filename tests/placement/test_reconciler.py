@@ -353,7 +353,7 @@ def test_a_pass_placing_one_replica_costs_seventeen_statements(now, profile):
     # Five reads (orphaned claims, deployments, replicas, shards, failed starts); the new replica created
     # under its deployment's lock (four); the lease query of the kept index; the placement (the replica's
     # move, allocation, GPUs, shard, command, event); the drained-nodes check.
-    placing = ["UPDATE", "INSERT", "WITH", "INSERT", "INSERT", "INSERT"]
+    placing = ["UPDATE"] + ["INSERT"] * 5
     assert sql == ["SELECT"] * 5 + ["SELECT", "SELECT", "INSERT", "INSERT"] + ["SELECT"] + placing + ["SELECT"]
     assert Replica.objects.filter(deployment=dep, state="starting").count() == 2
     assert PlacementEvent.objects.filter(replica__deployment=dep, kind="created").count() == 2
