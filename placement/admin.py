@@ -20,7 +20,7 @@ from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
 from llmgw.admin import ReadOnlyAdmin
-from placement import audit, kept, planner, queueing, replicas, retiring, secrets
+from placement import audit, explain, kept, planner, queueing, replicas, retiring, secrets
 from placement import deployments as deployment_actions
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, ReplicaState, Shard
 
@@ -254,21 +254,25 @@ class ReplicaAdmin(ReadOnlyAdmin, admin.ModelAdmin):
         ]
 
     def why_view(self, request, pk):
-        """The planner over a fresh snapshot, for this replica's deployment: the chosen nodes or
-        why not, node by node. Nothing is written."""
+        """The planner over a fresh snapshot, for this replica's deployment: the chosen nodes or why not,
+        summarised (node by node with ?explain=all). Nothing is written."""
         replica = get_object_or_404(Replica.objects.select_related("deployment__profile"), pk=pk)
         if not self.has_view_permission(request, replica):
             raise PermissionDenied
         dep = replica.deployment
         req = planner.ReplicaRequest.from_profile(dep.profile, selector=dep.node_selector)
         result = planner.plan(req, kept.scratch(now=timezone.now()), policy=dep.policy, explain=True)
+        every = request.GET.get("explain") == explain.EVERY_NODE
         context = {
             **self.admin_site.each_context(request),
             "title": f"Where would {dep.name} go now",
             "replica": replica,
             "deployment": dep,
             "result": result,
-            "reasons": sorted(result.reasons.items()),
+            # Thousands of nodes are read as a summary; every node's reason only when asked for.
+            "shown": explain.shown(result, every=every),
+            "every": every,
+            "fits_shown": explain.FITS_SHOWN,
             "opts": self.model._meta,
         }
         return TemplateResponse(request, "admin/placement/replica_why.html", context)

@@ -11,13 +11,14 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from llmgw.permissions import PermissionsRequired
-from placement import audit, kept, planner, replicas
+from placement import audit, explain, kept, planner, replicas
 from placement import deployments as deployment_actions
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.serializers import (
     DeploymentIn,
     DeploymentOut,
     DryRunIn,
+    DryRunInErrors,
     DryRunOut,
     EventOut,
     HoldIn,
@@ -220,11 +221,15 @@ class CanPlan(PermissionsRequired):
 
 
 class DryRunView(APIView):
-    """Where would this go now, and why not elsewhere: the reconciler's planner over a fresh snapshot."""
+    """Where would this go now, and why not elsewhere: the reconciler's planner over a fresh snapshot.
+
+    Why not elsewhere is summarised (each reason with its node count and a few names, and some nodes that
+    fit); `"explain": "all"` asks for every node's reason as well.
+    """
 
     permission_classes = [CanPlan]
 
-    @extend_schema(request=DryRunIn, responses=DryRunOut)
+    @extend_schema(request=DryRunIn, responses={200: DryRunOut, 400: DryRunInErrors})
     def post(self, request):
         data = DryRunIn(data=request.data)
         data.is_valid(raise_exception=True)
@@ -235,11 +240,12 @@ class DryRunView(APIView):
         policy = v.get("policy") or (dep.policy if dep else planner.BINPACK)
         snap = kept.scratch(now=timezone.now())
         req = planner.ReplicaRequest.from_profile(profile, selector=selector)
+        every = v["explain"] == explain.EVERY_NODE
         plans = []
         for _ in range(v["replicas"]):
             result = planner.plan(req, snap, policy=policy, explain=True)
-            plans.append(result)
+            plans.append(explain.shown(result, every=every))
             if not result.ok:
                 break
             snap.reserve(result)
-        return Response(DryRunOut({"placed": sum(1 for p in plans if p.ok), "plans": plans}).data)
+        return Response(DryRunOut({"placed": sum(1 for p in plans if p["ok"]), "plans": plans}).data)

@@ -359,7 +359,7 @@ def place_pending(p: Pass) -> None:
 
 
 def create_replicas(rows: list[Replica], loaded: dict[int, set[uuid.UUID]], *, now: dt.datetime) -> list[Replica]:
-    """Insert a pass's new replicas, per deployment under a lock on its row; returns those created.
+    """Insert a pass's new replicas under a lock on their deployments' rows; returns those created.
 
     The count was decided from the replicas read at the start of the pass. A
     deployment whose live replicas changed since (another pass created some)
@@ -369,20 +369,28 @@ def create_replicas(rows: list[Replica], loaded: dict[int, set[uuid.UUID]], *, n
     by_dep: dict[int, list[Replica]] = defaultdict(list)
     for r in rows:
         by_dep[r.deployment_id].append(r)
-    created: list[Replica] = []
-    for dep_id, dep_rows in sorted(by_dep.items()):
-        with transaction.atomic():
-            if not Deployment.objects.select_for_update().filter(id=dep_id).exists():
-                continue
-            now_live = set(
-                Replica.objects.filter(deployment_id=dep_id, state__in=replicas.LIVE_STATES).values_list(
-                    "id", flat=True
-                )
-            )
-            if not now_live <= loaded.get(dep_id, set()):
+    with transaction.atomic():
+        # Every deployment locked in one statement, in id order (racing passes queue, never deadlock),
+        # then read again in one: four statements however many deployments scale up.
+        locked = list(
+            Deployment.objects.select_for_update()
+            .filter(id__in=list(by_dep))
+            .order_by("id")
+            .values_list("id", flat=True)
+        )
+        now_live: dict[int, set[uuid.UUID]] = defaultdict(set)
+        for dep_id, rid in Replica.objects.filter(deployment_id__in=locked, state__in=replicas.LIVE_STATES).values_list(
+            "deployment_id", "id"
+        ):
+            now_live[dep_id].add(rid)
+        created: list[Replica] = []
+        for dep_id in locked:
+            if not now_live[dep_id] <= loaded.get(dep_id, set()):
                 log.info("deployment %s changed under this pass; its new replicas are left to the next", dep_id)
                 continue
-            Replica.objects.bulk_create(dep_rows)
+            created.extend(by_dep[dep_id])
+        if created:
+            Replica.objects.bulk_create(created)
             PlacementEvent.objects.bulk_create(
                 [
                     replicas.event(
@@ -393,10 +401,9 @@ def create_replicas(rows: list[Replica], loaded: dict[int, set[uuid.UUID]], *, n
                         to_state=RS.PENDING,
                         reason=r.reason,
                     )
-                    for r in dep_rows
+                    for r in created
                 ]
             )
-        created.extend(dep_rows)
     return created
 
 

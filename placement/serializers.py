@@ -17,6 +17,7 @@ from rest_framework import serializers
 
 import wire
 from placement import secrets
+from placement.explain import EVERY_NODE, FITS_SHOWN, SUMMARY
 from placement.models import Deployment, Engine, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.planner import BINPACK, SPREAD
 
@@ -379,11 +380,36 @@ class DryRunIn(serializers.Serializer):
     node_selector = WireMap.of(wire.Register, "labels", required=False)
     policy = serializers.ChoiceField(choices=[BINPACK, SPREAD], required=False)
     replicas = serializers.IntegerField(min_value=1, max_value=1000, default=1)
+    explain = serializers.ChoiceField(
+        choices=[SUMMARY, EVERY_NODE],
+        default=SUMMARY,
+        help_text="summary (default): each distinct reason with its node count and a few node names, and up to "
+        f"{FITS_SHOWN} nodes that fit; all: also every node's reason",
+    )
 
     def validate(self, attrs):
         if not attrs.get("profile") and not attrs.get("deployment"):
             raise serializers.ValidationError({"profile": "name a profile or a deployment"})
         return attrs
+
+
+class DryRunInErrors(serializers.Serializer):
+    """400 from a dry run: what is wrong, field by field."""
+
+    profile = serializers.ListField(child=serializers.CharField(), read_only=True)
+    deployment = serializers.ListField(child=serializers.CharField(), read_only=True)
+    node_selector = serializers.ListField(child=serializers.CharField(), read_only=True)
+    policy = serializers.ListField(child=serializers.CharField(), read_only=True)
+    replicas = serializers.ListField(child=serializers.CharField(), read_only=True)
+    explain = serializers.ListField(child=serializers.CharField(), read_only=True)
+
+
+class ReasonCountOut(serializers.Serializer):
+    """One reason the planner gave: for how many nodes, and the first few of them."""
+
+    reason = serializers.CharField()
+    nodes = serializers.IntegerField()
+    examples = serializers.ListField(child=serializers.CharField())
 
 
 class PlannedShardOut(serializers.Serializer):
@@ -399,8 +425,10 @@ class PlannedShardOut(serializers.Serializer):
 
 
 class PlanOut(serializers.Serializer):
-    """A replica's place or, with ok false, why it fits nowhere: `reason` only on a refusal,
-    the place's fields only on a plan; `reasons` says why each other node was not chosen."""
+    """A replica's place or, with ok false, why it fits nowhere: `reason` only on a refusal, the place's
+    fields only on a plan; `summary` says why the other nodes were not chosen (each reason with its node
+    count, commonest first), `fits` names some that could take it too, and `reasons` (only with explain
+    "all") gives every other node's reason."""
 
     ok = serializers.BooleanField()
     reason = serializers.CharField(required=False)
@@ -409,7 +437,9 @@ class PlanOut(serializers.Serializer):
     fabric_name = serializers.CharField(required=False)
     env = serializers.DictField(child=serializers.CharField(), required=False)
     shards = PlannedShardOut(many=True, required=False)
-    reasons = serializers.DictField(child=serializers.CharField())
+    summary = ReasonCountOut(many=True)
+    fits = serializers.ListField(child=serializers.CharField())
+    reasons = serializers.DictField(child=serializers.CharField(), required=False)
 
 
 class DryRunOut(serializers.Serializer):

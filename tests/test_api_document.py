@@ -48,7 +48,7 @@ ACTIONS = {
     ("post", "/api/v1/deployments/{id}/pause/"): (None, {"200": "DeploymentOut"}),
     ("post", "/api/v1/deployments/{id}/resume/"): (None, {"200": "DeploymentOut"}),
     ("get", "/api/v1/replicas/{id}/events/"): (None, {"200": "PaginatedEventOutList"}),
-    ("post", "/api/v1/placement/dry-run/"): ("DryRunInRequest", {"200": "DryRunOut"}),
+    ("post", "/api/v1/placement/dry-run/"): ("DryRunInRequest", {"200": "DryRunOut", "400": "DryRunInErrors"}),
     ("get", "/api/v1/nvlink/"): (None, {"200": "[Rack]"}),
     ("get", "/api/v1/doctor/"): (None, {"200": "DoctorReport"}),
 }
@@ -133,6 +133,23 @@ def test_the_components_say_what_the_actions_hold(doc):
     assert doc["components"]["schemas"]["ScaleInRequest"]["required"] == ["replicas"]
     assert props["ActionInputRequest"] == ["reason"]
     assert props["StateConflictOut"] == ["state"]
+    assert props["DryRunInRequest"] == ["deployment", "explain", "node_selector", "policy", "profile", "replicas"]
+    explain = doc["components"]["schemas"]["DryRunInRequest"]["properties"]["explain"]
+    assert explain["allOf"] == [{"$ref": "#/components/schemas/ExplainEnum"}] and explain["default"] == "summary"
+    assert doc["components"]["schemas"]["ExplainEnum"]["enum"] == ["summary", "all"]
+    assert props["PlanOut"] == [
+        "env",
+        "fabric",
+        "fabric_name",
+        "fits",
+        "nvlink_domain",
+        "ok",
+        "reason",
+        "reasons",
+        "shards",
+        "summary",
+    ]
+    assert props["ReasonCountOut"] == ["examples", "nodes", "reason"]
 
 
 def _check(doc: dict, method: str, path: str, response) -> None:

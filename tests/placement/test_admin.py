@@ -59,6 +59,13 @@ def test_pending_replica_shows_reasons_node_by_node(operator, setup):
     assert "<tr><td>b</td><td>cordoned</td></tr>" in page
     why = c.get(f"/admin/placement/replica/{rep.pk}/why/").content.decode()
     assert "Nowhere now: 2 free GPUs, needs 4 (a); cordoned (b)" in why
+    # Summarised: each reason with its node count and names; every node's reason is a link away.
+    assert "<tr><td>2 free GPUs, needs 4</td><td>1</td><td>a</td></tr>" in why
+    assert "<tr><td>cordoned</td><td>1</td><td>b</td></tr>" in why
+    assert '<a href="?explain=all">' in why and "<tr><td>b</td><td>cordoned</td></tr>" not in why
+    every = c.get(f"/admin/placement/replica/{rep.pk}/why/?explain=all").content.decode()
+    assert "<tr><td>a</td><td>2 free GPUs, needs 4</td></tr>" in every
+    assert "<tr><td>b</td><td>cordoned</td></tr>" in every
 
 
 def test_pause_action_needs_change_permission(operator, viewer, setup):

@@ -12,7 +12,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 import wire
-from placement import planner
+from placement import explain, planner
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.reconciler import reconcile
 from placement.serializers import DryRunOut
@@ -197,7 +197,9 @@ def test_dry_run_refuses_a_ready_node_whose_lease_expired(viewer, profile, setti
     r = client(viewer).post("/api/v1/placement/dry-run/", {"profile": profile.id, "replicas": 1}, format="json")
     (plan,) = r.json()["plans"]
     assert not plan["ok"]
-    assert re.fullmatch(r"no heartbeat for 12\d s: lease expired", plan["reasons"]["a"])
+    (why,) = plan["summary"]
+    assert (why["nodes"], why["examples"]) == (1, ["a"])
+    assert re.fullmatch(r"no heartbeat for 12\d s: lease expired", why["reason"])
 
 
 def test_dry_run_is_the_planner_over_a_fresh_snapshot(viewer, profile):
@@ -209,12 +211,20 @@ def test_dry_run_is_the_planner_over_a_fresh_snapshot(viewer, profile):
     body = r.json()
     assert body["placed"] == 2
     first, second, third = body["plans"]
-    assert first["shards"][0]["node"] == "a" and first["reasons"] == {"b": "2 free GPUs, needs 4"}
+    assert first["shards"][0]["node"] == "a"
+    assert (first["summary"], first["fits"]) == (
+        [{"reason": "2 free GPUs, needs 4", "nodes": 1, "examples": ["b"]}],
+        [],
+    )
     assert second["shards"][0]["gpu_indices"] == [4, 5, 6, 7]
     assert third == {
         "ok": False,
         "reason": "0 free GPUs, needs 4 (a); 2 free GPUs, needs 4 (b)",
-        "reasons": {"a": "0 free GPUs, needs 4", "b": "2 free GPUs, needs 4"},
+        "summary": [
+            {"reason": "0 free GPUs, needs 4", "nodes": 1, "examples": ["a"]},
+            {"reason": "2 free GPUs, needs 4", "nodes": 1, "examples": ["b"]},
+        ],
+        "fits": [],
     }
     assert not Replica.objects.exists()  # nothing written
 
@@ -232,6 +242,37 @@ def test_dry_run_answers_with_and_without_the_trailing_slash(viewer, profile, pa
 def test_dry_run_needs_a_profile(viewer):
     r = client(viewer).post("/api/v1/placement/dry-run/", {}, format="json")
     assert r.status_code == 400 and r.json() == {"profile": ["name a profile or a deployment"]}
+
+
+def test_dry_run_refuses_an_unknown_explain(viewer, profile):
+    r = client(viewer).post("/api/v1/placement/dry-run/", {"profile": profile.id, "explain": "every"}, format="json")
+    assert r.status_code == 400 and r.json() == {"explain": ['"every" is not a valid choice.']}
+
+
+def test_dry_run_summarises_the_reasons_and_bounds_the_nodes_that_fit(viewer, profile):
+    now = timezone.now()
+    for i in range(24):
+        make_node(f"n{i:02d}", now=now)
+    for i in range(4):
+        make_node(f"small{i}", now=now, gpus=2)
+    c = client(viewer)
+    r = c.post("/api/v1/placement/dry-run/", {"profile": profile.id}, format="json")
+    (plan,) = r.json()["plans"]
+    # Binpack takes the first of the equally full nodes; 23 others could have taken it, 20 are named.
+    assert plan["shards"][0]["node"] == "n00"
+    assert plan["summary"] == [
+        {"reason": "fits; binpack chose n00", "nodes": 23, "examples": ["n01", "n02", "n03"]},
+        {"reason": "2 free GPUs, needs 4", "nodes": 4, "examples": ["small0", "small1", "small2"]},
+    ]
+    assert plan["fits"] == [f"n{i:02d}" for i in range(1, 21)]
+    assert "reasons" not in plan
+    # Asked for, every node's reason comes too, beside the same summary.
+    r = c.post("/api/v1/placement/dry-run/", {"profile": profile.id, "explain": "all"}, format="json")
+    (every,) = r.json()["plans"]
+    assert every["summary"] == plan["summary"] and every["fits"] == plan["fits"]
+    assert len(every["reasons"]) == 27
+    assert every["reasons"]["small3"] == "2 free GPUs, needs 4"
+    assert every["reasons"]["n23"] == "fits; binpack chose n00"
 
 
 def test_deleting_a_deployment_with_live_replicas_is_refused(operator, dep, now):
@@ -276,12 +317,19 @@ def test_dry_run_body_exactly(viewer, profile):
         "install_engine": False,
     }
     plan = {"ok": True, "nvlink_domain": "", "fabric": "", "fabric_name": "", "env": {}}
+    b_short = {"reason": "2 free GPUs, needs 4", "nodes": 1, "examples": ["b"]}
     refusal = {
         "ok": False,
         "reason": "0 free GPUs, needs 4 (a); 2 free GPUs, needs 4 (b)",
-        "reasons": {"a": "0 free GPUs, needs 4", "b": "2 free GPUs, needs 4"},
+        "summary": [{"reason": "0 free GPUs, needs 4", "nodes": 1, "examples": ["a"]}, b_short],
+        "fits": [],
     }
-    body = {"placed": 1, "plans": [{**plan, "shards": [shard], "reasons": {"b": "2 free GPUs, needs 4"}}, refusal]}
+    body = {"placed": 1, "plans": [{**plan, "shards": [shard], "summary": [b_short], "fits": []}, refusal]}
+    assert r.content.decode() == json.dumps(body, separators=(",", ":"))
+    asked = {"profile": profile.id, "replicas": 2, "explain": "all"}
+    r = client(viewer).post("/api/v1/placement/dry-run/", asked, format="json")
+    body["plans"][0]["reasons"] = {"b": "2 free GPUs, needs 4"}
+    body["plans"][1]["reasons"] = {"a": "0 free GPUs, needs 4", "b": "2 free GPUs, needs 4"}
     assert r.content.decode() == json.dumps(body, separators=(",", ":"))
 
 
@@ -297,7 +345,7 @@ def test_dry_run_renders_every_part_of_a_plan():
         env={"NCCL_IB_HCA": "mlx5_0"},
         reasons={"b": "cordoned"},
     )
-    assert DryRunOut({"placed": 1, "plans": [result]}).data == {
+    assert DryRunOut({"placed": 1, "plans": [explain.shown(result, every=True)]}).data == {
         "placed": 1,
         "plans": [
             {
@@ -317,6 +365,8 @@ def test_dry_run_renders_every_part_of_a_plan():
                         "install_engine": True,
                     }
                 ],
+                "summary": [{"reason": "cordoned", "nodes": 1, "examples": ["b"]}],
+                "fits": [],
                 "reasons": {"b": "cordoned"},
             }
         ],

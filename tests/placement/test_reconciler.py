@@ -337,6 +337,28 @@ def test_steady_state_queries_do_not_grow_with_deployments(now, profile):
     assert small == big == 5
 
 
+def test_a_pass_placing_one_replica_costs_seventeen_statements(now, profile):
+    from django.test.utils import CaptureQueriesContext
+
+    for i in range(3):
+        make_node(f"n{i}", now=now, gpus=8)
+    dep = deploy(profile)
+    reconcile(now=now)
+    Deployment.objects.filter(id=dep.id).update(replicas=2)
+    with CaptureQueriesContext(connection) as ctx:
+        report = reconcile(now=now)
+    assert (report.created, report.placed) == (1, 1)
+    # Savepoints are the test's transaction around the pass's own; a pass run by the worker has none.
+    sql = [q["sql"].split(" ", 1)[0] for q in ctx.captured_queries if "SAVEPOINT" not in q["sql"]]
+    # Five reads (orphaned claims, deployments, replicas, shards, failed starts); the new replica created
+    # under its deployment's lock (four); the lease query of the kept index; the placement (the replica's
+    # move, allocation, GPUs, shard, command, event); the drained-nodes check.
+    placing = ["UPDATE"] + ["INSERT"] * 5
+    assert sql == ["SELECT"] * 5 + ["SELECT", "SELECT", "INSERT", "INSERT"] + ["SELECT"] + placing + ["SELECT"]
+    assert Replica.objects.filter(deployment=dep, state="starting").count() == 2
+    assert PlacementEvent.objects.filter(replica__deployment=dep, kind="created").count() == 2
+
+
 def test_claims_of_a_deleted_replica_are_released(now):
     make_node("n1", now=now)
     gone, kept = uuid.uuid4(), uuid.uuid4()
@@ -383,6 +405,23 @@ def test_a_pass_creates_no_replicas_when_another_created_some_since_it_read(now,
     # Read after it: the pass's view holds, and it creates.
     assert len(create_replicas(ours[:2], {dep.id: {other.id}}, now=now)) == 2
     assert Replica.objects.filter(deployment=dep).count() == 3
+
+
+def test_the_new_replicas_of_many_deployments_cost_four_statements_and_only_changed_ones_wait(now, profile):
+    from django.test.utils import CaptureQueriesContext
+
+    deps = [deploy(profile, name=f"d{i}", replicas=2) for i in range(5)]
+    changed = deps[2]
+    other = Replica.objects.create(deployment=changed, created_at=now, updated_at=now)  # another pass's
+    ours = [Replica(deployment_id=d.id, created_at=now, updated_at=now, reason="new") for d in deps for _ in range(2)]
+    with CaptureQueriesContext(connection) as ctx:
+        created = create_replicas(ours, {d.id: set() for d in deps}, now=now)
+    # The deployments locked in one statement, their live replicas read in one, one insert per table.
+    assert len([q for q in ctx.captured_queries if "SAVEPOINT" not in q["sql"]]) == 4
+    assert sorted({r.deployment_id for r in created}) == sorted(d.id for d in deps if d is not changed)
+    assert list(Replica.objects.filter(deployment=changed).values_list("id", flat=True)) == [other.id]
+    events = PlacementEvent.objects.filter(kind="created").values_list("replica_id", "to_state", "reason", "actor_name")
+    assert sorted(events) == sorted((r.id, "pending", "new", "system") for r in created)
 
 
 @pytest.mark.django_db(transaction=True)
