@@ -10,7 +10,7 @@ as processes of their own, and drives them from this process.
    then the highest offered rate (stepping up) the gateway holds with p99
    under 50 ms and no errors.
 2. Routing quality: multi-turn chat workloads (WORKLOADS, chosen with
-   BENCH_GW_WORKLOADS, default both) over 4 echo replicas with the small-GPU
+   BENCH_GW_WORKLOADS, default all three) over 4 echo replicas with the small-GPU
    defaults: prefix-cache hit ratio (the replicas' own counters) and mean
    time to first token, round-robin against the prefix policy.
 Each part runs BENCH_GW_RUNS times (default 3) and prints min/median/max.
@@ -260,7 +260,13 @@ SHORT_CHATS = Workload("short chats", 32, 4, 4, (200, 400), (20, 60), 32, 8, 256
 # of 16) holds: the case where a conversation goes decides whether its
 # earlier turns are still cached.
 SESSIONS = Workload("sessions", 192, 8, 8, (100, 300), (20, 60), 64, 32, 2048)
-WORKLOADS = {"short": SHORT_CHATS, "sessions": SESSIONS}
+# Conversations whose own turns outweigh the shared prompt: six turns of long
+# questions and answers behind short system prompts, as in a coding assistant
+# or a document chat. Round-robin finds the system prompt and whatever part of
+# the history the replica it picks last saw; following the conversation finds
+# all of it but the newest turn.
+LONG_CHATS = Workload("long chats", 64, 6, 4, (20, 40), (80, 120), 120, 16, 2048)
+WORKLOADS = {"short": SHORT_CHATS, "sessions": SESSIONS, "long": LONG_CHATS}
 
 
 async def _conversations(url: str, key: str, w: Workload, seed: int, model: str = "chat") -> tuple[list[float], int]:
@@ -387,7 +393,7 @@ def run() -> list[str]:
             if "overhead" in parts:
                 _merge(figures, _overhead(env, procs))
             if "routing" in parts:
-                for name in os.environ.get("BENCH_GW_WORKLOADS", "short,sessions").split(","):
+                for name in os.environ.get("BENCH_GW_WORKLOADS", "short,sessions,long").split(","):
                     _merge(figures, _routing(env, procs, WORKLOADS[name], seed=i))
     finally:
         procs.stop()

@@ -15,7 +15,7 @@ such and left out, and the others still run. Everything listens on loopback.
    and no errors, streamed, and its throughput with BENCH_PEERS_CLIENTS (64)
    clients streaming back to back.
 2. Routing quality: bench.gateway's workloads (BENCH_PEERS_WORKLOADS, default
-   "short,sessions") over 4 fresh echo replicas per front: prefix-cache hit
+   "short,sessions,long") over 4 fresh echo replicas per front: prefix-cache hit
    ratio from the replicas' own counters, mean time to first token.
 Each part runs BENCH_PEERS_RUNS times (default 3): min / median / max, and
 llmgw's ratio to each peer. BENCH_PEERS (default "vllm-router,litellm") picks the peers ("none": llmgw alone).
@@ -308,7 +308,7 @@ def run() -> list[str]:
     """Install the peers, then every part BENCH_PEERS_RUNS times; min / median / max and the ratios."""
     runs = int(os.environ.get("BENCH_PEERS_RUNS", 3))
     parts = os.environ.get("BENCH_PEERS_PARTS", "overhead,routing").split(",")
-    workloads = [WORKLOADS[n] for n in os.environ.get("BENCH_PEERS_WORKLOADS", "short,sessions").split(",")]
+    workloads = [WORKLOADS[n] for n in os.environ.get("BENCH_PEERS_WORKLOADS", "short,sessions,long").split(",")]
     lines: list[str] = []
     peers: dict[str, Path] = {}
     # BENCH_PEERS=none (or empty): llmgw alone.
