@@ -394,14 +394,14 @@ class DryRunIn(serializers.Serializer):
 
 
 class DryRunInErrors(serializers.Serializer):
-    """400 from a dry run: what is wrong, field by field."""
+    """400 from a dry run: what is wrong, field by field (only the fields with a problem appear)."""
 
-    profile = serializers.ListField(child=serializers.CharField(), read_only=True)
-    deployment = serializers.ListField(child=serializers.CharField(), read_only=True)
-    node_selector = serializers.ListField(child=serializers.CharField(), read_only=True)
-    policy = serializers.ListField(child=serializers.CharField(), read_only=True)
-    replicas = serializers.ListField(child=serializers.CharField(), read_only=True)
-    explain = serializers.ListField(child=serializers.CharField(), read_only=True)
+    profile = serializers.ListField(child=serializers.CharField(), required=False)
+    deployment = serializers.ListField(child=serializers.CharField(), required=False)
+    node_selector = serializers.ListField(child=serializers.CharField(), required=False)
+    policy = serializers.ListField(child=serializers.CharField(), required=False)
+    replicas = serializers.ListField(child=serializers.CharField(), required=False)
+    explain = serializers.ListField(child=serializers.CharField(), required=False)
 
 
 class ReasonCountOut(serializers.Serializer):
