@@ -153,7 +153,16 @@ def test_a_newcomer_follows_the_readme(tmp_path):
             live = [r for r in reps if r["state"] not in ("stopped", "failed")]
             return not any(s["node"] == node for r in live for s in r["shards"])
 
-        wait_until(drained_empty, timeout=180, what=f"{node} left empty", context=logs)
+        def replicas_now() -> str:
+            reps = api.get("/replicas/").json()["results"]
+            rows = [
+                f"{r['deployment_name']} {r['id']} {r['state']} {[(s['node'], s['state']) for s in r['shards']]} "
+                f"{r.get('reason', '')} {r.get('pending_reasons', '')}"
+                for r in reps
+            ]
+            return "--- replicas\n" + "\n".join(rows) + "\n" + logs()
+
+        wait_until(drained_empty, timeout=180, what=f"{node} left empty", context=replicas_now)
 
         browse(base, username, password)
     finally:
