@@ -205,7 +205,7 @@ else:
     # Shared by the web process and the worker, unlike local memory.
     CACHES = {
         "default": {
-            "BACKEND": "django.core.cache.backends.filebased.FileBasedCache",
+            "BACKEND": "llmgw.file_cache.FileCache",
             "LOCATION": str(VAR_DIR / "cache"),
         }
     }

@@ -64,7 +64,7 @@ def test_a_broker_that_refuses_leaves_no_key(monkeypatch, django_capture_on_comm
 
 
 def test_the_embedded_file_cache_dedupes_alike(sent, tmp_path, django_capture_on_commit_callbacks):
-    files = {"default": {"BACKEND": "django.core.cache.backends.filebased.FileBasedCache", "LOCATION": str(tmp_path)}}
+    files = {"default": {"BACKEND": "llmgw.file_cache.FileCache", "LOCATION": str(tmp_path)}}
     with override_settings(CACHES=files):
         with django_capture_on_commit_callbacks(execute=True):
             queueing.queue_reconcile()
