@@ -14,8 +14,10 @@ node is still silent, so a heartbeat arriving mid-sweep wins.
 The control plane's own outages are never read as the fleet's death: silence
 in a window when it could not listen (a gap between sweeps: the database or
 beat was down; most of the fleet silent at once: the web tier or the network
-in front of it) does not count against any node, and nodes are declared lost
-at a bounded rate (check_own_health, lost_budget).
+in front of it) does not count against any node, a control plane hearing
+only part of its fleet (a backlog: too little CPU) waits longer before it
+judges (inventory/lag.py), and nodes are declared lost at a bounded rate
+(check_own_health, lost_budget).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
-from inventory import hooks
+from inventory import hooks, lag
 from inventory.models import OPERATOR_STATES, ControlPlaneEvent, LivenessClock, Node, NodeState
 from inventory.nodes import change_state, record_event
 
@@ -48,6 +50,8 @@ class SweepResult:
     deferred: list[str] = field(default_factory=list)
     # Most of the fleet was silent at once: nothing was judged.
     suspended: bool = False
+    # The delays were this many times the configured ones: the control plane lagged (inventory/lag.py).
+    stretch: float = 1.0
 
 
 def _silence(now: dt.datetime, cutoff: dt.datetime) -> str:
@@ -254,8 +258,18 @@ def sweep(*, now: dt.datetime) -> SweepResult:
     if not judging:
         result.suspended = True
         return result
-    unreachable_cutoff = cutoff(settings.LLMGW_UNREACHABLE_AFTER, now=now, clock=clock)
-    lost_cutoff = cutoff(settings.LLMGW_LOST_AFTER, now=now, clock=clock)
+    # A control plane hearing only part of its fleet is late, not its nodes silent: the delays stretch.
+    heard = lag.hearing(now=now)
+    result.stretch = heard.stretch
+    if heard.stretch > 1.0:
+        log.warning(
+            "liveness: heard %d of %d nodes within an interval: the control plane lags, delays x%.2f",
+            heard.heard,
+            heard.nodes,
+            heard.stretch,
+        )
+    unreachable_cutoff = cutoff(settings.LLMGW_UNREACHABLE_AFTER * heard.stretch, now=now, clock=clock)
+    lost_cutoff = cutoff(settings.LLMGW_LOST_AFTER * heard.stretch, now=now, clock=clock)
     for node_id in Node.objects.filter(state=NodeState.READY, last_seen__lt=unreachable_cutoff).values_list(
         "id", flat=True
     ):

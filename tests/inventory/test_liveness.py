@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from inventory import liveness
+from inventory import lag, liveness
 from inventory.models import ControlPlaneEvent, LivenessClock, Node, NodeEvent, NodeState
 from inventory.nodes import change_state
 from inventory.tasks import liveness_sweep
@@ -207,8 +207,9 @@ def test_beat_schedules_the_sweep(settings):
     assert settings.LLMGW_SWEEP_GAP == 25.0
 
 
-# The clock (a locked read, two counts, its write) and the sweep's reads, whatever the number of nodes.
-QUERIES = 11
+# The clock (a locked read, two counts, its write), how much of the fleet was heard (inventory/lag.py)
+# and the sweep's reads, whatever the number of nodes.
+QUERIES = 12
 
 
 def test_silent_cordoned_nodes_cost_the_sweep_no_query_each(now, settings, django_assert_num_queries):
@@ -230,3 +231,74 @@ def test_silent_cordoned_nodes_cost_the_sweep_no_query_each(now, settings, djang
     with django_assert_num_queries(QUERIES):
         assert liveness.sweep(now=at(now, 601)).failed_shards == []
     assert PlacementEvent.objects.count() == 0
+
+
+def _fleet(now, count: int) -> list[str]:
+    ids = [f"node-{i:03d}" for i in range(count)]
+    for node_id in ids:
+        make_node(node_id, now=now)
+    return ids
+
+
+def heartbeats_behind(now, t: int, ids: list[str], spread: int) -> None:
+    """Each node last heard 0 to spread-1 seconds before t: a web tier answering heartbeats late, all alike."""
+    for i, node_id in enumerate(ids):
+        Node.objects.filter(id=node_id).update(last_seen=at(now, t - i % spread))
+
+
+def test_a_control_plane_hearing_part_of_its_fleet_waits_longer_before_it_judges(now, settings):
+    """A backlog delays every heartbeat: late nodes are not silent ones, and no replica is failed for it."""
+    settings.LLMGW_HEARTBEAT_INTERVAL = 5
+    settings.LLMGW_UNREACHABLE_AFTER = 10
+    settings.LLMGW_LOST_AFTER = 20
+    ids = _fleet(now, 120)
+    make_shard("node-017", now=now, state="ready")
+    sweeps(now, 0)
+    # Heard every 18 s on average where the interval is 5 (the web tier answers a fraction of the fleet):
+    # 7 of each 18 nodes within the last 6.25 s.
+    for t in range(10, 200, 10):
+        heartbeats_behind(now, t, ids, 18)
+        result = liveness.sweep(now=at(now, t))
+        assert (result.unreachable, result.lost, result.suspended) == ([], [], False), t
+    assert result.stretch == lag.MAX_STRETCH  # 1.25 x 120 / 49 = 3.06, bounded
+    assert lag.hearing(now=at(now, 190)) == lag.Hearing(nodes=120, heard=49, stretch=3.0)
+    assert Node.objects.filter(state=NodeState.READY).count() == 120
+    assert not Shard.objects.exclude(state="ready").exists()
+    # A node that really stopped is still judged, after the stretched delays (30 s, then 60 s).
+    for t in range(200, 300, 10):
+        heartbeats_behind(now, t, ids[1:], 18)
+        result = liveness.sweep(now=at(now, t))
+        if result.unreachable:
+            assert (t, result.unreachable) == (230, ["node-000"])  # last heard at 190
+    assert state("node-000")[0] == NodeState.LOST
+
+
+def test_the_same_late_heartbeats_without_the_stretch_would_mark_live_nodes(now, settings, monkeypatch):
+    """What the stretch prevents: read at face value, the late nodes cross the 10 s delay."""
+    settings.LLMGW_HEARTBEAT_INTERVAL = 5
+    settings.LLMGW_UNREACHABLE_AFTER = 10
+    settings.LLMGW_LOST_AFTER = 20
+    ids = _fleet(now, 120)
+    sweeps(now, 0)
+    heartbeats_behind(now, 10, ids, 18)
+    monkeypatch.setattr(lag, "MAX_STRETCH", 1.0)
+    marked = liveness.sweep(now=at(now, 10)).unreachable
+    # Ages 11 to 17 s: 7 of each 18 nodes (node-011 ... node-017, node-029 ... , node-119), none of them silent.
+    assert len(marked) == 7 * 6 + 1
+    assert "node-011" in marked and "node-010" not in marked
+
+
+def test_a_fleet_heard_in_full_or_too_small_to_read_judges_on_time(now, settings):
+    settings.LLMGW_HEARTBEAT_INTERVAL = 5
+    ids = _fleet(now, 120)
+    for node_id in ids[:100]:
+        Node.objects.filter(id=node_id).update(last_seen=at(now, 100))
+    # 100 of 120 heard: the web tier keeps up; the 20 others are simply silent.
+    assert lag.hearing(now=at(now, 104)) == lag.Hearing(nodes=120, heard=100, stretch=1.0)
+    Node.objects.filter(id__in=ids[100:]).delete()
+    Node.objects.update(last_seen=now)
+    # 100 nodes, none heard: too small a share, but past MIN_NODES, so the bound applies.
+    assert lag.hearing(now=at(now, 104)) == lag.Hearing(nodes=100, heard=0, stretch=3.0)
+    Node.objects.filter(id__in=ids[:1]).delete()
+    # 99 nodes: too few to read.
+    assert lag.hearing(now=at(now, 104)) == lag.Hearing(nodes=99, heard=0, stretch=1.0)
