@@ -20,26 +20,12 @@ from bench.common import StatementCounter, scratch_database
 
 
 def _populate(deployments: int, replicas_per: int, now) -> None:
-    from inventory.models import GPU, AllocatedGPU, Allocation, Node
+    from inventory.models import AllocatedGPU, Allocation
     from placement.models import Deployment, EngineProfile, Replica, Shard
 
     shards = deployments * replicas_per
     nodes_needed = shards // 4 + deployments // 4 + 16
-    Node.objects.bulk_create(
-        [
-            Node(id=f"node-{i:05d}", mgmt_addr=f"10.0.{i // 256}.{i % 256}", state="ready", last_seen=now)
-            for i in range(nodes_needed)
-        ],
-        batch_size=2000,
-    )
-    GPU.objects.bulk_create(
-        [
-            GPU(node_id=f"node-{i:05d}", index=g, gpu_class="H100-80GB", numa_node=g // 4)
-            for i in range(nodes_needed)
-            for g in range(8)
-        ],
-        batch_size=5000,
-    )
+    _nodes("node", 0, nodes_needed, now)
     prof = EngineProfile.objects.create(name="bench", engine="echo", gpus_per_node=2)
     fp = prof.fingerprint()
     deps = Deployment.objects.bulk_create(
@@ -91,24 +77,29 @@ def _populate(deployments: int, replicas_per: int, now) -> None:
     AllocatedGPU.objects.bulk_create(held, batch_size=5000)
 
 
-def _empty_fleet(nodes: int, now) -> None:
+def _nodes(prefix: str, net: int, count: int, now) -> None:
+    """`count` ready 8-card H100 nodes named <prefix>-00000..., managed at 10.<net>.x.y."""
     from inventory.models import GPU, Node
 
     Node.objects.bulk_create(
         [
-            Node(id=f"big-{i:05d}", mgmt_addr=f"10.1.{i // 256}.{i % 256}", state="ready", last_seen=now)
-            for i in range(nodes)
+            Node(id=f"{prefix}-{i:05d}", mgmt_addr=f"10.{net}.{i // 256}.{i % 256}", state="ready", last_seen=now)
+            for i in range(count)
         ],
         batch_size=2000,
     )
     GPU.objects.bulk_create(
         [
-            GPU(node_id=f"big-{i:05d}", index=g, gpu_class="H100-80GB", numa_node=g // 4)
-            for i in range(nodes)
+            GPU(node_id=f"{prefix}-{i:05d}", index=g, gpu_class="H100-80GB", numa_node=g // 4)
+            for i in range(count)
             for g in range(8)
         ],
         batch_size=5000,
     )
+
+
+def _empty_fleet(nodes: int, now) -> None:
+    _nodes("big", 1, nodes, now)
 
 
 @dataclass
