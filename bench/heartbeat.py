@@ -478,21 +478,23 @@ class CPUMeter:
         }
 
 
-def _drive(port: int, nodes: list, seconds: float, clients: int, concurrency: int, rate: float) -> tuple:
-    """Run the load processes for `seconds`; returns (latencies, errors, elapsed)."""
+def fan_out(load, port: int, nodes: list, clients: int, *args) -> tuple[list, float]:
+    """Run `load(port, its share of nodes, *args, queue)` in `clients` processes; (each one's result, elapsed)."""
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_load, args=(port, nodes[c::clients], seconds, concurrency, rate / clients, q))
-        for c in range(clients)
-    ]
+    procs = [ctx.Process(target=load, args=(port, nodes[c::clients], *args, q)) for c in range(clients)]
     t0 = time.perf_counter()
     for p in procs:
         p.start()
     results = [q.get() for _ in procs]
     for p in procs:
         p.join()
-    elapsed = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def _drive(port: int, nodes: list, seconds: float, clients: int, concurrency: int, rate: float) -> tuple:
+    """Run the load processes for `seconds`; returns (latencies, errors, elapsed)."""
+    results, elapsed = fan_out(_load, port, nodes, clients, seconds, concurrency, rate / clients)
     return [x for r in results for x in r[0]], sum(r[1] for r in results), elapsed
 
 

@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import http.client
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from bench.heartbeat import (
@@ -43,6 +41,7 @@ from bench.heartbeat import (
     _percentile,
     _post,
     _server_description,
+    fan_out,
     heartbeat_template,
     heartbeat_values,
     paced_requests,
@@ -77,19 +76,8 @@ def _load(port: int, nodes: list, seconds: float, concurrency: int, rate: float,
 
 
 def _drive(port: int, nodes: list, seconds: float, clients: int, concurrency: int, rate: float, mix: int) -> tuple:
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_load, args=(port, nodes[c::clients], seconds, concurrency, rate / clients, mix, q))
-        for c in range(clients)
-    ]
-    t0 = time.perf_counter()
-    for p in procs:
-        p.start()
-    results = [q.get() for _ in procs]
-    for p in procs:
-        p.join()
-    elapsed = time.perf_counter() - t0
+    """Run the load processes for `seconds`; returns (lease latencies, full-heartbeat latencies, errors, elapsed)."""
+    results, elapsed = fan_out(_load, port, nodes, clients, seconds, concurrency, rate / clients, mix)
     leases = [x for r in results for x in r[0]]
     fulls = [x for r in results for x in r[1]]
     return leases, fulls, sum(r[2] for r in results), elapsed
