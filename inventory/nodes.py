@@ -26,6 +26,7 @@ from inventory.models import (
     NodeState,
     Storage,
 )
+from wire import engines as wire_engines
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -168,7 +169,8 @@ def upsert_node(reg: wire.Register, *, now: dt.datetime) -> tuple[Node, bool]:
         "unreachable_since": None,
         "agent_version": reg.agent_version,
         "features": list(reg.features),
-        "engine_versions": dict(reg.engine_versions),
+        # Canonical names: an agent before the engine registry reported llama.cpp as `llama-server`.
+        "engine_versions": wire_engines.canonical_versions(dict(reg.engine_versions)),
         "engines_probed": reg.engines_probed,
         "os_id": host.os_id if host else "",
         "os_version": host.os_version if host else "",
@@ -274,10 +276,11 @@ def _replace_hardware(node: Node, reg: wire.Register) -> None:
 
 def replace_engine_installs(node_id: str, installs: list[wire.EngineInstall]) -> None:
     """Record where each engine's installation stands, as the agent last said."""
-    EngineInstall.objects.filter(node_id=node_id).exclude(engine__in=[i.engine for i in installs]).delete()
-    for i in {i.engine: i for i in installs}.values():
+    by_engine = {(wire_engines.canonical(i.engine) or i.engine): i for i in installs}
+    EngineInstall.objects.filter(node_id=node_id).exclude(engine__in=list(by_engine)).delete()
+    for engine, i in by_engine.items():
         EngineInstall.objects.update_or_create(
             node_id=node_id,
-            engine=i.engine,
+            engine=engine,
             defaults={"version": i.version, "variant": i.variant, "state": i.state, "detail": i.detail},
         )

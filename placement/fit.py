@@ -12,12 +12,13 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 from placement.snapshot import CORE_W, GPUInfo, NodeInfo, Snapshot
+from wire import engines as wire_engines
 
 if TYPE_CHECKING:
     from placement.planner import ReplicaRequest
 
 # Engines the agent carries itself: always installed.
-BUILTIN_ENGINES = frozenset({"echo"})
+BUILTIN_ENGINES = frozenset(e.name for e in wire_engines.ENGINES.values() if e.builtin)
 
 
 def shard_power(req: ReplicaRequest, gpus: Iterable[GPUInfo]) -> float:
@@ -83,7 +84,7 @@ def node_reason(req: ReplicaRequest, n: NodeInfo, snap: Snapshot, *, need: int |
         if avail_gb < req.disk_gb:
             return f"needs {req.disk_gb} GB local disk for weights, {avail_gb} free"
     if must_install(req, n):
-        blocked = n.engines_blocked.get(req.engine)
+        blocked = n.engines_blocked.get(wire_engines.canonical(req.engine) or req.engine)
         if blocked:
             return blocked
     return ""
@@ -91,7 +92,9 @@ def node_reason(req: ReplicaRequest, n: NodeInfo, snap: Snapshot, *, need: int |
 
 def must_install(req: ReplicaRequest, n: NodeInfo) -> bool:
     """Whether the node lacks the engine and has said which it has (an old agent cannot say)."""
-    return req.engine not in BUILTIN_ENGINES and n.engines_probed and req.engine not in n.engines
+    # Both sides by canonical name: a node reporting `llama-server` has the `llamacpp` a profile asks for.
+    engine = wire_engines.canonical(req.engine) or req.engine
+    return engine not in BUILTIN_ENGINES and n.engines_probed and engine not in n.engines
 
 
 def choose_gpus(n: NodeInfo, need: int, *, gpu_class: str = "", hcas: Iterable[str] = ()) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ from inventory import resources, scans, telemetry
 from inventory.models import GPU, AllocatedGPU, Allocation, EngineInstall, FabricAttachment, LocalWeights, Node, Storage
 from placement.models import Hold, PowerBudget, ReplicaState, Shard
 from placement.snapshot import FabricInfo, GPUInfo, HoldInfo, NodeInfo, Snapshot
+from wire import engines as wire_engines
 from wire import shard_states
 
 # (master subnet manager GUID, the managers the port lists): all the canonical map reads of a port.
@@ -145,6 +146,7 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
     for node_id, engine, state, detail in EngineInstall.objects.filter(f).values_list(
         "node_id", "engine", "state", "detail"
     ):
+        engine = wire_engines.canonical(engine) or engine
         if state == "ready":
             installed[node_id].add(engine)
         elif state in ("unsupported", "failed"):
@@ -200,7 +202,8 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
                 # Both zero is unknown, not a full disk.
                 disk_known=storage_rep and (disk_free, disk_total) != (0, 0),
                 weights=frozenset(found) if resources.knows_its_weights(weights_rep) else None,
-                engines=frozenset(engine_versions or {}) | installed.get(node_id, set()),
+                engines=frozenset(wire_engines.canonical_versions(engine_versions or {}))
+                | installed.get(node_id, set()),
                 engines_probed=probed,
                 engines_blocked=installs.get(node_id, {}),
                 nvlink_domain=domain,

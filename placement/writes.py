@@ -23,10 +23,19 @@ import wire
 from inventory import changes, outbox, wakeups
 from inventory.models import AllocatedGPU, Allocation, Command
 from placement import planner
-from placement.models import REPLICA_TRANSITIONS, Deployment, PlacementEvent, Replica, ReplicaState, Shard
+from placement.models import (
+    REPLICA_TRANSITIONS,
+    Deployment,
+    EngineProfile,
+    PlacementEvent,
+    Replica,
+    ReplicaState,
+    Shard,
+)
 from placement.replicas import TransitionError, event
 from placement.signals import replicas_changed
 from placement.snapshot import Snapshot
+from wire import engines as wire_engines
 from wire import shard_states
 
 RS = ReplicaState
@@ -96,7 +105,11 @@ def placement_rows(
     for s, shard in zip(result.shards, out.shards, strict=True):
         if s.install_engine:
             out.commands.append(
-                _command(s.node_id, wire.InstallEngine(engine=profile.engine, version=profile.engine_version), now)
+                _command(
+                    s.node_id,
+                    _install(profile),
+                    now,
+                )
             )
         start = wire.StartShard(
             replica_id=str(row.id),
@@ -258,3 +271,8 @@ def _move(placements: list[Placement], *, now: dt.datetime) -> int:
 def _copy(s: Shard) -> Shard:
     # A fresh instance per try, for the same reason as the allocations.
     return Shard(**{f.attname: getattr(s, f.attname) for f in Shard._meta.concrete_fields})
+
+
+def _install(profile: EngineProfile) -> wire.InstallEngine:
+    """The InstallEngine a node without the profile's engine is sent, under the engine's canonical name."""
+    return wire.InstallEngine(engine=wire_engines.get(profile.engine).name, version=profile.engine_version)

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{k}: {v}")
         return 0
 
-    probe = DiscoveryProbe(root=cfg.root or None, model_dirs=list(cfg.model_dirs))
+    probe = DiscoveryProbe(root=cfg.root or None, model_dirs=list(cfg.model_dirs), engines_live=cfg.engines_live)
     agent = Agent(cfg, probe=probe)
 
     def stop(signum, frame):

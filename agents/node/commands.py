@@ -18,6 +18,7 @@ from agents.node.client import ControlPlane, Refused
 from agents.node.probe import Probe
 from agents.node.state import AppliedJournal, CredentialFile
 from agents.node.supervisor import Supervisor
+from wire import engines as wire_engines
 
 log = logging.getLogger("llmgw.agent")
 
@@ -109,8 +110,9 @@ class Commands:
                 if self.supervisor.stop(cmd.shard_id, grace_s=cmd.grace_s, reason=cmd.reason) is None:
                     log.info("command %s: shard %s is not on this node; nothing to stop", cmd.id, cmd.shard_id)
             elif isinstance(cmd, wire.InstallEngine):
-                self.installs[cmd.engine] = self.install_state(cmd)
-                log.info("command %s: engine %s is %s", cmd.id, cmd.engine, self.installs[cmd.engine].state)
+                answer = self.install_state(cmd)
+                self.installs[answer.engine] = answer
+                log.info("command %s: engine %s is %s", cmd.id, answer.engine, answer.state)
             elif isinstance(cmd, wire.ScanFabric):
                 with self._lock:
                     self._inflight.add(cmd.id)
@@ -130,15 +132,7 @@ class Commands:
 
     def install_state(self, cmd: wire.InstallEngine) -> wire.EngineInstall:
         """An honest answer to an install request: this agent does not install engines, it reports them."""
-        have = self.engine_versions.get(cmd.engine, "")
-        if have and (not cmd.version or have == cmd.version):
-            return wire.EngineInstall(engine=cmd.engine, version=have, variant=cmd.variant, state="ready")
-        detail = f"this agent does not install engines; install {cmd.engine}"
-        detail += f" {cmd.version}" if cmd.version else ""
-        detail += f" on the node (found: {have or 'none'}) and restart the agent"
-        return wire.EngineInstall(
-            engine=cmd.engine, version=cmd.version, variant=cmd.variant, state="unsupported", detail=detail
-        )
+        return install_answer(cmd, self.engine_versions)
 
     def _scan(self, cmd: wire.ScanFabric) -> None:
         started = time.monotonic()
@@ -171,3 +165,18 @@ class Commands:
         finally:
             with self._lock:
                 self._inflight.discard(cmd.id)
+
+
+def install_answer(cmd: wire.InstallEngine, engine_versions: dict[str, str]) -> wire.EngineInstall:
+    """What an agent that found `engine_versions` answers an InstallEngine with: ready, or unsupported and why."""
+    # Canonical names on both sides: asked for `llamacpp`, an agent that found `llama-server` has it.
+    engine = wire_engines.canonical(cmd.engine) or cmd.engine
+    have = wire_engines.canonical_versions(engine_versions).get(engine, "")
+    if have and (not cmd.version or have == cmd.version):
+        return wire.EngineInstall(engine=engine, version=have, variant=cmd.variant, state="ready")
+    detail = f"this agent does not install engines; install {engine}"
+    detail += f" {cmd.version}" if cmd.version else ""
+    detail += f" on the node (found: {have or 'none'}) and restart the agent"
+    return wire.EngineInstall(
+        engine=engine, version=cmd.version, variant=cmd.variant, state="unsupported", detail=detail
+    )

@@ -36,6 +36,7 @@ TOP_KEYS = (
     "mgmt_interface",
     "fabrics",
     "root",
+    "engines_live",
     "metrics_listen",
     "metrics_token",
     "metrics_open",
@@ -75,6 +76,9 @@ class Config:
     mgmt_interface: str = ""
     fabrics: tuple[Fabric, ...] = ()
     root: str = ""
+    # With `root`: probe the real engines on PATH all the same (a recorded
+    # machine running a real engine, as the end-to-end tests do).
+    engines_live: bool = False
     # The node's own Prometheus endpoint (host:port; "" = not served).
     metrics_listen: str = ""
     metrics_token: str = field(default="", repr=False)
@@ -234,12 +238,21 @@ def parse(data: Any, *, source: str = "<agent.yaml>") -> Config:
         mgmt_interface=_str(data, "mgmt_interface", source=source),
         fabrics=fabrics,
         root=_str(data, "root", source=source),
+        engines_live=_flag(data, "engines_live", source=source),
         metrics_listen=metrics_listen,
         metrics_token=metrics_token,
         metrics_open=metrics_open,
         wakeup_url=wakeup_url.rstrip("/"),
         source=source,
     )
+
+
+def _flag(data: dict, key: str, *, source: str) -> bool:
+    """A yes/no key: YAML's true or false, nothing else."""
+    value = data.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be true or false, not {value!r}")
+    return value
 
 
 def load(path: str | Path) -> Config:

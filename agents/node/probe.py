@@ -21,14 +21,15 @@ class Probe(Protocol):
 class DiscoveryProbe:
     """The real probe: agents.node.discovery, on the live machine or a fixture root."""
 
-    def __init__(self, *, root: str | Path | None, model_dirs: list[str]) -> None:
+    def __init__(self, *, root: str | Path | None, model_dirs: list[str], engines_live: bool = False) -> None:
         self._d = discovery
         self.root = Path(root) if root else None
         self.model_dirs = list(model_dirs)
+        self.engines_live = engines_live
 
     def discover(self) -> Any:
         """The node's whole inventory, for a registration."""
-        return self._d.discover(root=self.root, model_dirs=self.model_dirs)
+        return self._d.discover(root=self.root, model_dirs=self.model_dirs, engines_live=self.engines_live)
 
     def sample(self, previous: Any = None) -> Any:
         """One heartbeat's sensors (rates from `previous`)."""

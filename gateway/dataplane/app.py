@@ -28,9 +28,9 @@ from gateway.dataplane.metrics import Metrics
 from gateway.dataplane.pool import Pool
 from gateway.dataplane.streaming import Outcome, Relay
 from gateway.dataplane.upstream import Health, Upstream
-from gateway.enginemetrics import EngineLoad
 from gateway.table import KeyEntry, ModelRoute
 from placement import inflight as placement_inflight
+from wire.engines import EngineLoad
 
 log = logging.getLogger("gateway.dataplane")
 

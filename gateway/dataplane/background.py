@@ -15,9 +15,9 @@ from django.db import close_old_connections
 
 from gateway import figures, notify, usage
 from gateway.dataplane.upstream import Health
-from gateway.enginemetrics import EngineLoad, names_for, parse
 from gateway.table import Backend, KeyEntry, ModelRoute, load_keys, load_routes
 from placement import inflight as placement_inflight
+from wire.engines import EngineLoad, engine_load
 
 log = logging.getLogger("gateway.dataplane")
 
@@ -121,7 +121,7 @@ class Background:
         except httpx.HTTPError:
             return
         if r.status_code == 200:
-            load = parse(r.text, names_for(b.engine, b.engine_version))
+            load = engine_load(b.engine, b.engine_version, r.text)
             if load is not None:
                 self.engine[b.id] = (load, time.monotonic())
 

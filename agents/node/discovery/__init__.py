@@ -158,8 +158,8 @@ def _arch(root: Path | None) -> str:
     return res.stdout.strip() if res.ok else ""
 
 
-def discover(*, root: Path | None, model_dirs: list[str]) -> Discovery:
-    """The whole inventory of this machine (or of the recorded profile at `root`)."""
+def discover(*, root: Path | None, model_dirs: list[str], engines_live: bool = False) -> Discovery:
+    """The whole inventory of this machine, or of the recorded profile at `root` (engines live: `engines_live`)."""
     root = Path(root) if root is not None else None
     problems: list[str] = []
     readings, driver, gpu_problems = _readings(root)
@@ -181,7 +181,7 @@ def discover(*, root: Path | None, model_dirs: list[str]) -> Discovery:
     weights = storage.find_weights(model_dirs, mounts, root) if model_dirs else None
     imex_state, imex_problems = read_imex(root)
     problems += imex_problems
-    versions, engine_problems = probe_engines(root, timeout=TOOL_TIMEOUT)
+    versions, engine_problems = probe_engines(root, timeout=TOOL_TIMEOUT, live=engines_live)
     problems += engine_problems
     return Discovery(
         host=host.read_host(root, arch=_arch(root), nvidia_driver=driver),

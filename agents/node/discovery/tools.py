@@ -13,9 +13,11 @@ by "-", then ".txt", under `root/cmd/`:
     ["nvidia-smi", "topo", "-m"]           -> cmd/nvidia-smi_topo_-m.txt
     ["sminfo", "-C", "mlx5_0", "-P", "1"]  -> cmd/sminfo_-C_mlx5_0_-P_1.txt
 
-Beside it, `<name>.err` records a failure (its text is the error) and
-`<name>.timeout` a tool that hung; no recording at all reads as a tool that
-is not installed.
+Beside it, `<name>.stderr` records what the tool printed on its standard
+error (llama-server prints its version there, and a recording that put it on
+stdout hid that discovery never read it), `<name>.err` a failure (its text is
+the error) and `<name>.timeout` a tool that hung; no recording at all reads as
+a tool that is not installed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class ToolResult:
     ok: bool
     stdout: str = ""
     error: str = ""
+    stderr: str = ""
     # The tool is not on this machine (or has no recording): absent, not broken.
     missing: bool = False
 
@@ -78,7 +81,7 @@ def run_tool(argv: list[str], *, root: Path | None, timeout: float, record: str 
         detail = (proc.stderr or proc.stdout or "").strip().splitlines()
         tail = detail[-1] if detail else ""
         return ToolResult(ok=False, stdout=proc.stdout, error=f"{argv[0]}: exit {proc.returncode}: {tail}".rstrip(": "))
-    return ToolResult(ok=True, stdout=proc.stdout)
+    return ToolResult(ok=True, stdout=proc.stdout, stderr=proc.stderr)
 
 
 def _recorded(argv: list[str], cmd_dir: Path, name: str) -> ToolResult:
@@ -87,9 +90,13 @@ def _recorded(argv: list[str], cmd_dir: Path, name: str) -> ToolResult:
     err = cmd_dir / f"{name}.err"
     if err.exists():
         return ToolResult(ok=False, error=f"{argv[0]}: {err.read_text(errors='replace').strip()}")
-    out = cmd_dir / f"{name}.txt"
-    if out.exists():
-        return ToolResult(ok=True, stdout=out.read_text(errors="replace"))
+    out, err_stream = cmd_dir / f"{name}.txt", cmd_dir / f"{name}.stderr"
+    if out.exists() or err_stream.exists():
+        return ToolResult(
+            ok=True,
+            stdout=out.read_text(errors="replace") if out.exists() else "",
+            stderr=err_stream.read_text(errors="replace") if err_stream.exists() else "",
+        )
     return ToolResult(ok=False, error=f"{argv[0]}: not installed", missing=True)
 
 

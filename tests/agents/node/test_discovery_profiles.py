@@ -83,12 +83,15 @@ def test_roce_node_network_and_cgroup_limits():
         ("mlx5_0", "Ethernet", "ens1f0np0", "192.168.100.0/24", ""),
         ("mlx5_1", "Ethernet", "ens1f1np1", "", ""),
     ]
-    assert d.engine_versions == {"llama-server": "4589 (1a2b3c4d)"}
+    # No engine recorded on this machine: an absent engine is not a problem.
+    assert d.engine_versions == {} and d.engines_probed
 
 
 def test_cpu_only_node_reports_what_it_has():
     d = discover(root=PROFILES / "cpu-only", model_dirs=["/srv/models", "/missing"])
     assert (d.gpus, d.imex, d.cpu_count) == ([], None, 48)
+    # llama-server prints its version on stderr, nothing on stdout; a tarball build knows no build number.
+    assert d.engine_versions == {"llamacpp": "0.6.0-dev"}
     assert d.problems == ["model directory /missing: not found"]
     s = sample(root=PROFILES / "cpu-only")
     assert (s.gpus, s.ib_ports, s.load.load1, s.load.cpu_count) == ([], [], 0.52, 48)
@@ -168,3 +171,15 @@ def test_agent_code_imports_no_django():
 def test_no_model_directory_configured_means_weights_not_looked_for():
     d = discover(root=PROFILES / "cpu-only", model_dirs=[])
     assert d.weights is None
+
+
+def test_an_engine_that_answers_on_the_other_stream_is_reported_as_such(tmp_path):
+    # A probe read from the wrong stream finds no version: said, not silently absent.
+    cmd = tmp_path / "cmd"
+    cmd.mkdir()
+    (cmd / "llama-server_--version.txt").write_text(
+        (PROFILES / "cpu-only" / "cmd" / "llama-server_--version.stderr").read_text()
+    )
+    d = discover(root=tmp_path, model_dirs=[])
+    assert d.engine_versions == {}
+    assert "engine llamacpp: llama-server --version printed no version on stderr" in d.problems

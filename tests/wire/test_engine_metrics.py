@@ -1,4 +1,4 @@
-"""Engine figures read from each engine's /metrics under its version's names."""
+"""Engine figures read from each engine's /metrics under its version's names, combined by its formulas."""
 
 from __future__ import annotations
 
@@ -7,19 +7,14 @@ from pathlib import Path
 import pytest
 
 from agents.node import echo
-from gateway.enginemetrics import (
-    LLAMACPP,
-    SGLANG,
-    VLLM_NEW,
-    VLLM_OLD,
-    EngineLoad,
-    hit_ratio,
-    names_for,
-    parse,
-    samples,
-)
+from wire.engines import metric_names as names_for
+from wire.engines.metrics import LLAMACPP, SGLANG, VLLM_NEW, VLLM_OLD, EngineLoad, hit_ratio, parse, samples
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "engines"
+
+
+def _values(text: str) -> dict[str, list[float]]:
+    return {name: [v for _, v in series] for name, series in samples(text).items()}
 
 
 def _read(name: str) -> str:
@@ -40,6 +35,7 @@ def _read(name: str) -> str:
         ("vllm", "0.1.dev20051+g487ecf187", VLLM_NEW),
         ("sglang", "0.5.2", SGLANG),
         ("llamacpp", "b6500", LLAMACPP),
+        ("llama-server", "0.6.0-dev", LLAMACPP),
         ("echo", "", VLLM_NEW),
     ],
 )
@@ -65,8 +61,30 @@ def test_sglang():
     assert parse(_read("sglang-0.5.2.txt"), names_for("sglang", "0.5.2")) == EngineLoad(12.0, 5.0, 0.62, 0.81)
 
 
-def test_llamacpp_has_no_kv_usage():
-    assert parse(_read("llamacpp-b6500.txt"), names_for("llamacpp", "b6500")) == EngineLoad(2.0, 1.0, None, 0.25)
+def test_llamacpp_hit_ratio_counts_cached_tokens_among_all_prompt_tokens():
+    # prompt_tokens_total counts the tokens llama-server processed, the cached ones excluded:
+    # 51 cached beside 88 processed is 51 / 139, where cached / processed read 0.58 (and could pass 1).
+    text = "llamacpp:prompt_tokens_total 88\nllamacpp:prompt_tokens_cached_total 51\nllamacpp:requests_processing 1\n"
+    assert parse(text, LLAMACPP) == EngineLoad(1.0, 0.0, None, 51 / 139)
+    text = "llamacpp:prompt_tokens_total 10\nllamacpp:prompt_tokens_cached_total 40\nllamacpp:requests_deferred 2\n"
+    assert parse(text, LLAMACPP).hit_ratio == 0.8
+
+
+def test_sglang_counts_each_pipeline_stage_once_and_adds_data_parallel_groups():
+    # With pp 2 each stage's scheduler reports the same requests under its pp_rank: 3 running, not 6.
+    text = (
+        'sglang:num_running_reqs{model_name="m",pp_rank="0",tp_rank="0"} 3\n'
+        'sglang:num_running_reqs{model_name="m",pp_rank="1",tp_rank="0"} 3\n'
+        'sglang:num_queue_reqs{model_name="m",pp_rank="0",tp_rank="0"} 2\n'
+        'sglang:num_queue_reqs{model_name="m",pp_rank="1",tp_rank="0"} 2\n'
+    )
+    assert parse(text, names_for("sglang", "0.5.2")) == EngineLoad(3.0, 2.0, None, None)
+    # Two data-parallel groups hold different requests: they add up.
+    text = (
+        'sglang:num_running_reqs{dp_rank="0",pp_rank="0"} 2\nsglang:num_running_reqs{dp_rank="0",pp_rank="1"} 2\n'
+        'sglang:num_running_reqs{dp_rank="1",pp_rank="0"} 4\nsglang:num_running_reqs{dp_rank="1",pp_rank="1"} 4\n'
+    )
+    assert parse(text, SGLANG).running == 6.0
 
 
 def test_no_figures_and_label_sets():
@@ -103,7 +121,7 @@ def test_recorded_vllm_v1_with_the_old_names():
 
 def test_recorded_vllm_0_10_serves_old_and_new_cache_names_and_created_gauges():
     text = _read("vllm-0.10.0-production-stack-617.txt")
-    values = samples(text)
+    values = _values(text)
     assert values["vllm:kv_cache_usage_perc"] == [9.75010481363281e-06]
     assert values["vllm:prefix_cache_queries_total"] == [32.0]
     assert values["vllm:gpu_prefix_cache_hits_total"] == [0.0]
@@ -112,20 +130,19 @@ def test_recorded_vllm_0_10_serves_old_and_new_cache_names_and_created_gauges():
     assert "vllm:gpu_prefix_cache_queries_total" not in values
     # The paste holds the new queries counter but only the deprecated hits counter: no ratio
     # is made across the two families (it read 0/32 = 0.0 before).
-    assert hit_ratio(values, names_for("vllm", "0.10.0")) is None
+    assert hit_ratio(samples(text), names_for("vllm", "0.10.0")) is None
     # The request gauges fall outside the pasted excerpt.
     assert parse(text, names_for("vllm", "0.10.0")) is None
 
 
 def test_hit_ratio_takes_the_first_family_with_both_counters():
-    values = {"vllm:gpu_prefix_cache_hits_total": [5.0], "vllm:gpu_prefix_cache_queries_total": [20.0]}
+    values = {"vllm:gpu_prefix_cache_hits_total": [((), 5.0)], "vllm:gpu_prefix_cache_queries_total": [((), 20.0)]}
     assert hit_ratio(values, VLLM_NEW) == 0.25
-    values["vllm:prefix_cache_hits_total"] = [3.0]
-    values["vllm:prefix_cache_queries_total"] = [4.0]
+    values["vllm:prefix_cache_hits_total"] = [((), 3.0)]
+    values["vllm:prefix_cache_queries_total"] = [((), 4.0)]
     assert hit_ratio(values, VLLM_NEW) == 0.75
-    assert (
-        hit_ratio({"vllm:prefix_cache_hits_total": [0.0], "vllm:prefix_cache_queries_total": [0.0]}, VLLM_NEW) is None
-    )
+    zero = {"vllm:prefix_cache_hits_total": [((), 0.0)], "vllm:prefix_cache_queries_total": [((), 0.0)]}
+    assert hit_ratio(zero, VLLM_NEW) is None
 
 
 def test_recorded_sglang():
@@ -137,5 +154,5 @@ def test_recorded_sglang():
 def test_recorded_llamacpp_with_escaped_comment_lines():
     text = _read("llamacpp-master-2025-01-llama.cpp-pr11512.txt")
     # The paste escapes `#` as `\#`; those lines are not samples and must not be read as any.
-    assert samples(text) == {"llamacpp:requests_processing": [0.0], "llamacpp:requests_deferred": [0.0]}
+    assert _values(text) == {"llamacpp:requests_processing": [0.0], "llamacpp:requests_deferred": [0.0]}
     assert parse(text, names_for("llamacpp", "")) == EngineLoad(0.0, 0.0, None, None)

@@ -1,6 +1,7 @@
-"""Each engine's own load and cache figures, read from its /metrics under the names its version uses.
+"""Each engine's load and cache figures, read from its /metrics under the names its version serves.
 
-The names were read in the engines' sources:
+The names were read in the engines' sources and checked against recordings
+(tests/fixtures/engines/SOURCES.md says which is which):
 - vLLM serves /metrics by default. Requests: `vllm:num_requests_running`,
   `vllm:num_requests_waiting`. Cache: `vllm:kv_cache_usage_perc` and
   `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` from
@@ -8,18 +9,29 @@ The names were read in the engines' sources:
   and `vllm:gpu_prefix_cache_queries_total` / `..._hits_total`.
 - SGLang, with `--enable-metrics`: `sglang:num_running_reqs`,
   `sglang:num_queue_reqs`, `sglang:token_usage` (KV-cache use),
-  `sglang:cache_hit_rate`.
+  `sglang:cache_hit_rate`. Every pipeline stage's scheduler reports the same
+  requests under its own `pp_rank` (and tensor ranks may too): those are one
+  group's requests counted once, while data-parallel groups add up.
 - llama-server, with `--metrics`: `llamacpp:requests_processing`,
-  `llamacpp:requests_deferred`, `llamacpp:prompt_tokens_cached_total` over
-  `llamacpp:prompt_tokens_total`; no KV-cache usage.
+  `llamacpp:requests_deferred`; `llamacpp:prompt_tokens_total` counts the
+  prompt tokens it *processed*, the cached ones excluded, and
+  `llamacpp:prompt_tokens_cached_total` (later builds only) the cached ones:
+  the hit ratio is cached / (cached + processed). Read as cached / processed,
+  as the old code did, the figure could pass 1.
 - echo (the test engine) uses vLLM's current names.
-An unknown version reads the newest names and falls back to the older ones.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
+
+from wire.engines.versions import Version
+
+# How a pair of counters makes a hit ratio.
+HITS_OVER_QUERIES = "hits/queries"
+CACHED_OVER_ALL = "cached/(cached+processed)"
 
 
 @dataclass(frozen=True)
@@ -28,6 +40,8 @@ class Names:
 
     `hits` and `queries` are pairs, index by index: a ratio is only taken within one family,
     since a scrape can hold the new queries counter beside only the deprecated hits one.
+    `once_per` names the labels under which the same requests are reported again
+    (SGLang's pipeline and tensor ranks): such series are counted once per group.
     """
 
     running: tuple[str, ...]
@@ -36,6 +50,8 @@ class Names:
     hit_rate: tuple[str, ...] = ()
     hits: tuple[str, ...] = ()
     queries: tuple[str, ...] = ()
+    ratio: str = HITS_OVER_QUERIES
+    once_per: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,51 +90,34 @@ SGLANG = Names(
     waiting=("sglang:num_queue_reqs",),
     kv_usage=("sglang:token_usage",),
     hit_rate=("sglang:cache_hit_rate",),
+    once_per=("pp_rank", "tp_rank"),
 )
 LLAMACPP = Names(
     running=("llamacpp:requests_processing",),
     waiting=("llamacpp:requests_deferred",),
     hits=("llamacpp:prompt_tokens_cached_total",),
     queries=("llamacpp:prompt_tokens_total",),
+    ratio=CACHED_OVER_ALL,
 )
-# The first vLLM that emits the new cache names.
+# The first vLLM that serves the new cache names.
 VLLM_NEW_NAMES = (0, 9, 2)
 
 
-# A build from a checkout without tags calls itself 0.1.devN (setuptools-scm's fallback):
-# its age is unknown, not older than 0.9.2.
-_UNTAGGED = re.compile(r"0\.1\.dev\d+")
+def vllm_names(version: Version) -> Names:
+    """vLLM's names at a version; an unknown version reads the new names and falls back to the old."""
+    return VLLM_NEW if version.at_least(VLLM_NEW_NAMES) else VLLM_OLD
 
 
-def _version(v: str) -> tuple[int, ...] | None:
-    if _UNTAGGED.match(v.strip()):
-        return None
-    m = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", v.strip())
-    if not m:
-        return None
-    return tuple(int(x or 0) for x in m.groups())
-
-
-def names_for(engine: str, version: str) -> Names:
-    """The names an engine at a version serves its figures under."""
-    if engine == "vllm":
-        parsed = _version(version)
-        if parsed is not None and parsed < VLLM_NEW_NAMES:
-            return VLLM_OLD
-        return VLLM_NEW
-    if engine == "sglang":
-        return SGLANG
-    if engine == "llamacpp":
-        return LLAMACPP
-    return VLLM_NEW
-
+# One series: its labels and its value.
+Series = tuple[tuple[tuple[str, str], ...], float]
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([^\s]+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 
-def samples(text: str) -> dict[str, list[float]]:
-    """Each metric name's values, one per label set (an engine with several ranks or models)."""
-    out: dict[str, list[float]] = {}
+def samples(text: str) -> dict[str, list[Series]]:
+    """Each metric name's series (labels, value) in Prometheus text; NaN (nothing measured yet) skipped."""
+    out: dict[str, list[Series]] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
@@ -129,43 +128,58 @@ def samples(text: str) -> dict[str, list[float]]:
             value = float(m.group(3))
         except ValueError:
             continue
-        if value != value:  # NaN: nothing measured yet
+        if math.isnan(value):
             continue
-        out.setdefault(m.group(1), []).append(value)
+        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
+        out.setdefault(m.group(1), []).append((labels, value))
     return out
 
 
-def _first(values: dict[str, list[float]], names: tuple[str, ...], *, mean: bool = False) -> float | None:
-    """The first of `names` present: counts summed over label sets, fractions (`mean`) averaged."""
-    for n in names:
+def _counted(series: list[Series], once_per: tuple[str, ...]) -> list[float]:
+    """The values that count: series differing only in a `once_per` label are one group, its largest value."""
+    if not once_per:
+        return [v for _, v in series]
+    groups: dict[tuple[tuple[str, str], ...], float] = {}
+    for labels, v in series:
+        key = tuple(kv for kv in labels if kv[0] not in once_per)
+        groups[key] = max(groups.get(key, v), v)
+    return list(groups.values())
+
+
+def _first(
+    values: dict[str, list[Series]], names: Names, which: tuple[str, ...], *, mean: bool = False
+) -> float | None:
+    """The first of `which` present: counts summed over groups, fractions (`mean`) averaged."""
+    for n in which:
         if n in values:
-            total = sum(values[n])
-            return total / len(values[n]) if mean else total
+            counted = _counted(values[n], names.once_per)
+            return sum(counted) / len(counted) if mean else sum(counted)
     return None
 
 
-def hit_ratio(values: dict[str, list[float]], names: Names) -> float | None:
-    """The prefix-cache hit ratio: the engine's own gauge, else hits over queries of one family."""
-    ratio = _first(values, names.hit_rate, mean=True)
+def hit_ratio(values: dict[str, list[Series]], names: Names) -> float | None:
+    """The prefix-cache hit ratio: the engine's own gauge, else its counters by the engine's formula."""
+    ratio = _first(values, names, names.hit_rate, mean=True)
     if ratio is not None:
         return ratio
     for hits, queries in zip(names.hits, names.queries, strict=True):
         if hits in values and queries in values:
-            asked = sum(values[queries])
-            return sum(values[hits]) / asked if asked else None
+            hit = sum(_counted(values[hits], names.once_per))
+            other = sum(_counted(values[queries], names.once_per))
+            asked = hit + other if names.ratio == CACHED_OVER_ALL else other
+            return hit / asked if asked else None
     return None
 
 
 def parse(text: str, names: Names) -> EngineLoad | None:
     """The figures in an engine's /metrics text; None when it has none of the request gauges."""
     values = samples(text)
-    running, waiting = _first(values, names.running), _first(values, names.waiting)
+    running, waiting = _first(values, names, names.running), _first(values, names, names.waiting)
     if running is None and waiting is None:
         return None
-    ratio = hit_ratio(values, names)
     return EngineLoad(
         running=running or 0.0,
         waiting=waiting or 0.0,
-        kv_usage=_first(values, names.kv_usage, mean=True),
-        hit_ratio=ratio,
+        kv_usage=_first(values, names, names.kv_usage, mean=True),
+        hit_ratio=hit_ratio(values, names),
     )
