@@ -8,11 +8,13 @@ import json
 import uuid
 
 from django.conf import settings
+from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
 from wire import ShardState as WireShardState
+from wire import engines as wire_engines
 from wire import shard_states
 
 
@@ -62,6 +64,14 @@ class EngineProfile(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    def clean(self) -> None:
+        """Refuse parallelism the engine cannot run (the admin's form and the API ask the same rule)."""
+        problems = wire_engines.parallelism_problems(
+            self.engine, tp=self.tp or 1, pp=self.pp or 1, nodes=self.nodes or 1, gpus_per_node=self.gpus_per_node or 0
+        )
+        if problems:
+            raise ValidationError(problems)
 
     def fingerprint(self) -> str:
         """A hash of everything that changes what a shard runs; a change rolls the replicas."""

@@ -20,6 +20,7 @@ from placement import secrets
 from placement.explain import EVERY_NODE, FITS_SHOWN, SUMMARY
 from placement.models import Deployment, Engine, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.planner import BINPACK, SPREAD
+from wire import engines as wire_engines
 
 # A profile's power claim, per shard (W): more than any rack draws, less than a float's surprises.
 MAX_POWER_W = 1_000_000.0
@@ -157,6 +158,12 @@ class ProfileIn(serializers.ModelSerializer):
         model = EngineProfile
         fields = [f for f in ProfileOut.Meta.fields if f not in ("id", "fingerprint", "created_at", "updated_at")]
 
+    def to_internal_value(self, data: Any) -> dict:
+        """Any name an engine goes by ("llama-server", "llama.cpp") is stored as its canonical one."""
+        if type(data) is dict and isinstance(data.get("engine"), str) and wire_engines.canonical(data["engine"]):
+            data = {**data, "engine": wire_engines.canonical(data["engine"])}
+        return super().to_internal_value(data)
+
     def validate(self, attrs: dict) -> dict:
         """A secret sent back masked keeps its stored value (one masked with nothing stored is a 400);
         a served name llama.cpp would split is refused."""
@@ -170,6 +177,19 @@ class ProfileIn(serializers.ModelSerializer):
 
         def current(key: str) -> str:
             return attrs.get(key, getattr(stored, key, "")) or ""
+
+        def number(key: str, default: int) -> int:
+            return attrs.get(key, getattr(stored, key, default))
+
+        problems = wire_engines.parallelism_problems(
+            current("engine"),
+            tp=number("tp", 1),
+            pp=number("pp", 1),
+            nodes=number("nodes", 1),
+            gpus_per_node=number("gpus_per_node", 0),
+        )
+        if problems:
+            raise serializers.ValidationError(problems)
 
         # llama-server's --alias splits on commas: the model would be served under other names.
         if current("engine") == Engine.LLAMACPP:

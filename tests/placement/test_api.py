@@ -68,7 +68,7 @@ def test_operator_creates_profile_and_deployment(operator, django_capture_on_com
     c = client(operator)
     r = c.post(
         "/api/v1/profiles/",
-        {"name": "vllm-8", "engine": "vllm", "gpus_per_node": 8, "args": ["--max-model-len", "8192"]},
+        {"name": "vllm-8", "engine": "vllm", "tp": 8, "gpus_per_node": 8, "args": ["--max-model-len", "8192"]},
         format="json",
     )
     assert r.status_code == 201, r.json()
@@ -465,3 +465,42 @@ def test_hold_and_budget_inputs_have_the_wire_bounds(operator, path, body, field
     assert r.status_code == 400
     assert list(r.json()) == [field]
     assert not Hold.objects.exists() and not PowerBudget.objects.exists()
+
+
+@pytest.mark.parametrize(
+    ("body", "errors"),
+    [
+        (
+            {"engine": "vllm", "tp": 8, "pp": 2, "nodes": 2, "gpus_per_node": 4},
+            {
+                "gpus_per_node": [
+                    "vLLM runs tp x pp = 8 x 2 = 16 ranks, one per GPU, but nodes x gpus_per_node = 2 x 4 = 8"
+                ]
+            },
+        ),
+        (
+            {"engine": "sglang", "tp": 3, "nodes": 2},
+            {"nodes": ["SGLang spreads tp x pp = 3 ranks evenly over nodes; 2 nodes cannot"]},
+        ),
+        ({"engine": "llamacpp", "nodes": 2}, {"nodes": ["llama.cpp runs on one node; nodes is 2"]}),
+    ],
+)
+def test_profile_parallelism_the_engine_cannot_run_is_a_400_naming_the_field(operator, body, errors):
+    r = client(operator).post("/api/v1/profiles/", {"name": "p", **body}, format="json")
+    assert (r.status_code, r.json()) == (400, errors)
+    assert not EngineProfile.objects.exists()
+
+
+def test_profile_parallelism_that_fits_and_engine_aliases(operator):
+    c = client(operator)
+    r = c.post(
+        "/api/v1/profiles/",
+        {"name": "a", "engine": "vllm", "tp": 8, "pp": 2, "nodes": 2, "gpus_per_node": 8},
+        format="json",
+    )
+    assert r.status_code == 201, r.json()
+    # Any name an engine goes by is stored as its canonical one.
+    r = c.post("/api/v1/profiles/", {"name": "b", "engine": "llama-server", "model_path": "/m.gguf"}, format="json")
+    assert (r.status_code, r.json()["engine"]) == (201, "llamacpp")
+    r = c.post("/api/v1/profiles/", {"name": "c", "engine": "tgi"}, format="json")
+    assert r.status_code == 400 and list(r.json()) == ["engine"]

@@ -42,7 +42,7 @@ PROFILE_FORM = {
     "gpu_class": "",
     "tp": "4",
     "pp": "1",
-    "gpus_per_node": "8",
+    "gpus_per_node": "4",
     "nodes": "1",
     "memory_gb": "0",
     "cpu_cores": "0",
@@ -77,9 +77,14 @@ def test_profile_through_the_admin(operator):
     assert r.status_code == 302
     assert only_event(operator, "profile") == "created: profile vllm-8"
     prof = EngineProfile.objects.get()
+    # tp x pp must be every GPU a vLLM replica holds: the form names the field, nothing is written.
     r = c.post(f"/admin/placement/engineprofile/{prof.pk}/change/", {**PROFILE_FORM, "tp": "8"})
+    assert r.status_code == 200
+    assert "runs tp x pp = 8 x 1 = 8 ranks, one per GPU, but nodes x gpus_per_node = 1 x 4 = 4" in r.content.decode()
+    assert EngineProfile.objects.get().tp == 4
+    r = c.post(f"/admin/placement/engineprofile/{prof.pk}/change/", {**PROFILE_FORM, "tp": "8", "gpus_per_node": "8"})
     assert r.status_code == 302
-    assert only_event(operator, "profile") == "changed: profile vllm-8: tp 4 -> 8"
+    assert only_event(operator, "profile") == "changed: profile vllm-8: tp 4 -> 8, gpus_per_node 4 -> 8"
     r = c.post(f"/admin/placement/engineprofile/{prof.pk}/delete/", {"post": "yes"})
     assert r.status_code == 302 and not EngineProfile.objects.exists()
     assert only_event(operator, "profile") == "deleted: profile vllm-8"

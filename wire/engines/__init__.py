@@ -12,6 +12,7 @@ from wire.engines.registry import (
     engine_load,
     get,
     metric_names,
+    parallelism_problems,
     probe_version,
 )
 from wire.engines.versions import Version, dotted, llamacpp_build, python_release
@@ -36,6 +37,7 @@ __all__ = [
     "get",
     "llamacpp_build",
     "metric_names",
+    "parallelism_problems",
     "probe_version",
     "python_release",
     "served_name",

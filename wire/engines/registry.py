@@ -51,6 +51,9 @@ class Engine:
     host_ip_env: tuple[str, ...] = ()
     # Shipped with the agent: always installed, never probed.
     builtin: bool = False
+    # Each tensor x pipeline rank is one process on one GPU, so tp x pp must be every GPU the
+    # replica holds (llama.cpp splits layers over whatever it is given; echo uses none).
+    rank_per_gpu: bool = False
 
     def version(self, text: str) -> Version:
         """`text` (a probe's output line or a stored version) read as this engine's version."""
@@ -78,6 +81,7 @@ ENGINES: dict[str, Engine] = {
             names=metrics.vllm_names,
             multi_node=True,
             host_ip_env=("VLLM_HOST_IP",),
+            rank_per_gpu=True,
         ),
         Engine(
             name="sglang",
@@ -95,6 +99,7 @@ ENGINES: dict[str, Engine] = {
             multi_node=True,
             # sglang.srt.utils.get_ip reads SGLANG_HOST_IP, then HOST_IP.
             host_ip_env=("SGLANG_HOST_IP", "HOST_IP"),
+            rank_per_gpu=True,
         ),
         Engine(
             name="llamacpp",
@@ -118,6 +123,8 @@ ENGINES: dict[str, Engine] = {
             read_version=python_release,
             build=launch.echo,
             names=lambda v: metrics.VLLM_NEW,
+            # It stands in for vLLM in simulations, multi-node shapes included, but holds no GPU itself.
+            multi_node=True,
             builtin=True,
         ),
     )
@@ -180,3 +187,27 @@ def metric_names(engine: str, version: str) -> metrics.Names:
 def engine_load(engine: str, version: str, text: str) -> metrics.EngineLoad | None:
     """An engine's requests, cache use and hit ratio from one scrape of its /metrics."""
     return metrics.parse(text, metric_names(engine, version))
+
+
+def parallelism_problems(engine: str, *, tp: int, pp: int, nodes: int, gpus_per_node: int) -> dict[str, str]:
+    """Why a profile's parallelism cannot run, by field ({} when it can).
+
+    An engine that runs one rank per GPU needs tp x pp = nodes x GPUs per node:
+    with fewer GPUs the engine dies asking for ranks it has no card for; with
+    more, cards are claimed and left idle. GPUs per node 0 means "derive it".
+    """
+    canon = canonical(engine)
+    if not canon:
+        return {}
+    e = ENGINES[canon]
+    problems: dict[str, str] = {}
+    if nodes > 1 and not e.multi_node:
+        problems["nodes"] = f"{e.label} runs on one node; nodes is {nodes}"
+    if e.rank_per_gpu and gpus_per_node and tp * pp != nodes * gpus_per_node:
+        problems["gpus_per_node"] = (
+            f"{e.label} runs tp x pp = {tp} x {pp} = {tp * pp} ranks, one per GPU, but nodes x gpus_per_node "
+            f"= {nodes} x {gpus_per_node} = {nodes * gpus_per_node}"
+        )
+    if e.rank_per_gpu and not gpus_per_node and (tp * pp) % nodes:
+        problems["nodes"] = f"{e.label} spreads tp x pp = {tp * pp} ranks evenly over nodes; {nodes} nodes cannot"
+    return problems
