@@ -210,6 +210,11 @@ class Shard(models.Model):
     gpu_indices = models.JSONField(default=list, blank=True)
     hcas = models.JSONField("HCAs", default=list, blank=True)
     http_port = models.PositiveIntegerField()
+    # Ports the engine binds right after http_port (SGLang's data-parallel attention), reserved with it.
+    ports_after = models.PositiveSmallIntegerField(default=0)
+    # The rank-0 shard's rendezvous port (vLLM's --master-port, SGLang's --dist-init-addr): stored, so
+    # a reload of the placement index cannot hand it to another shard ("address already in use").
+    rendezvous_port = models.PositiveIntegerField(null=True, blank=True)
     state = models.CharField(max_length=16, choices=ShardState.choices, default="pending", db_index=True)
     reason = models.TextField(blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
@@ -227,6 +232,11 @@ class Shard(models.Model):
                 fields=["node", "http_port"],
                 condition=~Q(state__in=sorted(shard_states.TERMINAL)),
                 name="placement_shard_live_port_unique",
+            ),
+            models.UniqueConstraint(
+                fields=["node", "rendezvous_port"],
+                condition=~Q(state__in=sorted(shard_states.TERMINAL)) & Q(rendezvous_port__isnull=False),
+                name="placement_shard_live_rendezvous_port_unique",
             ),
             models.CheckConstraint(
                 condition=Q(state__in=[s.value for s in WireShardState]), name="placement_shard_state_valid"

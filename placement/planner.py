@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from placement.fit import choose_gpus, must_install, node_reason, power_reason, shard_power
 from placement.snapshot import NodeInfo, Snapshot
+from wire import engines as wire_engines
 
 if TYPE_CHECKING:
     from placement.models import EngineProfile
@@ -43,6 +44,8 @@ class ReplicaRequest:
     selector: Mapping[str, str] = field(default_factory=dict)
     # Nodes this request keeps off, with why ("2 failed starts here in the last 30 min").
     avoid: Mapping[str, str] = field(default_factory=dict)
+    # Ports the engine binds right after each shard's HTTP port (SGLang's data-parallel attention).
+    ports_after: int = 0
 
     @classmethod
     def from_profile(
@@ -70,7 +73,14 @@ class ReplicaRequest:
             disk_gb=profile.disk_gb,
             selector=dict(selector or {}),
             avoid=dict(avoid or {}),
+            ports_after=_ports_after(profile.engine, profile.args or []),
         )
+
+
+def _ports_after(engine: str, args: list[str]) -> int:
+    """Ports the engine binds after its HTTP port with these args (0 for an engine no one knows)."""
+    canon = wire_engines.canonical(engine)
+    return wire_engines.ENGINES[canon].ports_after(args) if canon else 0
 
 
 @dataclass(frozen=True)
@@ -84,10 +94,17 @@ class ShardPlan:
     http_port: int = 0
     # The rendezvous port on the rank-0 node of a multi-node replica.
     leader_port: int = 0
+    # Ports bound right after http_port, reserved with it.
+    ports_after: int = 0
     memory_gb: int = 0
     cpu_cores: int = 0
     power_w: float = 0.0
     install_engine: bool = False
+
+    def ports(self) -> tuple[int, ...]:
+        """Every port this shard binds: its HTTP port, those right after it, and the rendezvous port."""
+        ports = tuple(range(self.http_port, self.http_port + 1 + self.ports_after))
+        return ports + ((self.leader_port,) if self.leader_port else ())
 
 
 @dataclass(frozen=True)
@@ -131,14 +148,16 @@ def _shard(
 ) -> ShardPlan:
     idx = choose_gpus(n, need, gpu_class=req.gpu_class, hcas=hcas)
     cards = [g for g in n.gpus if g.index in idx]
-    port = snap.free_port(n)
+    span = 1 + req.ports_after
+    port = snap.free_port(n, span=span)
     return ShardPlan(
         node_id=n.id,
         rank=rank,
         gpu_indices=idx,
         hcas=hcas,
         http_port=port,
-        leader_port=snap.free_port(n, skip=[port]) if leader else 0,
+        leader_port=snap.free_port(n, skip=range(port, port + span)) if leader else 0,
+        ports_after=req.ports_after,
         memory_gb=req.memory_gb,
         cpu_cores=req.cpu_cores,
         power_w=shard_power(req, cards),

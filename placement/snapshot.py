@@ -301,14 +301,12 @@ class Snapshot:
         """Count a plan's claims, so the next plan in the same pass sees them."""
         for s in plan.shards:
             n = self.nodes[s.node_id]
-            ports = set(n.ports)
-            ports.add(s.http_port)
-            if s.leader_port:
-                ports.add(s.leader_port)
+            bound = s.ports()
+            ports = set(n.ports) | set(bound)
             if self.cluster_ports is not None:
-                self.cluster_ports.update(p for p in (s.http_port, s.leader_port) if p)
+                self.cluster_ports.update(bound)
             if n.mgmt_addr:
-                self.host_ports.setdefault(n.mgmt_addr, set()).update(p for p in (s.http_port, s.leader_port) if p)
+                self.host_ports.setdefault(n.mgmt_addr, set()).update(bound)
             self.replace(
                 dataclasses.replace(
                     n,
@@ -325,14 +323,18 @@ class Snapshot:
         for bk in self.budget_keys_of(n):
             self.budget_used[bk] = self.budget_used.get(bk, 0.0) + watts
 
-    def free_port(self, n: NodeInfo, *, skip: Iterable[int] = ()) -> int:
-        """The lowest port from the base that no shard on the node's host (its management address) uses."""
+    def free_port(self, n: NodeInfo, *, skip: Iterable[int] = (), span: int = 1) -> int:
+        """The lowest port from the base that starts `span` ports no shard on the node's host uses.
+
+        The host is the node's management address; a shard binding ports after
+        its HTTP port (SGLang's data parallelism) needs them all free.
+        """
         used = set(n.ports) | set(skip)
         if n.mgmt_addr:
             used |= self.host_ports.get(n.mgmt_addr, set())
         if self.cluster_ports is not None:
             used |= self.cluster_ports
         p = self.port_base
-        while p in used:
+        while any(q in used for q in range(p, p + span)):
             p += 1
         return p

@@ -153,8 +153,12 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
             installs[node_id][engine] = f"engine {engine} {state}" + (f": {detail}" if detail else "")
     ports: dict[str, set[int]] = defaultdict(set)
     live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=shard_states.TERMINAL)
-    for node_id, port in Shard.objects.filter(f).filter(live).values_list("node_id", "http_port"):
-        ports[node_id].add(port)
+    for node_id, port, after, rendezvous in (
+        Shard.objects.filter(f).filter(live).values_list("node_id", "http_port", "ports_after", "rendezvous_port")
+    ):
+        ports[node_id].update(range(port, port + 1 + after))
+        if rendezvous:
+            ports[node_id].add(rendezvous)
 
     out: dict[str, NodeFacts] = {}
     for (

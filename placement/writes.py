@@ -96,6 +96,8 @@ def placement_rows(
                 gpu_indices=list(s.gpu_indices),
                 hcas=list(s.hcas),
                 http_port=s.http_port,
+                ports_after=s.ports_after,
+                rendezvous_port=s.leader_port or None,
                 state=shard_states.S.PENDING,
                 profile_fp=fp,
                 created_at=now,

@@ -132,6 +132,34 @@ def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
     assert p["hcas"] == ["mlx5_0", "mlx5_1"]
 
 
+
+def test_every_port_a_shard_binds_is_stored_and_reserved_after_a_reload(now):
+    for n in ("a", "b"):
+        fabric_node(n, now, mgmt_addr=f"10.0.0.{ord(n)}", gpus=16, labels={"name": n})
+        telemetry.put(n, {"ib_ports": [ib_port("mlx5_0", SM_A), ib_port("mlx5_1", SM_A)]})
+    prof = EngineProfile.objects.create(name="tp16", engine="echo", tp=16, nodes=2, gpus_per_node=8)
+    Deployment.objects.create(name="big", served_model="big", profile=prof, replicas=1)
+    reconcile(now=now)
+    leader = Shard.objects.get(rank=0)
+    # The rendezvous port is the leader shard's, in the database: an index rebuilt from it
+    # (a worker restarted, the kept index reloaded) cannot hand it to the next shard.
+    assert (leader.node_id, leader.http_port, leader.rendezvous_port) == ("a", 18000, 18001)
+    assert {18000, 18001} <= snapshot_db.build().nodes["a"].ports
+
+    # SGLang with data-parallel attention binds 5 + dp ports after its HTTP port: all reserved.
+    dp = EngineProfile.objects.create(
+        name="dp", engine="sglang", tp=2, gpus_per_node=2, args=["--enable-dp-attention", "--dp-size", "2"]
+    )
+    Deployment.objects.create(name="dp", served_model="dp", profile=dp, replicas=1, node_selector={"name": "a"})
+    reconcile(now=now)
+    s = Shard.objects.get(replica__deployment__name="dp")
+    assert (s.http_port, s.ports_after, s.rendezvous_port) == (18002, 7, None)
+    one = EngineProfile.objects.create(name="one", engine="echo", gpus_per_node=1)
+    Deployment.objects.create(name="one", served_model="one", profile=one, replicas=1, node_selector={"name": "a"})
+    reconcile(now=now)
+    assert Shard.objects.get(replica__deployment__name="one").http_port == 18010
+
+
 JOINED = {
     "state": "Completed",
     "status": "Success",

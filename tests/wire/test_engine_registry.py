@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-import wire
 from wire import engines
 from wire.engines import Version, llamacpp_build, python_release
 
@@ -105,10 +104,6 @@ def test_probe_reads_the_stream_the_engine_prints_on():
     assert engines.probe_version(vllm, stdout="INFO 05-01 starting\n0.11.0\n", stderr="").text == "0.11.0"
 
 
-def _profile(**kw) -> wire.EngineProfile:
-    return wire.EngineProfile(name="p", engine=kw.pop("engine", "sglang"), model_path="/m", **kw)
-
-
 @pytest.mark.parametrize(
     ("args", "after"),
     [
@@ -120,8 +115,8 @@ def _profile(**kw) -> wire.EngineProfile:
     ],
 )
 def test_sglang_ports_after_its_http_port(args, after):
-    assert engines.get("sglang").ports_after(_profile(args=args)) == after
+    assert engines.get("sglang").ports_after(args) == after
 
 
 def test_other_engines_bind_only_their_http_port():
-    assert engines.get("vllm").ports_after(_profile(engine="vllm", args=["--enable-dp-attention"])) == 0
+    assert engines.get("vllm").ports_after(["--enable-dp-attention"]) == 0

@@ -8,9 +8,10 @@ Which flags each release has is checked against the releases themselves
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from wire.commands import EngineProfile, StartShard
+from wire.commands import StartShard
 from wire.engines.versions import Version, dotted
 
 BIND_HOST = "0.0.0.0"
@@ -154,15 +155,15 @@ def _flag_int(args: list[str], *names: str) -> int | None:
     return found
 
 
-def sglang_ports_after(profile: EngineProfile) -> int:
+def sglang_ports_after(engine_args: Sequence[str]) -> int:
     """Ports SGLang binds right after its HTTP port: with data-parallel attention, 5 plus one per dp rank."""
-    args = [str(a) for a in profile.args]
+    args = [str(a) for a in engine_args]
     if "--enable-dp-attention" not in args:
         return 0
     dp = _flag_int(args, "--dp-size", "--dp") or 1
     return 5 + dp
 
 
-def no_ports_after(profile: EngineProfile) -> int:
+def no_ports_after(engine_args: Sequence[str]) -> int:
     """An engine that binds only its HTTP port."""
     return 0

@@ -11,11 +11,11 @@ engine it had, and every llama.cpp deployment was refused on every real node.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from wire.commands import EngineProfile, StartShard
+from wire.commands import StartShard
 from wire.engines import launch, metrics
 from wire.engines.versions import Version, llamacpp_build, python_release
 
@@ -44,8 +44,8 @@ class Engine:
     read_version: Callable[[str], Version]
     build: Callable[..., launch.Launch]
     names: Callable[[Version], metrics.Names]
-    # Ports bound right after the HTTP port (reserved with it).
-    ports_after: Callable[[EngineProfile], int] = launch.no_ports_after
+    # Ports bound right after the HTTP port, from the profile's args (reserved with it).
+    ports_after: Callable[[Sequence[str]], int] = launch.no_ports_after
     multi_node: bool = False
     # Where the engine reads the address it advertises to its other ranks.
     host_ip_env: tuple[str, ...] = ()
