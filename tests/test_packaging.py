@@ -100,3 +100,5 @@ def test_the_agent_installs_alone_without_django(checkout, tmp_path):
     assert sorted(p.name for p in (site / "agents").glob("*.py")) == ["__init__.py"]
     assert (site / "wire/__init__.py").is_file()
     assert (site / "wire/shard_states.py").is_file()
+    # The engine registry travels with the agent: it builds every command line from it.
+    assert (site / "wire/engines/registry.py").is_file()

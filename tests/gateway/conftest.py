@@ -47,6 +47,9 @@ def wait_for(cond: Callable[[], object], *, timeout: float, what: Callable[[], s
 def database_url() -> str:
     """The test database (the one pytest-django created) as a DATABASE_URL."""
     s = connection.settings_dict
+    if connection.vendor == "sqlite":
+        # The embedded default: the gateway process opens the same file.
+        return f"sqlite:///{s['NAME']}"
     auth = quote(s["USER"] or "", safe="")
     if s.get("PASSWORD"):
         auth += ":" + quote(s["PASSWORD"], safe="")

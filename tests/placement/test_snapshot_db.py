@@ -132,7 +132,6 @@ def test_two_node_replica_over_one_physical_fabric_end_to_end(now):
     assert p["hcas"] == ["mlx5_0", "mlx5_1"]
 
 
-
 def test_every_port_a_shard_binds_is_stored_and_reserved_after_a_reload(now):
     for n in ("a", "b"):
         fabric_node(n, now, mgmt_addr=f"10.0.0.{ord(n)}", gpus=16, labels={"name": n})
