@@ -279,7 +279,12 @@ def test_fifty_virtual_nodes_against_a_real_control_plane(plane, settings):
     fleet.start_in_thread()
     try:
         # All registered, once each, none refused; the inventory is the recorded hardware's.
-        _wait(lambda: Node.objects.filter(state="ready").count() == 50, timeout=60, what=summary)
+        # The row is written before the simulated agent counts the answer: wait for both.
+        _wait(
+            lambda: Node.objects.filter(state="ready").count() == 50 and fleet.stats.registered == 50,
+            timeout=60,
+            what=summary,
+        )
         assert set(Node.objects.values_list("id", flat=True)) == ids
         assert fleet.stats.registered == 50 and not fleet.stats.register_refused
         assert GPU.objects.count() == 13 * 4 + 12 * 8 + 12 * 1
