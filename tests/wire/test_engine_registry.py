@@ -112,6 +112,10 @@ def test_probe_reads_the_stream_the_engine_prints_on():
         (["--enable-dp-attention", "--dp-size", "4"], 9),
         (["--enable-dp-attention", "--dp=2"], 7),
         (["--enable-dp-attention"], 6),
+        (["--enable-dp-attention", "--data-parallel-size", "3"], 8),
+        (["--attn-dp-size", "4"], 9),
+        (["--attention-data-parallel-size=2"], 7),
+        (["--attn-dp-size", "1"], 0),
     ],
 )
 def test_sglang_ports_after_its_http_port(args, after):

@@ -17,9 +17,10 @@ from wire.engines.versions import Version, dotted
 BIND_HOST = "0.0.0.0"
 
 # vLLM spans nodes without Ray from 0.11.1 (`--nnodes/--node-rank/--master-addr/
-# --master-port`, workers `--headless`): 0.11.0 has none of these flags and
-# dies on them as unrecognized arguments. Before that only through a Ray
-# cluster the agent does not manage.
+# --master-port`, workers `--headless`): 0.11.0 has none of the first four (its
+# `--headless` serves multi-node data parallelism only) and dies on them as
+# unrecognized arguments. Before that only through a Ray cluster the agent does
+# not manage. The releases' own flags prove it (tests/fixtures/engines/flags/).
 VLLM_MP_MULTINODE = (0, 11, 1)
 # SGLang's pipeline parallelism (`--pp-size`) arrived in 0.4.6.post2: a
 # release key (major, minor, patch, post) says so, where a plain
@@ -156,11 +157,19 @@ def _flag_int(args: list[str], *names: str) -> int | None:
 
 
 def sglang_ports_after(engine_args: Sequence[str]) -> int:
-    """Ports SGLang binds right after its HTTP port: with data-parallel attention, 5 plus one per dp rank."""
+    """Ports SGLang binds right after its HTTP port: with data-parallel attention, 5 plus one per dp rank.
+
+    Data-parallel attention is `--enable-dp-attention` with `--dp-size` (also spelled
+    `--data-parallel-size`, or `--dp` by argparse's abbreviation), or, from 0.5.x,
+    `--attn-dp-size` / `--attention-data-parallel-size` above 1.
+    """
     args = [str(a) for a in engine_args]
+    attn_dp = _flag_int(args, "--attn-dp-size", "--attention-data-parallel-size") or 0
+    if attn_dp > 1:
+        return 5 + attn_dp
     if "--enable-dp-attention" not in args:
         return 0
-    dp = _flag_int(args, "--dp-size", "--dp") or 1
+    dp = _flag_int(args, "--dp-size", "--data-parallel-size", "--dp") or 1
     return 5 + dp
 
 
