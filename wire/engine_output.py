@@ -198,4 +198,6 @@ def with_cause(reason: str, lines: Sequence[str]) -> str:
     line, is_error = cause_line(lines)
     if not line or line in reason:
         return reason
+    if not reason:
+        return line if is_error else f"its last output: {line}"
     return f"{reason}: {line}" if is_error else f"{reason}; its last output: {line}"

@@ -136,3 +136,5 @@ def test_the_reason_names_the_cause_once():
         == "not ready after 1800s; its last output: Loading 40%"
     )
     assert wire.with_cause("the engine was killed by SIGKILL", []) == "the engine was killed by SIGKILL"
+    assert wire.with_cause("", PY_TRACEBACK) == "OSError: [Errno 98] Address already in use"
+    assert wire.with_cause("", ["Loading 40%"]) == "its last output: Loading 40%"
