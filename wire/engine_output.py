@@ -25,9 +25,9 @@ TAIL_BYTES = 8 * 1024
 LINE_CHARS = 1024
 CAUSE_CHARS = 300
 # A secret value known to the agent (a flag's, an environment variable's) is
-# masked wherever it appears; a shorter one ("1", "on") would mask every
-# occurrence of an ordinary word.
-MIN_SECRET = 4
+# masked wherever it appears; a shorter one ("1", "true" in USE_API_KEY=true)
+# would mask every occurrence of an ordinary word.
+MIN_SECRET = 6
 # The agent's own lines in a shard's log: never the engine's cause.
 AGENT_PREFIX = "# llmgw-agent:"
 

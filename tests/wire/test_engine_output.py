@@ -57,7 +57,7 @@ def test_what_holds_no_secret_is_kept(line):
 def test_secrets_the_agent_knows_are_masked_in_any_shape():
     secrets = wire.secret_values(
         ["vllm", "serve", "--api-key", "s3cret-1", "--hf-token=s3cret-22", "--port", "8000"],
-        {"HF_TOKEN": "s3cret-333", "PATH": "/usr/bin", "MY_KEY": "on"},
+        {"HF_TOKEN": "s3cret-333", "PATH": "/usr/bin", "USE_API_KEY": "true"},
     )
     # Longest first, so one secret inside another is masked whole; too short to search for: left out.
     assert secrets == ["s3cret-333", "s3cret-22", "s3cret-1"]
