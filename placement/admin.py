@@ -158,15 +158,44 @@ class DeploymentAdmin(admin.ModelAdmin):
         self.message_user(request, f"{queryset.count()} resumed", messages.SUCCESS)
 
 
+_OUTPUT_STYLE = "white-space: pre-wrap; font-family: monospace; max-height: 32em; overflow: auto; margin: 0"
+
+
+def engine_output(shard: Shard) -> str:
+    """A failed shard's end of its engine's output as it was written, line for line, escaped ("-" when none)."""
+    if not shard.output_tail:
+        return "-"
+    return format_html('<pre class="engine-output" style="{}">{}</pre>', _OUTPUT_STYLE, shard.output_tail)
+
+
 class ShardInline(admin.TabularInline):
     model = Shard
     extra = 0
     can_delete = False
-    fields = ["rank", "node", "gpu_indices", "hcas", "http_port", "state", "reason", "profile_fp", "updated_at"]
+    fields = [
+        "rank",
+        "node",
+        "gpu_indices",
+        "hcas",
+        "http_port",
+        "state",
+        "reason",
+        "engine_output",
+        "profile_fp",
+        "updated_at",
+    ]
     readonly_fields = fields
 
     def has_add_permission(self, request, obj=None) -> bool:
         return False
+
+    @admin.display(description="engine output")
+    def engine_output(self, obj: Shard) -> str:
+        # Folded in the replica's table of shards: forty lines would push the next shard off the page.
+        if not obj.output_tail:
+            return "-"
+        lines = obj.output_tail.count("\n") + 1
+        return format_html("<details><summary>{} lines</summary>{}</details>", lines, engine_output(obj))
 
 
 class EventInline(admin.TabularInline):
@@ -309,9 +338,15 @@ class ShardAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     search_fields = ["id", "node__id", "replica__deployment__name"]
     list_select_related = ["replica"]
     autocomplete_fields = ["node"]
-    readonly_fields = [f.name for f in Shard._meta.fields]
+    # The engine's output shown preformatted, not as the admin shows a text field (lines joined by <br>).
+    exclude = ["output_tail"]
+    readonly_fields = [*(f.name for f in Shard._meta.fields if f.name != "output_tail"), "engine_output"]
 
     # Written by the reconciler and the agents' reports alone: a view, not a form.
+
+    @admin.display(description="engine output (its last lines when it failed)")
+    def engine_output(self, obj: Shard) -> str:
+        return engine_output(obj)
 
 
 @admin.register(PlacementEvent)

@@ -87,13 +87,23 @@ def _fence(node_id: str, reported: list[tuple[str, str, str, str]], result: Sync
     return queued
 
 
-def _set_states(changes: list[tuple[ShardRow, str, str, int | None, str]], *, now: dt.datetime, actor: str) -> list:
-    """Compare-and-set each shard's state; an event row for each that moved. Returns the moves made."""
+def _set_states(
+    changes: list[tuple[ShardRow, str, str, int | None, str]],
+    *,
+    now: dt.datetime,
+    actor: str,
+    tails: dict[uuid.UUID, str] | None = None,
+) -> list:
+    """Compare-and-set each shard's state; an event row for each that moved. Returns the moves made.
+
+    `tails`: the end of the engine's output, by shard id, for shards the agent reported failed.
+    """
     events = []
     moved = []
     for row, new, reason, exit_code, kind in changes:
+        output = {"output_tail": tails[row.id]} if tails and row.id in tails else {}
         n = Shard.objects.filter(id=row.id, state=row.state).update(
-            state=new, reason=reason, exit_code=exit_code, updated_at=now
+            state=new, reason=reason, exit_code=exit_code, updated_at=now, **output
         )
         if not n:
             # Someone else moved it first; their move stands.
@@ -213,6 +223,17 @@ def fence_reason(row: ShardRow | None, reported: wire.ShardState, *, at_registra
     return None
 
 
+def failure(status: wire.ShardStatus) -> tuple[str, str]:
+    """A failed shard's reason, naming the cause from its engine's output, and that output's end to store.
+
+    Both redacted and bounded again here: an older agent sent its log's end
+    as it was, and named no cause ("the engine exited with code 1"), so the
+    cause line is added from the tail unless the reason names it already.
+    """
+    tail = wire.bounded_tail(status.log_tail)
+    return wire.with_cause(wire.redact(status.reason), tail), "\n".join(tail)
+
+
 def record_shard_states(
     node_id: str, statuses: Iterable[wire.ShardStatus], *, now: dt.datetime, pending_limit: int | None = None
 ) -> SyncResult:
@@ -223,7 +244,9 @@ def record_shard_states(
     was already read as failed by the wire schema. A shard reported alive that
     the control plane has written off (failed after its node was lost, its
     replica released or deleted) gets a StopShard: that is the fence after a
-    node comes back from a partition without restarting its agent.
+    node comes back from a partition without restarting its agent. A shard
+    reported failed keeps the end of its engine's output, and its reason names
+    the cause (failure).
 
     With pending_limit, the read of the shards also reads the node's pending
     commands (read_shards): result.pending, None when
@@ -240,6 +263,7 @@ def record_shard_states(
     read = read_shards(node_id, list(reports), pending_limit=pending_limit)
     result.pending = read.pending
     changes = []
+    tails: dict[uuid.UUID, str] = {}
     fence = []
     for sid, s in reports.items():
         row = read.shards.get(sid)
@@ -249,12 +273,15 @@ def record_shard_states(
             fence.append((str(sid), s.replica_id if row is None else str(row.replica_id), why, state))
             continue
         old = row.state
-        if allowed(old, state):
+        if allowed(old, state) and state == wire.ShardState.FAILED:
+            reason, tails[sid] = failure(s)
+            changes.append((row, str(state), reason, s.exit_code, "shard_state"))
+        elif allowed(old, state):
             changes.append((row, str(state), s.reason, s.exit_code, "shard_state"))
         elif old == state and (s.reason != row.reason or s.exit_code != row.exit_code) and old not in TERMINAL:
             # Same state, new detail (a loading shard's progress): the row, no event.
             Shard.objects.filter(id=sid, state=old).update(reason=s.reason, exit_code=s.exit_code, updated_at=now)
-    result.changed = _set_states(changes, now=now, actor="agent")
+    result.changed = _set_states(changes, now=now, actor="agent", tails=tails)
     if _fence(node_id, fence, result, now=now):
         # A command queued after the read: read them again.
         result.pending = None

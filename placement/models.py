@@ -218,6 +218,9 @@ class Shard(models.Model):
     state = models.CharField(max_length=16, choices=ShardState.choices, default="pending", db_index=True)
     reason = models.TextField(blank=True)
     exit_code = models.IntegerField(null=True, blank=True)
+    # The end of the engine's output when the shard failed, as its agent reported it,
+    # redacted and bounded again here (wire.bounded_tail): why, in the engine's words.
+    output_tail = models.TextField(blank=True, help_text="A failed shard's last lines of engine output, redacted.")
     profile_fp = models.CharField("profile fingerprint", max_length=32, blank=True)
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()

@@ -275,6 +275,7 @@ class ShardOut(serializers.ModelSerializer):
             "state",
             "reason",
             "exit_code",
+            "output_tail",
             "profile_fp",
             "created_at",
             "updated_at",
@@ -286,7 +287,7 @@ class ReplicaShardOut(serializers.ModelSerializer):
 
     class Meta:
         model = Shard
-        fields = ["id", "node", "rank", "gpu_indices", "hcas", "http_port", "state", "reason"]
+        fields = ["id", "node", "rank", "gpu_indices", "hcas", "http_port", "state", "reason", "output_tail"]
 
 
 class ReplicaOut(serializers.ModelSerializer):

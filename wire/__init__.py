@@ -9,8 +9,9 @@ Every list and string is bounded, so a malformed or hostile body is refused
 with a field path (pydantic's error locations) before anything is written.
 
 The schema lives in modules by message family (common, register, heartbeat,
-commands); this package re-exports every public name, so `wire.X` is the one
-spelling for callers.
+commands), beside engine_output (what of an engine's log may travel); this
+package re-exports every public name, so `wire.X` is the one spelling for
+callers.
 """
 
 from __future__ import annotations
@@ -61,6 +62,16 @@ from wire.common import (
     masked_command,
     shard_state_from_wire,
 )
+from wire.engine_output import (
+    CAUSE_CHARS,
+    TAIL_BYTES,
+    TAIL_LINES,
+    bounded_tail,
+    cause_line,
+    redact,
+    secret_values,
+    with_cause,
+)
 from wire.heartbeat import (
     GPUFabricReport,
     GPUSensor,
@@ -91,6 +102,7 @@ from wire.register import (
 
 __all__ = [
     "API_VERSION",
+    "CAUSE_CHARS",
     "GPU",
     "IB_ERROR_COUNTERS",
     "IMEX",
@@ -107,6 +119,8 @@ __all__ = [
     "MAX_SHARDS",
     "SECRET_ENV",
     "SECRET_FLAG",
+    "TAIL_BYTES",
+    "TAIL_LINES",
     "Command",
     "Count",
     "EngineInstall",
@@ -151,10 +165,15 @@ __all__ = [
     "SubnetManager",
     "Text",
     "WearCount",
+    "bounded_tail",
+    "cause_line",
     "empty_dict",
     "empty_list",
     "mask_args",
     "mask_env",
     "masked_command",
+    "redact",
+    "secret_values",
     "shard_state_from_wire",
+    "with_cause",
 ]

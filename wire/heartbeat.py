@@ -140,6 +140,8 @@ class ShardStatus(Message):
     reason: Text = ""
     exit_code: Annotated[int, Field(ge=-1024, le=1024)] | None = None
     http_port: Port | None = None
+    # A failed shard's end of its engine's output, redacted and bounded by the agent
+    # (wire.bounded_tail; an older agent sent it raw, so the control plane does it again).
     log_tail: Annotated[list[Text], Field(max_length=50)] = empty_list()
 
     @field_validator("state", mode="before")

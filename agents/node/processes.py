@@ -47,15 +47,24 @@ def rotate_log(path: Path, backups: int) -> None:
         f.truncate(0)
 
 
-def log_tail(path: Path, lines: int) -> list[str]:
-    """The last lines of a log (from its last 64 KiB, each cut at 4,000 characters)."""
+def log_tail(path: Path, lines: int, *, window: int = 64 * 1024) -> list[str]:
+    """The last whole lines of a log, from its last `window` bytes.
+
+    Lines are returned whole, not cut: what leaves the node is redacted first
+    and bounded after (wire.bounded_tail), and a line cut before its
+    redaction could keep half a secret that no longer looks like one. For the
+    same reason the window's first line is dropped when the window starts
+    inside the file: it is the end of a line, not a line.
+    """
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
+            f.seek(max(0, size - window))
             data = f.read()
     except OSError:
         return []
-    out = data.decode(errors="replace").splitlines()[-lines:]
-    return [line[:4000] for line in out]
+    out = data.decode(errors="replace").splitlines()
+    if size > window:
+        out = out[1:]
+    return out[-lines:]

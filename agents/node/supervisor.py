@@ -30,7 +30,7 @@ from agents.node.shards import TERMINAL, TRANSITIONS, S, Shard, ShardRecords, Tr
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
-LOG_TAIL_LINES = 20
+LOG_TAIL_LINES = wire.TAIL_LINES
 
 # Part of this module's interface: callers and tests take them from here.
 __all__ = ["TERMINAL", "TRANSITIONS", "Shard", "Supervisor", "TransitionError", "proc_identity"]
@@ -76,6 +76,10 @@ class Supervisor:
         self.gpus: frozenset[int] | None = None
         self.hcas: frozenset[str] | None = None
         self._procs: dict[str, subprocess.Popen] = {}
+        # Per shard, in memory only: the secrets its engine was started with (masked in
+        # its output), and the end of its output as it was when it failed, redacted.
+        self._secrets: dict[str, list[str]] = {}
+        self._tails: dict[str, list[str]] = {}
         self._lock = threading.RLock()
         self._http = httpx.Client(timeout=health_timeout_s, trust_env=False)
         self._adopt()
@@ -116,6 +120,8 @@ class Supervisor:
                 path.unlink(missing_ok=True)
                 continue
             ident = proc_identity(shard.pid) if shard.pid else None
+            # The secrets it was started with, as far as the agent can still tell.
+            self._secrets[shard.shard_id] = wire.secret_values(shard.argv, self.base_env)
             if ident is None or ident[0] != shard.proc_start or ident[1] != shard.argv:
                 # The pid is gone or now someone else's: the shard died while the agent was away.
                 shard.adopted = True
@@ -123,6 +129,10 @@ class Supervisor:
                     shard.state = S.FAILED.value if shard.st != S.DRAINING else S.STOPPED.value
                     shard.reason = "the engine process ended while the agent was not running"
                     shard.ended_at = self.clock()
+                    if shard.st == S.FAILED:
+                        shard.reason = self._with_cause(shard, shard.reason)
+                elif shard.st == S.FAILED:
+                    self._with_cause(shard, shard.reason)  # its output's end, for statuses; its reason said why
                 shard.pid = None
                 self.shards[shard.shard_id] = shard
                 path.unlink(missing_ok=True)
@@ -131,6 +141,8 @@ class Supervisor:
             shard.adopted = True
             if shard.st in (S.PENDING, S.STARTING):
                 shard.state = S.LOADING.value
+            elif shard.st == S.FAILED:
+                self._with_cause(shard, shard.reason)  # failed, still stopping: its output's end, for statuses
             self.shards[shard.shard_id] = shard
             log.info("shard %s: found running (pid %s, %s), adopting", shard.shard_id, shard.pid, shard.state)
 
@@ -175,8 +187,23 @@ class Supervisor:
             log.warning("shard %s: cannot rotate %s: %s", shard.shard_id, path, e.strerror or e)
 
     def log_tail(self, shard_id: str, lines: int = LOG_TAIL_LINES) -> list[str]:
-        """The last lines of a shard's log."""
+        """The last lines of a shard's log, as written (secrets and all: never sent as they are)."""
         return log_tail(self.log_path(shard_id), lines)
+
+    def _with_cause(self, shard: Shard, why: str) -> str:
+        """`why` with the cause from the engine's own output; keeps that output's end, redacted, for statuses."""
+        tail = wire.bounded_tail(self.log_tail(shard.shard_id), secrets=self._secrets.get(shard.shard_id, ()))
+        self._tails[shard.shard_id] = tail
+        return wire.with_cause(why, tail)
+
+    def _fail(self, shard: Shard, why: str) -> None:
+        """A shard whose engine ran has failed: its reason names the cause the engine itself printed."""
+        self._move(shard, S.FAILED, reason=self._with_cause(shard, why))
+
+    def _forget(self, shard_id: str) -> None:
+        self.shards.pop(shard_id, None)
+        self._secrets.pop(shard_id, None)
+        self._tails.pop(shard_id, None)
 
     def start(self, cmd: wire.StartShard) -> Shard:
         """Start a shard; a shard already running under that id is left as it is (idempotent)."""
@@ -203,6 +230,7 @@ class Supervisor:
                 started_at=self.clock(),
             )
             self.shards[cmd.shard_id] = shard
+            self._tails.pop(cmd.shard_id, None)
             conflict = self._unfit(shard) or self._conflict(shard)
             if conflict:
                 self._move(shard, S.FAILED, reason=conflict)
@@ -223,6 +251,7 @@ class Supervisor:
             logp = self.log_path(cmd.shard_id)
             self._rotate(logp)
             env = {**self.base_env, **launch.env}
+            self._secrets[cmd.shard_id] = wire.secret_values(launch.argv, env)
             fd = os.open(logp, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o640)
             try:
                 with os.fdopen(fd, "ab", buffering=0) as out:
@@ -346,7 +375,7 @@ class Supervisor:
                         shard.pid = None
                         self._save(shard)
                     if not alive and shard.ended_at is not None and now - shard.ended_at > self.keep_finished_s:
-                        del self.shards[shard.shard_id]
+                        self._forget(shard.shard_id)
                     continue
                 if st == S.DRAINING:
                     if not alive:
@@ -356,7 +385,7 @@ class Supervisor:
                     continue
                 if not alive:
                     self._signal(shard, signal.SIGKILL)
-                    self._move(shard, S.FAILED, reason=self._describe_exit(shard))
+                    self._fail(shard, self._describe_exit(shard))
                     continue
                 if st == S.STARTING:
                     self._move(shard, S.LOADING)
@@ -369,16 +398,16 @@ class Supervisor:
                     elif now - shard.started_at > shard.startup_timeout_s:
                         self._signal(shard, signal.SIGTERM)
                         shard.kill_at = now + self.kill_grace_s
-                        self._move(shard, S.FAILED, reason=f"not ready after {shard.startup_timeout_s:g}s")
+                        self._fail(shard, f"not ready after {shard.startup_timeout_s:g}s")
 
     def statuses(self) -> list[wire.ShardStatus]:
-        """Every shard's state for a heartbeat; a failed one carries the end of its log."""
+        """Every shard's state for a heartbeat; a failed one carries the end of its engine's output, redacted."""
         with self._lock:
             out = []
             # Live shards first: a heartbeat reports at most MAX_SHARDS, and those matter most.
             ordered = sorted(self.shards.values(), key=lambda s: s.st in TERMINAL)[: wire.MAX_SHARDS]
             for s in ordered:
-                tail = self.log_tail(s.shard_id) if s.st == S.FAILED else []
+                tail = self._tails.get(s.shard_id, []) if s.st == S.FAILED else []
                 out.append(
                     wire.ShardStatus(
                         shard_id=s.shard_id,

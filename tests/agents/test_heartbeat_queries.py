@@ -53,3 +53,23 @@ def test_heartbeat_with_a_command_and_an_ack(client, joined, now, django_assert_
     with django_assert_num_queries(5):
         body = post(client, "heartbeat", realistic(shards, at=3.0, counters=10, acks=[str(cmd.id)]), joined).json()
     assert body["commands"] == []
+
+
+def test_a_failed_shards_output_costs_no_statement_of_its_own(client, joined, now, django_assert_num_queries):
+    loading, failing = make_shard("node-a", now=now, state="starting"), make_shard("node-a", now=now, state="loading")
+    post(client, "heartbeat", heartbeat_payload(at=1.0, counters=10), joined)
+
+    def reporting(shard, state: str, **detail) -> dict:
+        return heartbeat_payload(at=2.0, counters=10, shards=[{"shard_id": str(shard.id), "state": state, **detail}])
+
+    # A shard that moves: the steady state's four, + its update and its event.
+    with django_assert_num_queries(6):
+        assert post(client, "heartbeat", reporting(loading, "loading"), joined).status_code == 200
+    # One that fails with the end of its log: the same statements.
+    tail = [f"engine: line {i}" for i in range(40)] + ["OSError: [Errno 98] Address already in use"]
+    with django_assert_num_queries(6):
+        resp = post(client, "heartbeat", reporting(failing, "failed", exit_code=1, log_tail=tail[-50:]), joined)
+    assert resp.status_code == 200
+    failing.refresh_from_db()
+    assert failing.reason == "OSError: [Errno 98] Address already in use"
+    assert failing.output_tail.endswith("engine: line 39\nOSError: [Errno 98] Address already in use")

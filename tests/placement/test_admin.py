@@ -9,10 +9,11 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
+import wire
 from inventory.models import Allocation, Command, Node
 from inventory.nodes import change_state
-from placement import snapshot_db
-from placement.models import Deployment, EngineProfile, PlacementEvent, PowerBudget, Replica
+from placement import agent_sync, snapshot_db
+from placement.models import Deployment, EngineProfile, PlacementEvent, PowerBudget, Replica, Shard
 from placement.reconciler import reconcile
 from tests.factories import make_node
 
@@ -158,3 +159,32 @@ def test_retire_asks_first_then_stops_the_replica_and_records_who(operator, view
     # Retiring it again is refused, saying why.
     r = c.post(f"/admin/placement/replica/{rep.pk}/retire/", {}, follow=True)
     assert [str(m) for m in r.context["messages"]][-1] == f"not retired: {rep} is draining"
+
+
+def test_a_failed_shard_shows_its_cause_and_its_engines_output_preformatted(operator, placed, now):
+    shard = Shard.objects.get()
+    tail = [
+        "INFO serving with --api-key s3cret",
+        "WARNING <unknown> config key",
+        "OSError: [Errno 98] Address already in use",
+    ]
+    failed = wire.ShardStatus(
+        shard_id=str(shard.id), state="failed", reason="the engine exited with code 1", exit_code=1, log_tail=tail
+    )
+    agent_sync.record_shard_states("a", [failed], now=now)
+    # As written, line for line, escaped; the secret masked.
+    pre = (
+        '<pre class="engine-output" style="white-space: pre-wrap; font-family: monospace; max-height: 32em; '
+        'overflow: auto; margin: 0">INFO serving with --api-key ***\nWARNING &lt;unknown&gt; config key\n'
+        "OSError: [Errno 98] Address already in use</pre>"
+    )
+    cause = "the engine exited with code 1: OSError: [Errno 98] Address already in use"
+    c = login(operator)
+    page = c.get(f"/admin/placement/shard/{shard.pk}/change/").content.decode()
+    assert f'<div class="readonly">{pre}</div>' in page
+    assert f'<div class="readonly">{cause}</div>' in page
+    assert "s3cret" not in page
+    # In its replica's table of shards: folded.
+    page = c.get(f"/admin/placement/replica/{shard.replica_id}/change/").content.decode()
+    assert f"<details><summary>3 lines</summary>{pre}</details>" in page
+    assert cause in page

@@ -187,3 +187,62 @@ def test_a_fenced_shard_that_is_draining_is_not_fenced_again(now):
         stranger
     ]
     assert Command.objects.filter(kind="stop_shard", acked_at__isnull=True).count() == 1
+
+
+# The end of an engine's log as an older agent sent it: unredacted, with no cause in the reason.
+RAW_TAIL = [
+    "# llmgw-agent: starting ['vllm', 'serve', '--api-key', '***']",
+    "INFO vLLM API server version 0.11.0 with --api-key s3cret",
+    "INFO env HF_TOKEN=hf_abcdefghijklmnopqrstuvwxyz0123",
+    "Traceback (most recent call last):",
+    '  File "/venv/vllm/entrypoints/api_server.py", line 9, in run',
+    "OSError: [Errno 98] Address already in use",
+]
+CAUSE = "the engine exited with code 1: OSError: [Errno 98] Address already in use"
+
+
+def test_a_failed_shard_keeps_its_engines_output_redacted_and_its_cause(now):
+    make_node("node-a", now=now)
+    s = make_shard("node-a", now=now, state="loading")
+    reported = status(s.id, "failed", reason="the engine exited with code 1", exit_code=1, log_tail=RAW_TAIL)
+    agent_sync.record_shard_states("node-a", [reported], now=now)
+    row = Shard.objects.get(id=s.id)
+    assert (row.state, row.reason, row.exit_code) == ("failed", CAUSE, 1)
+    assert row.output_tail == "\n".join(
+        [
+            "# llmgw-agent: starting ['vllm', 'serve', '--api-key', '***']",
+            "INFO vLLM API server version 0.11.0 with --api-key ***",
+            "INFO env HF_TOKEN=***",
+            "Traceback (most recent call last):",
+            '  File "/venv/vllm/entrypoints/api_server.py", line 9, in run',
+            "OSError: [Errno 98] Address already in use",
+        ]
+    )
+    ev = PlacementEvent.objects.get()
+    assert (ev.kind, ev.from_state, ev.to_state, ev.reason) == ("shard_state", "loading", "failed", CAUSE)
+
+
+def test_a_reason_that_names_its_cause_is_kept_as_it_is(now):
+    make_node("node-a", now=now)
+    s = make_shard("node-a", now=now, state="loading")
+    agent_sync.record_shard_states("node-a", [status(s.id, "failed", reason=CAUSE, log_tail=RAW_TAIL)], now=now)
+    assert Shard.objects.get(id=s.id).reason == CAUSE
+
+
+def test_a_stored_tail_is_bounded(now):
+    make_node("node-a", now=now)
+    s = make_shard("node-a", now=now, state="loading")
+    # The most the wire lets through: 50 lines of 4,096 characters.
+    lines = [f"line {i:02d} " + "x" * 4088 for i in range(50)]
+    agent_sync.record_shard_states("node-a", [status(s.id, "failed", log_tail=lines)], now=now)
+    row = Shard.objects.get(id=s.id)
+    assert row.output_tail.split("\n") == [line[:1023] + "…" for line in lines[-7:]]
+    assert len(row.output_tail.encode()) <= wire.TAIL_BYTES
+    assert row.reason == "its last output: " + lines[-1][:299] + "…"
+
+
+def test_a_tail_is_stored_only_when_the_shard_fails(now):
+    make_node("node-a", now=now)
+    s = make_shard("node-a", now=now, state="starting")
+    agent_sync.record_shard_states("node-a", [status(s.id, "loading", log_tail=RAW_TAIL)], now=now)
+    assert Shard.objects.get(id=s.id).output_tail == ""

@@ -12,7 +12,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 import wire
-from placement import explain, planner
+from placement import agent_sync, explain, planner
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.reconciler import reconcile
 from placement.serializers import DryRunOut
@@ -504,3 +504,24 @@ def test_profile_parallelism_that_fits_and_engine_aliases(operator):
     assert (r.status_code, r.json()["engine"]) == (201, "llamacpp")
     r = c.post("/api/v1/profiles/", {"name": "c", "engine": "tgi"}, format="json")
     assert r.status_code == 400 and list(r.json()) == ["engine"]
+
+
+def test_a_failed_shard_shows_its_cause_and_the_end_of_its_engines_output(viewer, dep, now):
+    make_node("a", now=now)
+    reconcile(now=now)
+    shard = Shard.objects.get()
+    tail = ["INFO serving with --api-key s3cret", "OSError: [Errno 98] Address already in use"]
+    failed = wire.ShardStatus(
+        shard_id=str(shard.id), state="failed", reason="the engine exited with code 1", exit_code=1, log_tail=tail
+    )
+    agent_sync.record_shard_states("a", [failed], now=now)
+    cause = "the engine exited with code 1: OSError: [Errno 98] Address already in use"
+    output = "INFO serving with --api-key ***\nOSError: [Errno 98] Address already in use"
+    assert client().get(f"/api/v1/shards/{shard.id}/").status_code in (401, 403)
+    c = client(viewer)
+    body = c.get(f"/api/v1/shards/{shard.id}/").json()
+    assert (body["state"], body["reason"], body["exit_code"], body["output_tail"]) == ("failed", cause, 1, output)
+    (listed,) = c.get("/api/v1/shards/", {"state": "failed"}).json()["results"]
+    assert listed["output_tail"] == output
+    (inside,) = c.get(f"/api/v1/replicas/{shard.replica_id}/").json()["shards"]
+    assert (inside["reason"], inside["output_tail"]) == (cause, output)

@@ -77,18 +77,31 @@ def test_killed_shard_is_failed_with_exit_code_and_log(sup):
     os.kill(shard.pid, signal.SIGKILL)
     wait_for(lambda: _state(s, "s1") == S.FAILED)
     (st,) = s.statuses()
-    assert (st.state, st.exit_code, st.reason) == (S.FAILED, -9, "the engine was killed by SIGKILL")
+    # Nothing it printed reads as an error: its last line, said to be only that.
+    last = 'echo: 127.0.0.1 "GET /health HTTP/1.1" 200 -'
+    assert (st.state, st.exit_code, st.reason) == (
+        S.FAILED,
+        -9,
+        f"the engine was killed by SIGKILL; its last output: {last}",
+    )
     assert any("echo: serving 'demo'" in line for line in st.log_tail)
+    assert st.log_tail[-1] == last
     # Nothing left to adopt.
     assert s.running() == []
 
 
 def test_startup_timeout_fails_the_shard(sup):
-    s = sup(kill_grace_s=0.2)
+    now = [1000.0]
+    s = sup(kill_grace_s=0.2, clock=lambda: now[0])
     shard = s.start(echo_start("s1", load=30, startup_timeout_s=0.5))
     pid = shard.pid
-    wait_for(lambda: _state(s, "s1") == S.FAILED)
-    assert s.shards["s1"].reason == "not ready after 0.5s"
+    loading = 'echo: 127.0.0.1 "GET /health HTTP/1.1" 503 -'
+    # Still loading when its time runs out: what it said last comes with the reason.
+    wait_for(lambda: _state(s, "s1") == S.LOADING and s.log_tail("s1")[-1:] == [loading])
+    now[0] += 1
+    assert _state(s, "s1") == S.FAILED
+    assert s.shards["s1"].reason == f"not ready after 0.5s; its last output: {loading}"
+    now[0] += 1
     wait_for(lambda: (s.poll(), proc_identity(pid) is None)[1])
 
 
@@ -291,3 +304,87 @@ def test_no_more_live_shards_than_a_heartbeat_reports(sup, monkeypatch):
     assert (third.st, third.pid) == (S.FAILED, None)
     assert third.reason == "this node already runs 2 shards, the most a heartbeat can report"
     assert [st.shard_id for st in s.statuses()] == ["s1", "s2"]
+
+
+# An engine that fails to start as vLLM does when its port is taken, after printing the
+# secrets it was given: on its command line, in its environment, in its parsed arguments,
+# and a token it found elsewhere (one the agent never knew).
+FAILING_ENGINE = """\
+import os, sys
+key, token = sys.argv[2], os.environ["HF_TOKEN"]
+print(f"engine: starting with --api-key {key}")
+print(f"engine: environment HF_TOKEN={token}")
+print(f"engine: args Namespace(api_key='{key}', hf_token='{token}', port=8000)")
+print("engine: cached login " + "hf_" + "abcdefghij" * 3)
+raise OSError(98, "Address already in use")
+"""
+
+
+def _engine(monkeypatch, tmp_path, source: str, *args: str, env: dict[str, str] | None = None) -> list[str]:
+    """Shards run `python -u <script> args` (printing as it goes) instead of the engine the profile names."""
+    script = tmp_path / "engine.py"
+    script.write_text(source)
+    argv = [sys.executable, "-u", str(script), *args]
+    launch = engines.Launch(argv=argv, env=dict(env or {}), health_path="/health")
+    monkeypatch.setattr(engines, "build", lambda cmd, **kw: launch)
+    return argv
+
+
+def test_a_failed_engine_names_its_cause_and_sends_its_output_redacted(sup, monkeypatch, tmp_path):
+    token = "hf_" + "Zq9" * 12
+    argv = _engine(monkeypatch, tmp_path, FAILING_ENGINE, "--api-key", "s3cret", env={"HF_TOKEN": token})
+    s = sup()
+    s.start(echo_start("s1"))
+    wait_for(lambda: _state(s, "s1") == S.FAILED)
+    (st,) = s.statuses()
+    assert (st.state, st.exit_code) == (S.FAILED, 1)
+    assert st.reason == "the engine exited with code 1: OSError: [Errno 98] Address already in use"
+    assert st.log_tail == [
+        f"# llmgw-agent: starting {[*argv[:-1], '***']!r}",
+        "engine: starting with --api-key ***",
+        "engine: environment HF_TOKEN=***",
+        "engine: args Namespace(api_key=***, hf_token=***, port=8000)",
+        "engine: cached login hf_***",
+        "Traceback (most recent call last):",
+        f'  File "{tmp_path / "engine.py"}", line 7, in <module>',
+        '    raise OSError(98, "Address already in use")',
+        "OSError: [Errno 98] Address already in use",
+    ]
+    sent = st.model_dump_json()
+    for secret in ("s3cret", token, "abcdefghij"):
+        assert secret not in sent
+    # The log on the node keeps what the engine wrote.
+    assert f"engine: environment HF_TOKEN={token}" in s.log_tail("s1")
+
+
+def test_a_tail_of_ten_thousand_long_lines_is_bounded(sup, monkeypatch, tmp_path):
+    source = 'import sys\nfor i in range(10_000):\n    print(f"line {i:05d} " + "x" * 2000)\nsys.exit(3)\n'
+    _engine(monkeypatch, tmp_path, source)
+    s = sup()
+    s.start(echo_start("s1"))
+    wait_for(lambda: _state(s, "s1") == S.FAILED, timeout=30)
+    (st,) = s.statuses()
+
+    def cut(line: str, limit: int) -> str:
+        return line[: limit - 1] + "…"
+
+    # Lines of 1,024 characters at most, the last that fit in 8 KiB: seven of them.
+    assert st.log_tail == [cut(f"line {i:05d} " + "x" * 2000, 1024) for i in range(9993, 10_000)]
+    assert len("\n".join(st.log_tail).encode()) <= wire.TAIL_BYTES
+    last = cut("line 09999 " + "x" * 2000, 300)
+    assert st.reason == f"the engine exited with code 3; its last output: {last}"
+
+
+def test_a_shard_that_died_while_the_agent_was_away_names_its_cause(sup, monkeypatch, tmp_path):
+    oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"
+    _engine(monkeypatch, tmp_path, f"import sys, time\nprint('engine: loading')\nprint({oom!r})\ntime.sleep(60)\n")
+    first = sup()
+    shard = first.start(echo_start("s1"))
+    wait_for(lambda: first.log_tail("s1")[-1:] == [oom])
+    first.close()
+    os.kill(shard.pid, signal.SIGKILL)
+    wait_for(lambda: proc_identity(shard.pid) is None)
+    # The agent starts again and finds its shard gone.
+    (st,) = sup().statuses()
+    assert st.reason == f"the engine process ended while the agent was not running: {oom}"
+    assert st.log_tail[1:] == ["engine: loading", oom]
