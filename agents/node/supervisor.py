@@ -27,6 +27,7 @@ from agents.node import engines
 from agents.node.netif import interface_addr
 from agents.node.processes import log_tail, proc_identity, rotate_log, signal_group
 from agents.node.shards import TERMINAL, TRANSITIONS, S, Shard, ShardRecords, TransitionError, safe_name
+from wire import engines as wire_engines
 
 log = logging.getLogger("llmgw.agent.supervisor")
 
@@ -235,12 +236,12 @@ class Supervisor:
             if conflict:
                 self._move(shard, S.FAILED, reason=conflict)
                 return shard
-            engine = engines.engine_name(p)
             try:
                 iface = cmd.mgmt_interface or self.mgmt_interface
                 launch = engines.build(
                     cmd,
-                    version=self.engine_versions.get(engine, ""),
+                    # Discovery keys versions by canonical name; "" (unknown engine) lets build say so.
+                    version=self.engine_versions.get(wire_engines.canonical(p.engine), ""),
                     mgmt_interface=self.mgmt_interface,
                     host_ip=self.address_of(iface) if iface else "",
                 )
@@ -276,7 +277,7 @@ class Supervisor:
             log.info(
                 "shard %s: started %s (pid %d, GPUs %s, port %s)",
                 shard.shard_id,
-                engine,
+                engines.engine_name(p),
                 proc.pid,
                 shard.gpu_indices,
                 shard.http_port,

@@ -176,7 +176,7 @@ def test_gpu_conflict_and_unknown_engine_fail_without_starting(sup):
     assert (other.st, other.reason, other.pid) == (S.FAILED, "GPU 1 is held by shard s1", None)
     bad = echo_start("s3")
     bad.profile.engine = "tgi"
-    assert s.start(bad).reason == "shard s3: unknown engine 'tgi' (known: vllm, sglang, llama-server, echo)"
+    assert s.start(bad).reason == "shard s3: unknown engine 'tgi' (known: vllm, sglang, llamacpp, echo)"
 
 
 def test_missing_engine_binary_fails(sup):

@@ -6,7 +6,7 @@ from django.db import migrations, models
 class Migration(migrations.Migration):
     dependencies = [
         ("inventory", "0006_command"),
-        ("placement", "0006_replica_backoff"),
+        ("placement", "0007_shard_output_tail"),
     ]
 
     operations = [
