@@ -141,12 +141,45 @@ def test_streaming_passes_chunks_through_as_they_arrive(gateway, echoes, user):
                 events.append(line[6:])
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+    # OpenAI's documented loop runs: every chunk has a choice (no usage-only chunk the client did not ask for).
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
     assert text == "a b c d e f"
-    # The engine's usage chunk, asked for by the gateway, reaches the client too.
-    assert chunks[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    assert [ch for ch in chunks if "usage" in ch] == []
     # Not buffered: the first token came about a second before the last.
     assert arrivals[-1] - arrivals[1] >= 0.8
+
+
+def _events(c: httpx.Client, path: str, body: dict) -> list:
+    with c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", chat("one two three", stream=True)),
+        ("/v1/completions", {"model": "demo", "prompt": "one two three", "stream": True}),
+    ],
+)
+def test_a_stream_carries_usage_only_when_the_client_asked(gateway, echoes, user, path, body):
+    make_deployment("demo", [url_of(echoes())])
+    key = make_key(user)
+    gateway.wait_ready(key, "demo", 1)
+    usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    with gateway.client(key) as c:
+        plain = _events(c, path, body)
+        asked = _events(c, path, {**body, "stream_options": {"include_usage": True}})
+        refused = _events(c, path, {**body, "stream_options": {"include_usage": False}})
+    for events in (plain, refused):
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(len(ch["choices"]) == 1 and "usage" not in ch for ch in chunks), chunks
+    # Asked for: passed through as the engine sent it, the usage-only chunk last.
+    assert asked[-1] == "[DONE]"
+    assert len(asked) == len(plain) + 1
+    last = json.loads(asked[-2])
+    assert (last["choices"], last["usage"]) == ([], usage)
 
 
 def test_client_disconnect_cancels_upstream(gateway, echoes, user):
