@@ -101,6 +101,7 @@ class EchoServer(ThreadingHTTPServer):
         cache_blocks: int = 2048,
         max_batch: int = 0,
         drop_first: int = 0,
+        fail_status: int = 0,
     ) -> None:
         super().__init__(addr, Handler)
         self.cache = PrefixCache(block_tokens, cache_blocks)
@@ -122,6 +123,9 @@ class EchoServer(ThreadingHTTPServer):
         # without an answer, as an engine whose accept queue overflowed does.
         self.drop_first = drop_first
         self.dropped = 0
+        # Fault injection: answer every completion with this status and a crashed engine's
+        # traceback, addresses and all, as a server that lets its exceptions out does (0: never).
+        self.fail_status = fail_status
         self._lock = threading.Lock()
         # What a test or a router can ask of it afterwards.
         self.served = 0
@@ -262,6 +266,19 @@ class Handler(BaseHTTPRequestHandler):
             return None
         return body
 
+    def _crash(self) -> None:
+        host, port = self.server.server_address[:2]
+        data = (
+            "Traceback (most recent call last):\n"
+            '  File "/opt/engine/serving.py", line 412, in generate\n'
+            f'ConnectionError("peer {host}:{port} went away")\n'
+        ).encode()
+        self.send_response(self.server.fail_status)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def do_POST(self) -> None:
         self.server.count("in_flight")
         try:
@@ -349,6 +366,8 @@ class Handler(BaseHTTPRequestHandler):
             return None
         if not self.server.ready():
             return self._error(503, "model is loading", kind="service_unavailable")
+        if self.server.fail_status:
+            return self._crash()
         model = body.get("model", self.server.model)
         if model != self.server.model:
             return self._error(404, f"the model {model!r} does not exist", kind="not_found", param="model")
@@ -484,7 +503,7 @@ def _choice(body: dict, out: str, index: int, finish: str, *, chat: bool) -> dic
 def serve(*, host: str, port: int, model: str, load_seconds: float, **options: Any) -> EchoServer:
     """Start an echo server in a background thread (for tests); stop it with .shutdown().
 
-    `options`: token_seconds, break_after_tokens, drop_first, prefill_tokens_per_s,
+    `options`: token_seconds, break_after_tokens, drop_first, fail_status, prefill_tokens_per_s,
     block_tokens, cache_blocks, max_batch (see EchoServer). Unlike the command line, the
     defaults here cost no time.
     """
