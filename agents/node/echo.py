@@ -23,10 +23,12 @@ hits). Tokens are whitespace-separated words.
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -295,7 +297,11 @@ class Handler(BaseHTTPRequestHandler):
         data = []
         for i, text in enumerate(inputs):
             digest = hashlib.sha256(text.encode()).digest()
-            data.append({"object": "embedding", "index": i, "embedding": [round(b / 255, 4) for b in digest[:8]]})
+            vector: Any = [round(b / 255, 4) for b in digest[:8]]
+            if body.get("encoding_format") == "base64":
+                # As vLLM and OpenAI send it: little-endian float32s, base64-encoded.
+                vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": vector})
         tokens = sum(len(t.split()) for t in inputs)
         self.server.count("served")
         self._json(

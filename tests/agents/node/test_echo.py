@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import threading
 import time
 
@@ -279,3 +281,14 @@ def test_fail_status_answers_a_crash_with_its_insides():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_embeddings_as_floats_or_base64(server):
+    srv, url = server
+    srv.ready_at = 0
+    floats = httpx.post(url + "/v1/embeddings", json={"model": "demo", "input": "a b"}).json()["data"][0]["embedding"]
+    assert len(floats) == 8 and all(0 <= f <= 1 for f in floats)
+    body = {"model": "demo", "input": "a b", "encoding_format": "base64"}
+    packed = httpx.post(url + "/v1/embeddings", json=body).json()["data"][0]["embedding"]
+    decoded = struct.unpack("<8f", base64.b64decode(packed))
+    assert decoded == pytest.approx(floats, abs=1e-6)
