@@ -8,16 +8,22 @@ reached the engine. The SDK's own retries are off: each call is one request.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
 import time
+from pathlib import Path
 
 import openai
 import pytest
 from openai import OpenAI
 
-from tests.gateway.conftest import chat, make_deployment, make_key, url_of, wait_for
+from tests.gateway.conftest import REPO, chat, make_deployment, make_key, url_of, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
+# Where `make js-sdk` installs OpenAI's JavaScript SDK from the npm registry.
+JS_SDK = REPO / "var" / "js-sdk"
 USER = [{"role": "user", "content": "one two three"}]
 
 
@@ -148,3 +154,28 @@ def test_rate_limit_headers_read_back_from_the_raw_response(gateway, client, use
     assert raw.parse().choices[0].message.content == "a b c"
     second = limited.chat.completions.with_raw_response.create(**chat("a"))
     assert second.headers["x-ratelimit-remaining-tokens"] == "994"
+
+
+def test_javascript_sdk_chat_and_streamed_chat(gateway, echoes, user):
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed: OpenAI's JavaScript SDK cannot run")
+    assert (JS_SDK / "node_modules" / "openai" / "package.json").exists(), (
+        f"OpenAI's JavaScript SDK is not installed under {JS_SDK}: run `make js-sdk`"
+    )
+    make_deployment("demo", [url_of(echoes())])
+    key = make_key(user, name="js")
+    gateway.wait_ready(key, "demo", 1)
+    run = subprocess.run(
+        [node, str(Path(__file__).with_name("openai_sdk_smoke.cjs"))],
+        env={**os.environ, "BASE_URL": f"{gateway.url}/v1", "API_KEY": key, "NODE_PATH": str(JS_SDK / "node_modules")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    got = json.loads(run.stdout)
+    assert got["content"] == "one two three"
+    assert got["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert (got["streamed"], got["usage_chunks"]) == ("one two three", 0)
+    assert got["chunks"] == 5  # the role, three words, the finish
