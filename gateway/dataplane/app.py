@@ -23,12 +23,14 @@ from prometheus_client import generate_latest
 from gateway import keys as gwkeys
 from gateway import usage
 from gateway.dataplane.background import Background
+from gateway.dataplane.catalog import Catalog
 from gateway.dataplane.http import (
     ClientGone,
     Receive,
     Scope,
     Send,
     error_body,
+    json_kind,
     request_id,
     send_json,
     send_raw,
@@ -51,7 +53,7 @@ MAX_BODY = 32 * 1024 * 1024
 PROXIED = re.compile(r"/v1/[A-Za-z0-9_\-]+(/[A-Za-z0-9_\-]+)*")
 
 
-class DataPlane(Background, Upstream, Relay):
+class DataPlane(Background, Catalog, Upstream, Relay):
     """The ASGI application. One instance per process; state is this process's own."""
 
     def __init__(self) -> None:
@@ -205,21 +207,6 @@ class DataPlane(Background, Upstream, Relay):
         )
         await send({"type": "http.response.body", "body": body})
 
-    async def _models(self, send: Send, key: KeyEntry) -> None:
-        data = [_model(route) for name, route in sorted(self.routes.items()) if key.allows(name)]
-        await send_json(send, 200, {"object": "list", "data": data})
-
-    async def _model(self, send: Send, key: KeyEntry, name: str) -> None:
-        route = self.routes.get(name)
-        if route is None or not key.allows(name):
-            # A model the key may not use is not told apart from one that does not exist.
-            body = error_body(
-                404, f"the model {name!r} does not exist", "invalid_request_error", "model_not_found", "model"
-            )
-            await send_raw(send, 404, body)
-            return
-        await send_json(send, 200, _model(route))
-
     async def _read_body(self, receive: Receive) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
@@ -254,7 +241,7 @@ class DataPlane(Background, Upstream, Relay):
             await send_raw(send, 400, error_body(400, "body is not JSON", "invalid_request_error", "invalid_json"))
             return
         if not isinstance(body, dict):
-            message = f"the body must be a JSON object, not {_json_kind(body)}"
+            message = f"the body must be a JSON object, not {json_kind(body)}"
             await send_raw(send, 400, error_body(400, message, "invalid_request_error", "invalid_body"))
             return
         model = body.get("model")
@@ -326,31 +313,6 @@ class DataPlane(Background, Upstream, Relay):
             error=out.error,
             ttft=out.ttft,
         )
-
-
-def _model(route: ModelRoute) -> dict:
-    """A model as OpenAI lists it, with its replicas ready and wanted."""
-    return {
-        "id": route.name,
-        "object": "model",
-        "created": 0,
-        "owned_by": "llmgw",
-        "ready_replicas": len(route.backends),
-        "replicas": route.desired,
-    }
-
-
-def _json_kind(value: object) -> str:
-    """A JSON value's kind in JSON's words ("an array", "a number")."""
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "null"
 
 
 def make_app() -> DataPlane:

@@ -26,12 +26,31 @@ STATUS_CODES = {
     422: "invalid_request",
     429: "rate_limit_exceeded",
 }
-# Text that says an engine's message is a program's insides, not words for the client.
-INSIDES = re.compile(r"Traceback \(most recent call last\)|File \"/|\b\w+(Error|Exception)\(")
+# Text that says an engine's message is a program's insides (a traceback, an exception's repr,
+# an address), not words for the client.
+INSIDES = re.compile(
+    r"Traceback \(most recent call last\)|File \"/|\b\w+(Error|Exception)\("
+    r"|\b\d{1,3}(\.\d{1,3}){3}\b|localhost|\[::1?\]"
+)
 
 
 class ClientGone(Exception):
     """The client closed its connection while we were answering."""
+
+
+def json_kind(value: object) -> str:
+    """A JSON value's kind in JSON's words ("an array", "a number"), for an error that names it."""
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, dict):
+        return "an object"
+    return "null"
 
 
 def request_id(scope: Scope) -> bytes:

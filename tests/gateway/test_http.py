@@ -63,6 +63,16 @@ def _err(raw: bytes) -> dict:
                 "code": "invalid_request",
             },
         ),
+        (
+            400,
+            b'{"error": {"message": "cannot reach the tokenizer at 10.0.0.5:8000", "code": "tokenizer"}}',
+            {
+                "message": "the engine refused the request (HTTP 400)",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "tokenizer",
+            },
+        ),
     ],
 )
 def test_engine_errors_in_openais_shape_with_a_string_code(status, raw, expected):
