@@ -25,6 +25,9 @@ class UsageStripper:
 
     def feed(self, data: bytes) -> bytes:
         """The part of the stream that can go to the client now."""
+        if not self.tail and not self.drop_blank and data.endswith(b"\n") and b'"usage"' not in data:
+            # Most reads: whole events, none with usage, passed on as they are.
+            return data
         *lines, self.tail = (self.tail + data).split(b"\n")
         out: list[bytes] = []
         for line in lines:
