@@ -13,7 +13,11 @@ TEST_ENV := DJANGO_SETTINGS_MODULE=llmgw.settings_test
 # one query. A server that does not answer is still reported.
 MIGRATIONS_CHECK_DB ?= postgres://postgres@127.0.0.1:5432/postgres
 
-.PHONY: run test lint bench bench-peers demo services migrations clean browser
+# OpenAI's JavaScript SDK, for tests/gateway/test_openai_sdk.py's Node smoke test.
+OPENAI_JS := 7.59.0
+JS_SDK := var/js-sdk
+
+.PHONY: run test lint bench bench-peers demo services migrations clean browser js-sdk
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,7 +42,7 @@ run: $(VENV)/.installed
 	DEBUG=$${DEBUG:-1} ./scripts/run-all.sh
 
 # The whole suite against PostgreSQL and Redis on localhost, its end-to-end subset on SQLite, and the linters.
-test: $(VENV)/.installed-dev services browser
+test: $(VENV)/.installed-dev services browser js-sdk
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(TEST_ENV) $(PY) manage.py check
@@ -57,6 +61,15 @@ services:
 # Debian's Chromium for the browser tests (Playwright drives it; no browser is ever downloaded).
 browser:
 	@test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+
+# From the npm registry into var/, once per version; without node the test that needs it is skipped.
+js-sdk:
+	@if ! command -v node >/dev/null || ! command -v npm >/dev/null; then \
+		echo "no node or npm: the JavaScript SDK's test will be skipped"; \
+	elif [ ! -f $(JS_SDK)/.installed-$(OPENAI_JS) ]; then \
+		mkdir -p $(JS_SDK) && npm install --prefix $(JS_SDK) --no-audit --no-fund --silent openai@$(OPENAI_JS) \
+			&& touch $(JS_SDK)/.installed-$(OPENAI_JS); \
+	fi
 
 migrations: $(VENV)/.installed-dev
 	$(TEST_ENV) $(PY) manage.py makemigrations

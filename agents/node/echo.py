@@ -4,7 +4,11 @@ It stands in for vLLM where there is no GPU (tests, `manage.py simulate`): it
 takes a configurable time to "load" (its /health answers 503 until then, as
 the real engines do), lists its model, and answers chat and text completions
 (streamed as server-sent events when asked, with the usage chunk when
-`stream_options.include_usage` is set) and embeddings.
+`stream_options.include_usage` is set), embeddings and the Responses API
+(`/v1/responses`, not streamed), in vLLM's shapes. It reflects what a client
+asks of the answer's form, so that a router can be shown to pass it through:
+`n` choices, a call of the first of `tools`, and with `response_format` a
+JSON object `{"text": ...}`. Any other route is a 404.
 
 So that routing can be measured without GPUs it simulates what matters to a
 router: a prefix cache over fixed-size token blocks with an LRU capacity, a
@@ -19,10 +23,12 @@ hits). Tokens are whitespace-separated words.
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -97,6 +103,7 @@ class EchoServer(ThreadingHTTPServer):
         cache_blocks: int = 2048,
         max_batch: int = 0,
         drop_first: int = 0,
+        fail_status: int = 0,
     ) -> None:
         super().__init__(addr, Handler)
         self.cache = PrefixCache(block_tokens, cache_blocks)
@@ -118,6 +125,9 @@ class EchoServer(ThreadingHTTPServer):
         # without an answer, as an engine whose accept queue overflowed does.
         self.drop_first = drop_first
         self.dropped = 0
+        # Fault injection: answer every completion with this status and a crashed engine's
+        # traceback, addresses and all, as a server that lets its exceptions out does (0: never).
+        self.fail_status = fail_status
         self._lock = threading.Lock()
         # What a test or a router can ask of it afterwards.
         self.served = 0
@@ -195,7 +205,7 @@ def _context_tokens(body: dict, *, chat: bool) -> list[str]:
 
 
 class Handler(BaseHTTPRequestHandler):
-    """OpenAI-style endpoints: /health, /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings."""
+    """OpenAI-style endpoints: /health, /v1/models, chat and text completions, embeddings, responses."""
 
     server: EchoServer
     protocol_version = "HTTP/1.1"
@@ -258,6 +268,19 @@ class Handler(BaseHTTPRequestHandler):
             return None
         return body
 
+    def _crash(self) -> None:
+        host, port = self.server.server_address[:2]
+        data = (
+            "Traceback (most recent call last):\n"
+            '  File "/opt/engine/serving.py", line 412, in generate\n'
+            f'ConnectionError("peer {host}:{port} went away")\n'
+        ).encode()
+        self.send_response(self.server.fail_status)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def do_POST(self) -> None:
         self.server.count("in_flight")
         try:
@@ -274,7 +297,11 @@ class Handler(BaseHTTPRequestHandler):
         data = []
         for i, text in enumerate(inputs):
             digest = hashlib.sha256(text.encode()).digest()
-            data.append({"object": "embedding", "index": i, "embedding": [round(b / 255, 4) for b in digest[:8]]})
+            vector: Any = [round(b / 255, 4) for b in digest[:8]]
+            if body.get("encoding_format") == "base64":
+                # As vLLM and OpenAI send it: little-endian float32s, base64-encoded.
+                vector = base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+            data.append({"object": "embedding", "index": i, "embedding": vector})
         tokens = sum(len(t.split()) for t in inputs)
         self.server.count("served")
         self._json(
@@ -288,8 +315,47 @@ class Handler(BaseHTTPRequestHandler):
         )
         return None
 
+    def _responses(self, body: dict) -> None:
+        inputs = body.get("input")
+        if isinstance(inputs, list) and inputs:
+            users = [m for m in inputs if isinstance(m, dict) and m.get("role", "user") == "user"]
+            inputs = _text_of((users or [{}])[-1].get("content"))
+        if not isinstance(inputs, str):
+            return self._error(400, "input must be a string or a non-empty list of messages", param="input")
+        if body.get("stream"):
+            return self._error(400, "the echo engine does not stream responses", param="stream")
+        words = inputs.split()
+        limit = body.get("max_output_tokens")
+        out = words[:limit] if isinstance(limit, int) and limit >= 0 else words
+        digest = hashlib.sha256(inputs.encode()).hexdigest()
+        self.server.count("served")
+        text = {"type": "output_text", "text": " ".join(out), "annotations": [], "logprobs": None}
+        message = {"id": f"msg_{digest[:24]}", "type": "message", "role": "assistant", "status": "completed"}
+        self._json(
+            200,
+            {
+                "id": f"resp_{digest[:24]}",
+                "object": "response",
+                "created_at": int(time.time()),
+                "model": self.server.model,
+                "status": "completed",
+                "output": [{**message, "content": [text]}],
+                "parallel_tool_calls": True,
+                "tool_choice": "auto",
+                "tools": [],
+                "usage": {
+                    "input_tokens": len(words),
+                    "input_tokens_details": {"cached_tokens": 0},
+                    "output_tokens": len(out),
+                    "output_tokens_details": {"reasoning_tokens": 0},
+                    "total_tokens": len(words) + len(out),
+                },
+            },
+        )
+        return None
+
     def _post(self) -> None:
-        if self.path not in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        if self.path not in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"):
             # Read the refused body all the same: left unread on a kept-alive
             # connection it would be parsed as the next request (routers that
             # probe /tokenize first saw their next request fail that way).
@@ -306,11 +372,15 @@ class Handler(BaseHTTPRequestHandler):
             return None
         if not self.server.ready():
             return self._error(503, "model is loading", kind="service_unavailable")
+        if self.server.fail_status:
+            return self._crash()
         model = body.get("model", self.server.model)
         if model != self.server.model:
             return self._error(404, f"the model {model!r} does not exist", kind="not_found", param="model")
         if self.path == "/v1/embeddings":
             return self._embeddings(body)
+        if self.path == "/v1/responses":
+            return self._responses(body)
         chat = self.path == "/v1/chat/completions"
         if chat:
             messages = body.get("messages")
@@ -346,13 +416,9 @@ class Handler(BaseHTTPRequestHandler):
             with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
             return self._stream(ident, words, chat=chat, finish=finish, usage=usage if with_usage else None)
         self.server.count("served")
-        out = " ".join(words)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": out}
-        else:
-            choice["text"] = out
-            choice["logprobs"] = None
+        n = body.get("n") if isinstance(body.get("n"), int) and body["n"] > 0 else 1
+        usage["completion_tokens"] *= n
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         self._json(
             200,
             {
@@ -360,7 +426,7 @@ class Handler(BaseHTTPRequestHandler):
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()),
                 "model": self.server.model,
-                "choices": [choice],
+                "choices": [_choice(body, " ".join(words), i, finish, chat=chat) for i in range(n)],
                 "usage": usage,
             },
         )
@@ -421,10 +487,29 @@ class Handler(BaseHTTPRequestHandler):
             self.server.count("cancelled")
 
 
+def _choice(body: dict, out: str, index: int, finish: str, *, chat: bool) -> dict[str, Any]:
+    """One choice of a whole answer, in the form the request asked for (a tool's call, a JSON object)."""
+    if not chat:
+        return {"index": index, "text": out, "logprobs": None, "finish_reason": finish}
+    tools = body.get("tools")
+    if isinstance(tools, list) and tools and isinstance(tools[0], dict) and body.get("tool_choice") != "none":
+        name = (tools[0].get("function") or {}).get("name", "")
+        call = {
+            "id": f"call_{hashlib.sha256(out.encode()).hexdigest()[:24]}",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps({"text": out})},
+        }
+        message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        return {"index": index, "message": message, "finish_reason": "tool_calls"}
+    if isinstance(body.get("response_format"), dict) and body["response_format"].get("type") != "text":
+        out = json.dumps({"text": out})
+    return {"index": index, "message": {"role": "assistant", "content": out}, "finish_reason": finish}
+
+
 def serve(*, host: str, port: int, model: str, load_seconds: float, **options: Any) -> EchoServer:
     """Start an echo server in a background thread (for tests); stop it with .shutdown().
 
-    `options`: token_seconds, break_after_tokens, drop_first, prefill_tokens_per_s,
+    `options`: token_seconds, break_after_tokens, drop_first, fail_status, prefill_tokens_per_s,
     block_tokens, cache_blocks, max_batch (see EchoServer). Unlike the command line, the
     defaults here cost no time.
     """

@@ -15,8 +15,15 @@ failing LLMGW_GATEWAY_EJECT_AFTER times in a row is ejected for
 LLMGW_GATEWAY_EJECT_FOR seconds.
 
 One module per job: app (the ASGI routes, keys, the request's checks, start
-and stop), upstream (choosing a replica, retry, ejection), streaming (the
-relay and usage read on the way), background (the table, the engines'
-figures, usage batches, in-flight reports), pool (the kept-alive connections
-to the replicas), limits, metrics, http (shared ASGI types and error answers).
+and stop), catalog (the models listed and retrieved), upstream (choosing a
+replica, retry, ejection), streaming (the relay and usage read on the way,
+engines' errors rewritten), sse (a stream's usage taken out when the client
+did not ask for it), background (the table, the engines' figures, usage
+batches, in-flight reports), pool (the kept-alive connections to the
+replicas), limits (and OpenAI's x-ratelimit headers), metrics, http (shared
+ASGI types, request ids and error answers).
+
+Every answer is in OpenAI's shapes, so that its SDKs work unchanged, and
+carries x-request-id; what failed inside (addresses, exception text) goes to
+the log under that id, never to the client.
 """

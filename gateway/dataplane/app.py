@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 import uuid
 from collections import defaultdict
@@ -22,7 +23,19 @@ from prometheus_client import generate_latest
 from gateway import keys as gwkeys
 from gateway import usage
 from gateway.dataplane.background import Background
-from gateway.dataplane.http import ClientGone, Receive, Scope, Send, error_body, send_json, send_raw
+from gateway.dataplane.catalog import Catalog
+from gateway.dataplane.http import (
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    json_kind,
+    request_id,
+    send_json,
+    send_raw,
+    stamped,
+)
 from gateway.dataplane.limits import Limiter
 from gateway.dataplane.metrics import Metrics
 from gateway.dataplane.pool import Pool
@@ -35,10 +48,12 @@ from wire.engines import EngineLoad
 log = logging.getLogger("gateway.dataplane")
 
 MAX_BODY = 32 * 1024 * 1024
-PROXIED = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embedding"}
+# Every JSON POST under /v1/ that names a model is routed by it (chat, completions, embeddings, responses,
+# rerank, score, tokenize, ...): whether the engine serves the route is the engine's to say. No dots, so no "..".
+PROXIED = re.compile(r"/v1/[A-Za-z0-9_\-]+(/[A-Za-z0-9_\-]+)*")
 
 
-class DataPlane(Background, Upstream, Relay):
+class DataPlane(Background, Catalog, Upstream, Relay):
     """The ASGI application. One instance per process; state is this process's own."""
 
     def __init__(self) -> None:
@@ -115,6 +130,10 @@ class DataPlane(Background, Upstream, Relay):
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
+        rid = request_id(scope)
+        # Every answer carries the request's id; the rate-limit headers join them once the key is counted.
+        extra = [(b"x-request-id", rid)]
+        send = stamped(send, extra)
         if path == "/health" and method == "GET":
             await send_json(send, 200, {"status": "ok", "models": len(self.routes)})
             return
@@ -128,8 +147,11 @@ class DataPlane(Background, Upstream, Relay):
         if path == "/v1/models" and method == "GET":
             await self._models(send, key)
             return
-        if path in PROXIED and method == "POST":
-            await self._proxy(scope, receive, send, key, path)
+        if path.startswith("/v1/models/") and method == "GET":
+            await self._model(send, key, path.removeprefix("/v1/models/"))
+            return
+        if method == "POST" and PROXIED.fullmatch(path):
+            await self._proxy(receive, send, key, path, rid, extra)
             return
         await send_raw(send, 404, error_body(404, f"no route {method} {path}", "invalid_request_error", "not_found"))
 
@@ -185,21 +207,6 @@ class DataPlane(Background, Upstream, Relay):
         )
         await send({"type": "http.response.body", "body": body})
 
-    async def _models(self, send: Send, key: KeyEntry) -> None:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "llmgw",
-                "ready_replicas": len(route.backends),
-                "replicas": route.desired,
-            }
-            for name, route in sorted(self.routes.items())
-            if key.allows(name)
-        ]
-        await send_json(send, 200, {"object": "list", "data": data})
-
     async def _read_body(self, receive: Receive) -> bytes | None:
         chunks: list[bytes] = []
         size = 0
@@ -215,7 +222,9 @@ class DataPlane(Background, Upstream, Relay):
             if not message.get("more_body", False):
                 return b"".join(chunks)
 
-    async def _proxy(self, scope: Scope, receive: Receive, send: Send, key: KeyEntry, path: str) -> None:
+    async def _proxy(
+        self, receive: Receive, send: Send, key: KeyEntry, path: str, rid: bytes, extra: list[tuple[bytes, bytes]]
+    ) -> None:
         started = time.monotonic()
         try:
             raw = await self._read_body(receive)
@@ -231,7 +240,11 @@ class DataPlane(Background, Upstream, Relay):
         except (ValueError, UnicodeDecodeError):
             await send_raw(send, 400, error_body(400, "body is not JSON", "invalid_request_error", "invalid_json"))
             return
-        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            message = f"the body must be a JSON object, not {json_kind(body)}"
+            await send_raw(send, 400, error_body(400, message, "invalid_request_error", "invalid_body"))
+            return
+        model = body.get("model")
         if not isinstance(model, str) or not model:
             await send_raw(
                 send,
@@ -259,8 +272,10 @@ class DataPlane(Background, Upstream, Relay):
             )
             return
         wall = time.time()
-        retry_after = await self.limiter.admit(key, wall)
-        if retry_after is not None:
+        window = await self.limiter.admit(key, wall)
+        if window is not None:
+            extra += window.headers()
+        if window is not None and window.retry_after is not None:
             self.metrics.requests.labels(model, "429").inc()
             self.usage.add(key.id, model, wall, error=True)
             await send_raw(
@@ -272,14 +287,14 @@ class DataPlane(Background, Upstream, Relay):
                     "rate_limit_error",
                     "rate_limit_exceeded",
                 ),
-                [(b"retry-after", str(math.ceil(retry_after)).encode())],
+                [(b"retry-after", str(math.ceil(window.retry_after)).encode())],
             )
             return
 
         async def spend(o: Outcome) -> None:
             await self.limiter.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
 
-        out = await self._forward(receive, send, route, body, raw, path, started, spend)
+        out = await self._forward(receive, send, route, body, raw, path, started, spend, rid)
         await out.settle_once()
         self.metrics.requests.labels(model, str(out.code)).inc()
         if out.prompt_tokens:

@@ -48,3 +48,9 @@ class Metrics:
         self.retries = Counter(
             "llmgw_gateway_retries", "Requests retried on another replica before the first byte", registry=self.registry
         )
+        self.upstream_failures = Counter(
+            "llmgw_gateway_upstream_failures",
+            "Replicas' failures before an answer, by model and kind (refused, timeout, connection, protocol, http_5xx)",
+            ["model", "kind"],
+            registry=self.registry,
+        )

@@ -10,9 +10,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.dataplane.http import ClientGone, Receive, Send
-from gateway.dataplane.pool import Response
+from gateway.dataplane.http import ClientGone, Receive, Send, engine_error, error_body, send_raw
+from gateway.dataplane.pool import Response, UpstreamError
+from gateway.dataplane.sse import UsageStripper
 from gateway.table import Backend
+
+# The most of an engine's error answer read to rewrite it in OpenAI's shape.
+ERROR_BODY_LIMIT = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What the relay must know of the request it answers."""
+
+    model: str
+    path: str
+    # The client did not ask for a stream's usage: the gateway did, and takes it out again.
+    strip_usage: bool = False
 
 
 @dataclass
@@ -47,10 +61,15 @@ class Relay:
         backend: Backend,
         started: float,
         settle: Callable[[Outcome], Awaitable[None]] | None,
+        ask: Ask,
     ) -> Outcome:
         """Pass the replica's answer through as it arrives; stop at once when the client goes away."""
         out = Outcome(code=response.status_code, error=response.status_code >= 400, settle=settle)
-        relay = asyncio.ensure_future(self._pump(send, response, backend, out, started))
+        if response.status_code >= 400:
+            pump = self._refusal(send, response, backend, out, started, ask)
+        else:
+            pump = self._pump(send, response, backend, out, started, ask)
+        relay = asyncio.ensure_future(pump)
         watch = asyncio.ensure_future(self._wait_disconnect(receive))
         try:
             done, _ = await asyncio.wait({relay, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -72,7 +91,37 @@ class Relay:
             if message["type"] == "http.disconnect":
                 return
 
-    async def _pump(self, send: Send, response: Response, backend: Backend, out: Outcome, started: float) -> None:
+    async def _refusal(
+        self, send: Send, response: Response, backend: Backend, out: Outcome, started: float, ask: Ask
+    ) -> None:
+        """An engine's error answer, rewritten in OpenAI's shape; a route it does not serve named as such."""
+        raw = b""
+        with contextlib.suppress(UpstreamError):
+            async for chunk in response.aiter_raw():
+                if out.ttft is None:
+                    out.ttft = time.monotonic() - started
+                raw += chunk
+                if len(raw) > ERROR_BODY_LIMIT:
+                    break
+        if response.status_code == 404 and not _names_model(raw):
+            # vLLM (FastAPI) and the echo engine answer a route they lack with a bare 404.
+            body = error_body(
+                404,
+                f"the {backend.engine} engine of model {ask.model!r} does not serve POST {ask.path}",
+                "invalid_request_error",
+                "unsupported_route",
+            )
+        else:
+            body = engine_error(response.status_code, raw)
+        await out.settle_once()
+        try:
+            await send_raw(send, response.status_code, body, [(b"x-llmgw-replica", backend.id.encode())])
+        except Exception as e:
+            raise ClientGone from e
+
+    async def _pump(
+        self, send: Send, response: Response, backend: Backend, out: Outcome, started: float, ask: Ask
+    ) -> None:
         headers = [(b"x-llmgw-replica", backend.id.encode())]
         ctype = response.headers.get("content-type", "application/json")
         headers.append((b"content-type", ctype.encode()))
@@ -82,11 +131,14 @@ class Relay:
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         tail = b""
         whole: list[bytes] = []
+        strip = UsageStripper() if sse and ask.strip_usage else None
         async for chunk in response.aiter_raw():
             if out.ttft is None:
                 out.ttft = time.monotonic() - started
+            passed = chunk if strip is None else strip.feed(chunk)
             try:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if passed:
+                    await send({"type": "http.response.body", "body": passed, "more_body": True})
             except Exception as e:
                 raise ClientGone from e
             if sse:
@@ -97,7 +149,7 @@ class Relay:
             with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError, TypeError):
                 self._take_usage(json.loads(b"".join(whole)).get("usage"), out)
         await out.settle_once()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        await send({"type": "http.response.body", "body": strip.end() if strip else b"", "more_body": False})
 
     def _scan_sse(self, buf: bytes, out: Outcome) -> bytes:
         """Read usage from complete `data:` lines; return the incomplete rest."""
@@ -105,11 +157,26 @@ class Relay:
         for line in lines:
             if line.startswith(b"data: {") and b'"usage"' in line:
                 with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError):
-                    self._take_usage(json.loads(line[6:]).get("usage"), out)
+                    event = json.loads(line[6:])
+                    # The Responses API's stream carries its usage in the last event's response.
+                    if event.get("type") == "response.completed":
+                        event = event.get("response") or {}
+                    self._take_usage(event.get("usage"), out)
         return rest
 
     @staticmethod
     def _take_usage(u: Any, out: Outcome) -> None:
         if isinstance(u, dict):
-            out.prompt_tokens = int(u.get("prompt_tokens") or 0)
-            out.completion_tokens = int(u.get("completion_tokens") or 0)
+            # Chat, completions and embeddings say prompt/completion; the Responses API input/output.
+            out.prompt_tokens = int(u.get("prompt_tokens") or u.get("input_tokens") or 0)
+            out.completion_tokens = int(u.get("completion_tokens") or u.get("output_tokens") or 0)
+
+
+def _names_model(raw: bytes) -> bool:
+    """Whether an engine's 404 is about the model (it serves the route), not the route."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    err = data.get("error", data) if isinstance(data, dict) else None
+    return isinstance(err, dict) and (err.get("param") == "model" or err.get("code") == "model_not_found")

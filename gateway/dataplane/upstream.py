@@ -14,12 +14,28 @@ from gateway import routing
 from gateway.dataplane.http import Receive, Send, error_body, send_raw
 from gateway.dataplane.metrics import Metrics
 from gateway.dataplane.pool import Pool, UpstreamError
-from gateway.dataplane.streaming import Outcome
+from gateway.dataplane.streaming import Ask, Outcome
 from gateway.table import Backend, ModelRoute
 
 log = logging.getLogger("gateway.dataplane")
 
 HEADERS = b"Content-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
+# The routes whose streams can carry a usage chunk (stream_options.include_usage).
+USAGE_STREAMS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
+def failure(e: UpstreamError | None, status: int = 0) -> tuple[str, str]:
+    """A replica's failure as a metric's kind and the words a client reads (never an address or exception text)."""
+    if status:
+        return "http_5xx", f"answered with an error (HTTP {status})"
+    cause = e.__cause__ if e is not None else None
+    if isinstance(cause, TimeoutError):
+        return "timeout", "did not answer in time"
+    if isinstance(cause, ConnectionRefusedError):
+        return "refused", "could not be reached (connection refused)"
+    if isinstance(cause, OSError | EOFError):
+        return "connection", "closed the connection before answering"
+    return "protocol", "did not answer in HTTP"
 
 
 @dataclass
@@ -69,18 +85,24 @@ class Upstream:
         path: str,
         started: float,
         settle: Callable[[Outcome], Awaitable[None]] | None = None,
+        rid: bytes = b"-",
     ) -> Outcome:
         """Send the request to a replica, once more to another on a failure before the first byte, and relay."""
-        stream = bool(body.get("stream"))
-        if stream and path != "/v1/embeddings":
+        ask = Ask(route.name, path)
+        if body.get("stream") and path in USAGE_STREAMS:
             opts = body.get("stream_options")
             if not (isinstance(opts, dict) and opts.get("include_usage")):
-                # The usage of a stream is counted from the engine's own last chunk.
+                # The usage of a stream is counted from the engine's own last chunk, which the
+                # client, not having asked, does not get.
                 body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
                 raw = json.dumps(body).encode()
+                ask = Ask(route.name, path, strip_usage=True)
+        headers = HEADERS + b"X-Request-Id: " + rid + b"\r\n"
         rkey = routing.prefix_key(body)
         tried: set[str] = set()
-        last = ""
+        # The last failure: its metric kind and its words for the client; each one's detail for the log.
+        last = ("", "")
+        details: list[str] = []
         # A replica whose connection failed before any answer, to be asked again if no other is left.
         again: Backend | None = None
         for attempt in range(2):
@@ -102,22 +124,26 @@ class Upstream:
             self.inflight[backend.id] += 1
             try:
                 try:
-                    response = await self.pool.post(backend.endpoint + path, raw, HEADERS)
+                    response = await self.pool.post(backend.endpoint + path, raw, headers)
                 except UpstreamError as e:
                     self._failed(backend)
                     again = backend if backend.id not in self._ejected(time.monotonic()) else None
-                    last = f"replica {backend.id[:8]}: {e}"
+                    last = failure(e)
+                    details.append(f"replica {backend.id} at {backend.endpoint}: {e}")
+                    self.metrics.upstream_failures.labels(route.name, last[0]).inc()
                     self.metrics.retries.inc(1 - attempt)
                     continue
                 if response.status_code >= 500:
                     await response.aclose()
                     again = None
                     self._failed(backend)
-                    last = f"replica {backend.id[:8]}: HTTP {response.status_code}"
+                    last = failure(None, response.status_code)
+                    details.append(f"replica {backend.id} at {backend.endpoint}: HTTP {response.status_code}")
+                    self.metrics.upstream_failures.labels(route.name, last[0]).inc()
                     self.metrics.retries.inc(1 - attempt)
                     continue
                 self._succeeded(backend)
-                return await self._relay(receive, send, response, backend, started, settle)
+                return await self._relay(receive, send, response, backend, started, settle, ask)
             finally:
                 self.inflight[backend.id] -= 1
                 if not self.inflight[backend.id]:
@@ -134,9 +160,14 @@ class Upstream:
                 [(b"retry-after", retry.encode())],
             )
             return Outcome(code=503, error=True)
+        # The detail (addresses, the exception) goes to the log under the request's id; the client reads words.
+        log.warning("gateway: request %s for %s failed: %s", rid.decode(), route.name, "; ".join(details))
+        kind, words = last
+        if kind == "timeout":
+            status, code = 504, "upstream_timeout"
+        else:
+            status, code = 502, "upstream_failed"
         await send_raw(
-            send,
-            502,
-            error_body(502, f"{route.name}: upstream failed ({last})", "upstream_error", "upstream_failed"),
+            send, status, error_body(status, f"the replica of model {route.name!r} {words}", "upstream_error", code)
         )
-        return Outcome(code=502, error=True)
+        return Outcome(code=status, error=True)

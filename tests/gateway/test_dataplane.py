@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import re
 import threading
 import time
 
@@ -58,6 +59,98 @@ def test_models_and_completions_through_the_gateway(gateway, echoes, user):
         assert [d["index"] for d in r.json()["data"]] == [0, 1]
         assert r.json()["usage"]["prompt_tokens"] == 3
     assert a.served + b.served == 3
+
+
+def test_models_retrieved_one_by_one(gateway, echoes, user):
+    make_deployment("demo", [url_of(echoes())])
+    make_deployment("org/model-7b", [url_of(echoes(model="org/model-7b"))], desired=2)
+    key = make_key(user, allowed_models=["demo", "org/model-7b"])
+    narrow = make_key(user, name="narrow", allowed_models=["demo"])
+    gateway.wait_ready(key, "org/model-7b", 1)
+    with gateway.client(key) as c:
+        r = c.get("/v1/models/org/model-7b")
+        assert r.status_code == 200
+        assert r.json() == {
+            "id": "org/model-7b",
+            "object": "model",
+            "created": 0,
+            "owned_by": "llmgw",
+            "ready_replicas": 1,
+            "replicas": 2,
+        }
+        r = c.get("/v1/models/nope")
+        assert r.status_code == 404
+        assert _error(r) == {
+            "message": "the model 'nope' does not exist",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    with gateway.client(narrow) as c:
+        # A model the key may not use is not told apart from one that does not exist.
+        r = c.get("/v1/models/org/model-7b")
+        assert (r.status_code, _error(r)["message"]) == (404, "the model 'org/model-7b' does not exist")
+        assert c.get("/v1/models/demo").json()["id"] == "demo"
+
+
+def test_every_json_route_naming_a_model_is_routed_by_it(gateway, echoes, user):
+    srv = echoes(model="resp")
+    make_deployment("resp", [url_of(srv)])
+    key = make_key(user)
+    gateway.wait_ready(key, "resp", 1)
+    with gateway.client(key) as c:
+        r = c.post("/v1/responses", json={"model": "resp", "input": "one two three"})
+        assert r.status_code == 200, r.text
+        assert r.json()["output"][0]["content"][0]["text"] == "one two three"
+        assert r.headers["x-llmgw-replica"]
+        # A route the engine does not serve: its 404, named.
+        r = c.post("/v1/score", json={"model": "resp", "text_1": "a", "text_2": "b"})
+        assert r.status_code == 404
+        assert _error(r)["message"] == "the echo engine of model 'resp' does not serve POST /v1/score"
+        # Not a route at all: no dots, nothing outside /v1/.
+        assert c.post("/v1/../admin", json={"model": "resp"}).status_code == 404
+        assert c.post("/admin/x", json={"model": "resp"}).status_code == 404
+    assert srv.served == 1
+    # Its usage is counted as a chat's (the Responses API says input and output tokens).
+    text = gateway.metrics()
+    assert 'llmgw_gateway_tokens_total{kind="prompt",model="resp"} 3.0' in text
+    assert 'llmgw_gateway_tokens_total{kind="completion",model="resp"} 3.0' in text
+    assert 'llmgw_gateway_requests_total{code="404",model="resp"} 1.0' in text
+
+
+def test_rate_limit_headers_on_success_and_429(gateway, echoes, user):
+    make_deployment("demo", [url_of(echoes())])
+    limited = make_key(user, name="limited", rpm_limit=2, tpm_limit=100)
+    free = make_key(user, name="free")
+    gateway.wait_ready(limited, "demo", 1)
+    reset = re.compile(r"(\d+ms|\d+(\.\d+)?s)")
+    # The three requests inside one minute.
+    wait_for(lambda: time.time() % 60 < 50, timeout=15, what="room left in this minute")
+    with gateway.client(limited) as c:
+        seen = []
+        for _ in range(3):
+            r = c.post("/v1/chat/completions", json=chat("a b"))
+            seen.append(
+                (
+                    r.status_code,
+                    r.headers["x-ratelimit-limit-requests"],
+                    r.headers["x-ratelimit-remaining-requests"],
+                    r.headers["x-ratelimit-limit-tokens"],
+                    r.headers["x-ratelimit-remaining-tokens"],
+                )
+            )
+            assert reset.fullmatch(r.headers["x-ratelimit-reset-requests"]), r.headers
+            assert r.headers["x-ratelimit-reset-tokens"] == r.headers["x-ratelimit-reset-requests"]
+        # Each answer of 2 + 2 tokens is counted before the next request is judged.
+        assert seen == [
+            (200, "2", "1", "100", "100"),
+            (200, "2", "0", "100", "96"),
+            (429, "2", "0", "100", "92"),
+        ]
+    with gateway.client(free) as c:
+        r = c.post("/v1/chat/completions", json=chat("a b"))
+        assert r.status_code == 200
+        assert [h for h in r.headers if h.startswith("x-ratelimit")] == []
 
 
 def test_errors_in_openai_format(gateway, echoes, user):
@@ -141,12 +234,45 @@ def test_streaming_passes_chunks_through_as_they_arrive(gateway, echoes, user):
                 events.append(line[6:])
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    text = "".join(ch["choices"][0]["delta"].get("content", "") for ch in chunks if ch["choices"])
+    # OpenAI's documented loop runs: every chunk has a choice (no usage-only chunk the client did not ask for).
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
     assert text == "a b c d e f"
-    # The engine's usage chunk, asked for by the gateway, reaches the client too.
-    assert chunks[-1]["usage"] == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}
+    assert [ch for ch in chunks if "usage" in ch] == []
     # Not buffered: the first token came about a second before the last.
     assert arrivals[-1] - arrivals[1] >= 0.8
+
+
+def _events(c: httpx.Client, path: str, body: dict) -> list:
+    with c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, r.read()
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", chat("one two three", stream=True)),
+        ("/v1/completions", {"model": "demo", "prompt": "one two three", "stream": True}),
+    ],
+)
+def test_a_stream_carries_usage_only_when_the_client_asked(gateway, echoes, user, path, body):
+    make_deployment("demo", [url_of(echoes())])
+    key = make_key(user)
+    gateway.wait_ready(key, "demo", 1)
+    usage = {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    with gateway.client(key) as c:
+        plain = _events(c, path, body)
+        asked = _events(c, path, {**body, "stream_options": {"include_usage": True}})
+        refused = _events(c, path, {**body, "stream_options": {"include_usage": False}})
+    for events in (plain, refused):
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all(len(ch["choices"]) == 1 and "usage" not in ch for ch in chunks), chunks
+    # Asked for: passed through as the engine sent it, the usage-only chunk last.
+    assert asked[-1] == "[DONE]"
+    assert len(asked) == len(plain) + 1
+    last = json.loads(asked[-2])
+    assert (last["choices"], last["usage"]) == ([], usage)
 
 
 def test_client_disconnect_cancels_upstream(gateway, echoes, user):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import threading
 import time
 
@@ -218,3 +220,75 @@ def test_bounded_batch_queues_the_rest():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def test_responses_as_vllm_shapes_them(server):
+    srv, url = server
+    srv.ready_at = 0
+    r = httpx.post(url + "/v1/responses", json={"model": "demo", "input": "say one two three", "max_output_tokens": 2})
+    assert r.status_code == 200
+    body = r.json()
+    assert (body["object"], body["status"], body["model"]) == ("response", "completed", "demo")
+    assert body["id"].startswith("resp_")
+    (item,) = body["output"]
+    assert (item["type"], item["role"]) == ("message", "assistant")
+    assert [(c["type"], c["text"]) for c in item["content"]] == [("output_text", "say one")]
+    assert body["usage"]["input_tokens"] == 4
+    assert (body["usage"]["output_tokens"], body["usage"]["total_tokens"]) == (2, 6)
+    # Messages as input: the last user turn's text parts; the same input, the same answer.
+    messages = [{"role": "user", "content": [{"type": "input_text", "text": "a b"}]}]
+    again = httpx.post(url + "/v1/responses", json={"model": "demo", "input": messages}).json()
+    assert again["output"][0]["content"][0]["text"] == "a b"
+    assert httpx.post(url + "/v1/responses", json={"model": "demo", "input": messages}).json()["id"] == again["id"]
+    r = httpx.post(url + "/v1/responses", json={"model": "demo", "input": 3})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "input")
+    # Routes it does not serve stay a 404.
+    r = httpx.post(url + "/v1/rerank", json={"model": "demo", "query": "q", "documents": ["d"]})
+    assert (r.status_code, r.json()["error"]["type"]) == (404, "not_found")
+
+
+def test_chat_reflects_n_tools_and_response_format(server):
+    srv, url = server
+    srv.ready_at = 0
+    base = {"model": "demo", "messages": [{"role": "user", "content": "red green"}]}
+    body = httpx.post(url + "/v1/chat/completions", json={**base, "n": 3}).json()
+    assert [(c["index"], c["message"]["content"]) for c in body["choices"]] == [(i, "red green") for i in range(3)]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 6, "total_tokens": 8}
+
+    tool = {"type": "function", "function": {"name": "paint", "parameters": {"type": "object"}}}
+    (choice,) = httpx.post(url + "/v1/chat/completions", json={**base, "tools": [tool]}).json()["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["message"]["tool_calls"]
+    assert (call["type"], call["function"]["name"]) == ("function", "paint")
+    assert json.loads(call["function"]["arguments"]) == {"text": "red green"}
+    none = httpx.post(url + "/v1/chat/completions", json={**base, "tools": [tool], "tool_choice": "none"}).json()
+    assert none["choices"][0]["message"] == {"role": "assistant", "content": "red green"}
+
+    fmt = {**base, "response_format": {"type": "json_object"}}
+    content = httpx.post(url + "/v1/chat/completions", json=fmt).json()["choices"][0]["message"]["content"]
+    assert json.loads(content) == {"text": "red green"}
+
+
+def test_fail_status_answers_a_crash_with_its_insides():
+    srv = echo.serve(host="127.0.0.1", port=0, model="demo", load_seconds=0, fail_status=500)
+    try:
+        port = srv.server_address[1]
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"model": "demo", "prompt": "x"})
+        assert r.status_code == 500
+        assert r.text.startswith("Traceback (most recent call last):")
+        assert f"127.0.0.1:{port}" in r.text
+        assert srv.served == 0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_embeddings_as_floats_or_base64(server):
+    srv, url = server
+    srv.ready_at = 0
+    floats = httpx.post(url + "/v1/embeddings", json={"model": "demo", "input": "a b"}).json()["data"][0]["embedding"]
+    assert len(floats) == 8 and all(0 <= f <= 1 for f in floats)
+    body = {"model": "demo", "input": "a b", "encoding_format": "base64"}
+    packed = httpx.post(url + "/v1/embeddings", json=body).json()["data"][0]["embedding"]
+    decoded = struct.unpack("<8f", base64.b64decode(packed))
+    assert decoded == pytest.approx(floats, abs=1e-6)

@@ -1,0 +1,67 @@
+"""A stream as the client asked for it: without the usage the gateway asked the engine for on its own account.
+
+The gateway sets stream_options.include_usage on every chat and text
+completion stream, to count its tokens. A client that did not ask must not
+get the usage-only last chunk (`"choices": []`): OpenAI's documented loop,
+`chunk.choices[0].delta.content`, fails on it with an IndexError.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+class UsageStripper:
+    """Removes the usage-only chunk (and its blank line) and any `usage` field from a stream of server-sent events.
+
+    Fed the stream's bytes as they arrive; gives back the complete lines, so a
+    line split across two reads is held until its end arrives.
+    """
+
+    def __init__(self) -> None:
+        self.tail = b""
+        # The blank line that ends a dropped event is dropped with it.
+        self.drop_blank = False
+
+    def feed(self, data: bytes) -> bytes:
+        """The part of the stream that can go to the client now."""
+        if not self.tail and not self.drop_blank and data.endswith(b"\n") and b'"usage"' not in data:
+            # Most reads: whole events, none with usage, passed on as they are.
+            return data
+        *lines, self.tail = (self.tail + data).split(b"\n")
+        out: list[bytes] = []
+        for line in lines:
+            if self.drop_blank:
+                self.drop_blank = False
+                if not line.strip():
+                    continue
+            if line.startswith(b"data:") and b'"usage"' in line:
+                kept = _without_usage(line)
+                if kept is None:
+                    self.drop_blank = True
+                    continue
+                line = kept
+            out.append(line + b"\n")
+        return b"".join(out)
+
+    def end(self) -> bytes:
+        """What is left at the stream's end (a last line without its newline)."""
+        rest, self.tail = self.tail, b""
+        if rest.startswith(b"data:") and b'"usage"' in rest:
+            return _without_usage(rest) or b""
+        return rest
+
+
+def _without_usage(line: bytes) -> bytes | None:
+    """A `data:` line without its usage; None for the usage-only chunk."""
+    cr = line.endswith(b"\r")
+    try:
+        obj = json.loads(line[5:])
+    except (ValueError, UnicodeDecodeError):
+        return line
+    if not isinstance(obj, dict) or "usage" not in obj:
+        return line
+    if obj.get("choices") == []:
+        return None
+    del obj["usage"]
+    return b"data: " + json.dumps(obj).encode() + (b"\r" if cr else b"")
