@@ -10,7 +10,7 @@
 # persistent connection's check asks the socket instead (llmgw/db.py). On an
 # agent's lease, one small statement, that round trip was as much again.
 # Granian parses HTTP in Rust: on the agent heartbeat it costs the cores
-# about a sixth less than gunicorn's gthread workers (README: make bench).
+# about a sixth less than gunicorn's gthread workers (docs/benchmarks.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ADDR="${1:?usage: scripts/serve.sh HOST:PORT}"

@@ -75,7 +75,7 @@ def test_pip_install_gives_a_control_plane_that_imports_every_module(checkout, t
     assert (site / "llmgw/templates/admin/nvlink.html").is_file()
     assert (site / "agents/node/profiles/hgx-h100").is_dir()
     assert (bin_dir / "llmgw-agent").exists()
-    # The README's way to run an installed copy: its state goes to ./var where it runs, not site-packages.
+    # docs/operations.md's way to run an installed copy: its state goes to ./var where it runs, not site-packages.
     env = {k: v for k, v in clean_env().items() if k not in ("DATABASE_URL", "REDIS_URL", "LLMGW_VAR_DIR")}
     env |= {"DJANGO_SETTINGS_MODULE": "llmgw.settings", "DEBUG": "1"}
     run([str(bin_dir / "django-admin"), "migrate", "--noinput"], cwd=elsewhere, env=env)
@@ -86,7 +86,7 @@ def test_pip_install_gives_a_control_plane_that_imports_every_module(checkout, t
 @pytest.mark.slow
 def test_the_agent_installs_alone_without_django(checkout, tmp_path):
     bin_dir = make_venv(tmp_path / "venv")
-    # The README's node install, step 2.
+    # docs/agent.md's node install, step 2.
     run([str(bin_dir / "pip"), "install", "--quiet", str(checkout / "deploy/agent")], cwd=tmp_path)
     helped = run([str(bin_dir / "llmgw-agent"), "--help"], cwd=tmp_path)
     assert helped.startswith("usage: llmgw-agent ")
