@@ -1,12 +1,18 @@
-"""API keys: create (the secret returned once), change, revoke; each recorded and pushed to the data planes."""
+"""API keys: create (the secret returned once), change, rotate, revoke; each recorded and pushed to the data planes.
+
+Rotating gives the same key record a new secret: its limits, budgets, usage
+history and events stay with it (a successor record would start its budgets
+again, so rotating would be a way round them). The old secret stops opening
+the gateway as soon as the data planes hear of it (a push, within a second).
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
 import secrets
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
@@ -17,6 +23,12 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
 
 KEY_PREFIX = "llmgw-sk-"
+# The fields an operator may change after creation (the owner and the secret stay).
+CHANGEABLE = ("name", "allowed_models", "rpm_limit", "tpm_limit", "tokens_per_day", "tokens_per_month", "expires_at")
+
+
+class KeyRefused(Exception):
+    """An action the key's state does not allow (rotating a revoked key); the message says why."""
 
 
 def hash_secret(secret: str) -> str:
@@ -48,6 +60,8 @@ def create_key(
     allowed_models: Iterable[str] = (),
     rpm_limit: int = 0,
     tpm_limit: int = 0,
+    tokens_per_day: int = 0,
+    tokens_per_month: int = 0,
     expires_at: dt.datetime | None = None,
     actor: AbstractBaseUser | None = None,
     key: ApiKey | None = None,
@@ -61,12 +75,71 @@ def create_key(
     key.name, key.owner = name, owner
     key.allowed_models = sorted(set(allowed_models))
     key.rpm_limit, key.tpm_limit, key.expires_at = rpm_limit, tpm_limit, expires_at
-    key.prefix = secret[: len(KEY_PREFIX) + 6]
-    key.key_hash = hash_secret(secret)
+    key.tokens_per_day, key.tokens_per_month = tokens_per_day, tokens_per_month
+    _set_secret(key, secret)
     key.created_at, key.created_by = now, actor
     with transaction.atomic():
         key.save()
         _record(key, "created", f"owner {owner.get_username()}", now=now, actor=actor)
+        transaction.on_commit(lambda: notify.publish("keys"))
+    return key, secret
+
+
+def _set_secret(key: ApiKey, secret: str) -> None:
+    key.prefix = secret[: len(KEY_PREFIX) + 6]
+    key.key_hash = hash_secret(secret)
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, list):
+        return "[" + ", ".join(value) + "]"
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def update(key_id: int, values: Mapping[str, Any], *, now: dt.datetime, actor: AbstractBaseUser | None) -> ApiKey:
+    """Change a key's CHANGEABLE fields; the event lists each change as old -> new. Returns the key.
+
+    Only the fields whose value really changes are written and recorded; a
+    change to nothing records nothing and pushes nothing.
+    """
+    unknown = set(values) - set(CHANGEABLE)
+    if unknown:
+        raise ValueError(f"not changeable: {', '.join(sorted(unknown))}")
+    with transaction.atomic():
+        key = ApiKey.objects.select_for_update().get(id=key_id)
+        diffs, fields = [], []
+        for field in CHANGEABLE:
+            if field not in values:
+                continue
+            new = sorted(set(values[field])) if field == "allowed_models" else values[field]
+            old = getattr(key, field)
+            if new != old:
+                diffs.append(f"{field}: {_shown(old)} -> {_shown(new)}")
+                fields.append(field)
+                setattr(key, field, new)
+        if fields:
+            key.save(update_fields=fields)
+            _record(key, "changed", "; ".join(diffs), now=now, actor=actor)
+            transaction.on_commit(lambda: notify.publish("keys"))
+    return key
+
+
+def rotate(key_id: int, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> tuple[ApiKey, str]:
+    """Give the key a new secret and return it with the secret (shown once); the old secret stops working.
+
+    Raises KeyRefused for a revoked key: a revoked key stays revoked.
+    """
+    secret = new_secret()
+    with transaction.atomic():
+        key = ApiKey.objects.select_for_update().get(id=key_id)
+        if key.revoked_at is not None:
+            raise KeyRefused(f"the key {key.name!r} is revoked; create a new key instead")
+        old_prefix = key.prefix
+        _set_secret(key, secret)
+        key.save(update_fields=["prefix", "key_hash"])
+        _record(key, "rotated", f"secret {old_prefix}… replaced by {key.prefix}…", now=now, actor=actor)
         transaction.on_commit(lambda: notify.publish("keys"))
     return key, secret
 
