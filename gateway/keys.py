@@ -41,15 +41,18 @@ def new_secret() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 
 
-def _record(key: ApiKey, kind: str, detail: str, *, now: dt.datetime, actor: AbstractBaseUser | None) -> None:
-    KeyEvent.objects.create(
-        at=now,
-        key=key,
-        kind=kind,
-        detail=detail,
-        actor=actor,
-        actor_name=actor.get_username() if actor is not None else "system",
-    )
+def _record(
+    key: ApiKey,
+    kind: str,
+    detail: str,
+    *,
+    now: dt.datetime,
+    actor: AbstractBaseUser | None,
+    actor_name: str | None = None,
+) -> None:
+    if actor_name is None:
+        actor_name = actor.get_username() if actor is not None else "system"
+    KeyEvent.objects.create(at=now, key=key, kind=kind, detail=detail, actor=actor, actor_name=actor_name[:150])
 
 
 def create_key(
@@ -64,11 +67,14 @@ def create_key(
     tokens_per_month: int = 0,
     expires_at: dt.datetime | None = None,
     actor: AbstractBaseUser | None = None,
+    actor_name: str | None = None,
     key: ApiKey | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key and return it with its secret, which is not kept anywhere: show it once.
 
     `key`, when given, is an unsaved instance to fill (the admin's form).
+    `actor_name` names who acted when no user did (default: the actor's
+    username, or "system"), as every function here takes it.
     """
     secret = new_secret()
     key = key or ApiKey()
@@ -80,7 +86,7 @@ def create_key(
     key.created_at, key.created_by = now, actor
     with transaction.atomic():
         key.save()
-        _record(key, "created", f"owner {owner.get_username()}", now=now, actor=actor)
+        _record(key, "created", f"owner {owner.get_username()}", now=now, actor=actor, actor_name=actor_name)
         transaction.on_commit(lambda: notify.publish("keys"))
     return key, secret
 
@@ -98,7 +104,14 @@ def _shown(value: Any) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def update(key_id: int, values: Mapping[str, Any], *, now: dt.datetime, actor: AbstractBaseUser | None) -> ApiKey:
+def update(
+    key_id: int,
+    values: Mapping[str, Any],
+    *,
+    now: dt.datetime,
+    actor: AbstractBaseUser | None,
+    actor_name: str | None = None,
+) -> ApiKey:
     """Change a key's CHANGEABLE fields; the event lists each change as old -> new. Returns the key.
 
     Only the fields whose value really changes are written and recorded; a
@@ -121,12 +134,14 @@ def update(key_id: int, values: Mapping[str, Any], *, now: dt.datetime, actor: A
                 setattr(key, field, new)
         if fields:
             key.save(update_fields=fields)
-            _record(key, "changed", "; ".join(diffs), now=now, actor=actor)
+            _record(key, "changed", "; ".join(diffs), now=now, actor=actor, actor_name=actor_name)
             transaction.on_commit(lambda: notify.publish("keys"))
     return key
 
 
-def rotate(key_id: int, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> tuple[ApiKey, str]:
+def rotate(
+    key_id: int, *, now: dt.datetime, actor: AbstractBaseUser | None = None, actor_name: str | None = None
+) -> tuple[ApiKey, str]:
     """Give the key a new secret and return it with the secret (shown once); the old secret stops working.
 
     Raises KeyRefused for a revoked key: a revoked key stays revoked.
@@ -139,7 +154,8 @@ def rotate(key_id: int, *, now: dt.datetime, actor: AbstractBaseUser | None = No
         old_prefix = key.prefix
         _set_secret(key, secret)
         key.save(update_fields=["prefix", "key_hash"])
-        _record(key, "rotated", f"secret {old_prefix}… replaced by {key.prefix}…", now=now, actor=actor)
+        detail = f"secret {old_prefix}… replaced by {key.prefix}…"
+        _record(key, "rotated", detail, now=now, actor=actor, actor_name=actor_name)
         transaction.on_commit(lambda: notify.publish("keys"))
     return key, secret
 
@@ -154,12 +170,14 @@ def changed(key: ApiKey, fields: Iterable[str], *, now: dt.datetime, actor: Abst
         transaction.on_commit(lambda: notify.publish("keys"))
 
 
-def revoke(key_id: int, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> bool:
+def revoke(
+    key_id: int, *, now: dt.datetime, actor: AbstractBaseUser | None = None, actor_name: str | None = None
+) -> bool:
     """Revoke a key (compare-and-set: False when it already was); every data plane drops it within a second."""
     with transaction.atomic():
         n = ApiKey.objects.filter(id=key_id, revoked_at__isnull=True).update(revoked_at=now)
         if not n:
             return False
-        _record(ApiKey.objects.get(id=key_id), "revoked", "", now=now, actor=actor)
+        _record(ApiKey.objects.get(id=key_id), "revoked", "", now=now, actor=actor, actor_name=actor_name)
         transaction.on_commit(lambda: notify.publish("keys"))
     return True

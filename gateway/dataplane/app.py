@@ -22,6 +22,7 @@ from prometheus_client import generate_latest
 from gateway import keys as gwkeys
 from gateway import usage
 from gateway.dataplane.background import Background
+from gateway.dataplane.budgets import Budgets
 from gateway.dataplane.http import ClientGone, Receive, Scope, Send, error_body, send_json, send_raw
 from gateway.dataplane.limits import Limiter
 from gateway.dataplane.metrics import Metrics
@@ -61,6 +62,7 @@ class DataPlane(Background, Upstream, Relay):
         )
         self.redis: aioredis.Redis | None = None
         self.limiter = Limiter(None, settings.LLMGW_CACHE_PREFIX)
+        self.budgets = Budgets(None, settings.LLMGW_CACHE_PREFIX)
         self.usage = usage.Accumulator()
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-db")
         self._tasks: list[asyncio.Task] = []
@@ -75,6 +77,7 @@ class DataPlane(Background, Upstream, Relay):
         if settings.REDIS_URL:
             self.redis = aioredis.Redis.from_url(settings.REDIS_URL)
             self.limiter.redis = self.redis
+            self.budgets.redis = self.redis
         try:
             await self.reload("all")
         except Exception:
@@ -259,6 +262,12 @@ class DataPlane(Background, Upstream, Relay):
             )
             return
         wall = time.time()
+        spent = await self.budgets.admit(key, wall)
+        if spent is not None:
+            self.metrics.requests.labels(model, "429").inc()
+            self.usage.add(key.id, model, wall, error=True)
+            await send_raw(send, 429, spent.body, spent.headers)
+            return
         retry_after = await self.limiter.admit(key, wall)
         if retry_after is not None:
             self.metrics.requests.labels(model, "429").inc()
@@ -278,6 +287,7 @@ class DataPlane(Background, Upstream, Relay):
 
         async def spend(o: Outcome) -> None:
             await self.limiter.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
+            await self.budgets.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
 
         out = await self._forward(receive, send, route, body, raw, path, started, spend)
         await out.settle_once()
