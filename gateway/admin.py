@@ -52,6 +52,9 @@ class ApiKeyForm(forms.ModelForm):
         super().__init__(*args, **kwargs)
         if self.instance.pk:
             self.initial["allowed_models"] = ", ".join(self.instance.allowed_models or [])
+        # Left empty: no budget (0), as a form posted before budgets existed means.
+        for name in ("tokens_per_day", "tokens_per_month"):
+            self.fields[name].required = False
 
     def clean_allowed_models(self) -> list[str]:
         """A sorted list of unique names."""
@@ -64,6 +67,14 @@ class ApiKeyForm(forms.ModelForm):
         if value is not None and not self.instance.pk and value <= timezone.now():
             raise forms.ValidationError("must be in the future")
         return value
+
+    def clean_tokens_per_day(self) -> int:
+        """Empty: no budget."""
+        return self.cleaned_data.get("tokens_per_day") or 0
+
+    def clean_tokens_per_month(self) -> int:
+        """Empty: no budget."""
+        return self.cleaned_data.get("tokens_per_month") or 0
 
     def clean(self):
         """A day's budget no more than the month's (the database's check, said on the field)."""

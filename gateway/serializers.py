@@ -135,16 +135,16 @@ class KeyIn(KeyUpdateIn):
 
 
 class KeyInErrors(serializers.Serializer):
-    """400 from a key's create or change: each field named with its problems."""
+    """400 from a key's create or change: each field named with its problems (only those with one appear)."""
 
-    name = serializers.ListField(child=serializers.CharField(), read_only=True)
-    owner = serializers.ListField(child=serializers.CharField(), read_only=True)
-    allowed_models = serializers.JSONField(read_only=True)
-    rpm_limit = serializers.ListField(child=serializers.CharField(), read_only=True)
-    tpm_limit = serializers.ListField(child=serializers.CharField(), read_only=True)
-    tokens_per_day = serializers.ListField(child=serializers.CharField(), read_only=True)
-    tokens_per_month = serializers.ListField(child=serializers.CharField(), read_only=True)
-    expires_at = serializers.ListField(child=serializers.CharField(), read_only=True)
+    name = serializers.ListField(child=serializers.CharField(), required=False)
+    owner = serializers.ListField(child=serializers.CharField(), required=False)
+    allowed_models = serializers.JSONField(required=False)
+    rpm_limit = serializers.ListField(child=serializers.CharField(), required=False)
+    tpm_limit = serializers.ListField(child=serializers.CharField(), required=False)
+    tokens_per_day = serializers.ListField(child=serializers.CharField(), required=False)
+    tokens_per_month = serializers.ListField(child=serializers.CharField(), required=False)
+    expires_at = serializers.ListField(child=serializers.CharField(), required=False)
 
 
 class KeyConflictOut(serializers.Serializer):
@@ -192,14 +192,14 @@ class UsageIn(serializers.Serializer):
 
 
 class UsageInErrors(serializers.Serializer):
-    """400 from the usage report: each query parameter named with its problems."""
+    """400 from the usage report: each query parameter named with its problems (only those with one appear)."""
 
-    start = serializers.ListField(child=serializers.CharField(), read_only=True)
-    end = serializers.ListField(child=serializers.CharField(), read_only=True)
-    group_by = serializers.ListField(child=serializers.CharField(), read_only=True)
-    bucket = serializers.ListField(child=serializers.CharField(), read_only=True)
-    key = serializers.ListField(child=serializers.CharField(), read_only=True)
-    model = serializers.ListField(child=serializers.CharField(), read_only=True)
+    start = serializers.ListField(child=serializers.CharField(), required=False)
+    end = serializers.ListField(child=serializers.CharField(), required=False)
+    group_by = serializers.ListField(child=serializers.CharField(), required=False)
+    bucket = serializers.ListField(child=serializers.CharField(), required=False)
+    key = serializers.ListField(child=serializers.CharField(), required=False)
+    model = serializers.ListField(child=serializers.CharField(), required=False)
 
 
 class UsageRowOut(serializers.Serializer):
