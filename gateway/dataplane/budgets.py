@@ -118,10 +118,11 @@ class Budgets:
         if self.redis is not None:
             dk, mk = self._k("day", key.id, day), self._k("month", key.id, month)
             pipe = self.redis.pipeline(transaction=False)
+            # Relative expiries: the period's end is this gateway's clock, and Redis's may differ.
             pipe.incrby(dk, tokens)
-            pipe.expireat(dk, int(day_end) + EXPIRY_MARGIN_S)
+            pipe.expire(dk, math.ceil(day_end - now) + EXPIRY_MARGIN_S)
             pipe.incrby(mk, tokens)
-            pipe.expireat(mk, int(month_end) + EXPIRY_MARGIN_S)
+            pipe.expire(mk, math.ceil(month_end - now) + EXPIRY_MARGIN_S)
             await pipe.execute()
             return
         for kind, period in (("day", day), ("month", month)):
