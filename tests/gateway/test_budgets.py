@@ -5,15 +5,19 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import time
 import uuid
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from django.conf import settings
+from django.utils import timezone
 
-from gateway import usage
+from gateway import keys, notify, usage
 from gateway.dataplane.budgets import EXPIRY_MARGIN_S, Budgets, period_ends
 from gateway.table import KeyEntry
+from tests.gateway.conftest import chat, make_deployment, make_key, url_of, wait_for
 
 # 2026-11-30 22:00:00 UTC: two hours before the day ends, a day before the month does.
 T = dt.datetime(2026, 11, 30, 22, 0, tzinfo=dt.UTC).timestamp()
@@ -90,9 +94,9 @@ def test_a_day_budget_spent_across_two_processes_refuses_until_midnight(shared):
             # A new UTC day starts from nothing.
             assert await b.admit(key, T + 2 * 3600) is None
         finally:
-            keys = [k async for k in r.scan_iter(f"{prefix}:*")]
-            if keys:
-                await r.delete(*keys)
+            leftover = [k async for k in r.scan_iter(f"{prefix}:*")]
+            if leftover:
+                await r.delete(*leftover)
             await r.aclose()
 
     asyncio.run(go())
@@ -142,3 +146,62 @@ def test_the_recorded_spend_counts_when_the_counters_lost_it():
         assert "(30 spent)" in error(refused)["message"]
 
     asyncio.run(go())
+
+
+def _next_midnight() -> dt.datetime:
+    return usage.day_start(dt.datetime.now(dt.UTC)) + dt.timedelta(days=1)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_spent_day_budget_is_a_429_with_the_reset_across_gateways(gateway_factory, echoes, user):
+    first, second = gateway_factory("budget-a"), gateway_factory("budget-b")
+    make_deployment("demo", [url_of(echoes())])
+    secret = make_key(user, name="budgeted", tokens_per_day=10)
+    for g in (first, second):
+        g.wait_ready(secret, "demo", 1)
+    # Within one UTC day (the counters are the day's).
+    wait_for(lambda: dt.datetime.now(dt.UTC).hour < 23 or dt.datetime.now(dt.UTC).minute < 59, timeout=70)
+    with first.client(secret) as c1, second.client(secret) as c2:
+        # 3 prompt + 3 completion tokens each: 6 of 10 after the first, 12 after the second.
+        assert c1.post("/v1/completions", json={"model": "demo", "prompt": "a b c"}).status_code == 200
+        assert c2.post("/v1/completions", json={"model": "demo", "prompt": "a b c"}).status_code == 200
+        r = c1.post("/v1/chat/completions", json=chat("hello"))
+    assert r.status_code == 429
+    reset = _next_midnight()
+    assert r.json() == {
+        "error": {
+            "message": f"API key 'budgeted' has used its budget of 10 tokens for this UTC day (12 spent);"
+            f" it resets at {reset:%Y-%m-%dT%H:%M:%SZ}",
+            "type": "insufficient_quota",
+            "param": None,
+            "code": "insufficient_quota",
+        }
+    }
+    left = (reset - dt.datetime.now(dt.UTC)).total_seconds()
+    assert left - 5 <= int(r.headers["retry-after"]) <= left + 1
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_recorded_spend_refuses_a_key_its_counters_never_saw(gateway, echoes, user):
+    make_deployment("demo", [url_of(echoes())])
+    plenty = make_key(user, name="plenty")
+    gateway.wait_ready(plenty, "demo", 1)
+    key, secret = keys.create_key(name="spent-elsewhere", owner=user, now=timezone.now(), tokens_per_month=100)
+    # Spent before these counters existed (another install's Redis, lost at a restart): only the rows know.
+    acc = usage.Accumulator()
+    acc.add(key.id, "demo", time.time(), prompt_tokens=60, completion_tokens=40)
+    usage.write_batch(acc.take())
+    notify.publish("keys")
+
+    def refused() -> httpx.Response | None:
+        with gateway.client(secret) as c:
+            r = c.post("/v1/completions", json={"model": "demo", "prompt": "a"})
+        return r if r.status_code == 429 else None
+
+    r = wait_for(refused, timeout=10, what="a 429 for the key whose month is spent in the database")
+    assert r.json()["error"]["code"] == "insufficient_quota"
+    assert "for this UTC month (100 spent)" in r.json()["error"]["message"]
+    with gateway.client(plenty) as c:
+        assert c.post("/v1/completions", json={"model": "demo", "prompt": "a"}).status_code == 200
