@@ -150,3 +150,25 @@ def test_key_page_shows_budgets_spend_and_the_daily_chart(client, operator):
     assert f"<title>{today.isoformat()}: 40 tokens</title>" in page
     assert "69 in all; busiest day 40" in page
     assert "<script" not in page.split('id="usage-chart"')[1].split("</svg>")[0]
+
+
+def test_a_day_budget_above_the_month_is_refused_naming_the_field(client, operator):
+    client.force_login(operator)
+    resp = client.post(
+        "/admin/gateway/apikey/add/",
+        {
+            "name": "x",
+            "owner": operator.pk,
+            "rpm_limit": 0,
+            "tpm_limit": 0,
+            "tokens_per_day": 11,
+            "tokens_per_month": 10,
+            "events-TOTAL_FORMS": 0,
+            "events-INITIAL_FORMS": 0,
+        },
+    )
+    assert resp.status_code == 200
+    assert resp.context["adminform"].form.errors == {
+        "tokens_per_day": ["more than the month's budget (10): the month would refuse first"]
+    }
+    assert not ApiKey.objects.exists()

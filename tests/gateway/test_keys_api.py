@@ -218,3 +218,12 @@ def test_list_query_count_does_not_grow(viewer, operator, now, django_assert_num
         keys.create_key(name=f"k{i}", owner=operator, now=now)
     with django_assert_num_queries(3):
         assert c.get(KEYS).json()["count"] == 6
+
+
+def test_a_user_in_neither_role_is_refused(django_user_model, key):
+    nobody = django_user_model.objects.create_user("nobody")
+    c = client(nobody)
+    assert c.get(KEYS).status_code == 403
+    assert c.get(f"{KEYS}{key.id}/").status_code == 403
+    assert c.post(f"{KEYS}{key.id}/revoke/").status_code == 403
+    assert c.get("/api/v1/gateway/usage/").status_code == 403
