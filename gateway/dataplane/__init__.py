@@ -18,6 +18,5 @@ One module per job: app (the ASGI routes, keys, the request's checks, start
 and stop), upstream (choosing a replica, retry, ejection), streaming (the
 relay and usage read on the way), background (the table, the engines'
 figures, usage batches, in-flight reports), pool (the kept-alive connections
-to the replicas), limits, budgets (per-key tokens per UTC day and month), metrics,
-http (shared ASGI types and error answers).
+to the replicas), limits, metrics, http (shared ASGI types and error answers).
 """

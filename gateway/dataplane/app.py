@@ -21,8 +21,8 @@ from prometheus_client import generate_latest
 
 from gateway import keys as gwkeys
 from gateway import usage
+from gateway.dataplane import budgets
 from gateway.dataplane.background import Background
-from gateway.dataplane.budgets import Budgets
 from gateway.dataplane.http import ClientGone, Receive, Scope, Send, error_body, send_json, send_raw
 from gateway.dataplane.limits import Limiter
 from gateway.dataplane.metrics import Metrics
@@ -62,7 +62,7 @@ class DataPlane(Background, Upstream, Relay):
         )
         self.redis: aioredis.Redis | None = None
         self.limiter = Limiter(None, settings.LLMGW_CACHE_PREFIX)
-        self.budgets = Budgets(None, settings.LLMGW_CACHE_PREFIX)
+        self.budgets = budgets.Budgets(None, settings.LLMGW_CACHE_PREFIX)
         self.usage = usage.Accumulator()
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-db")
         self._tasks: list[asyncio.Task] = []
@@ -261,13 +261,13 @@ class DataPlane(Background, Upstream, Relay):
                 ),
             )
             return
-        wall = time.time()
-        spent = await self.budgets.admit(key, wall)
+        spent = await self.budgets.admit(key, time.time())
         if spent is not None:
             self.metrics.requests.labels(model, "429").inc()
-            self.usage.add(key.id, model, wall, error=True)
+            self.usage.add(key.id, model, time.time(), error=True)
             await send_raw(send, 429, spent.body, spent.headers)
             return
+        wall = time.time()
         retry_after = await self.limiter.admit(key, wall)
         if retry_after is not None:
             self.metrics.requests.labels(model, "429").inc()
