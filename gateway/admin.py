@@ -174,8 +174,9 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         now = timezone.now()
         if change:
-            obj.save()
-            keys.changed(obj, form.changed_data, now=now, actor=request.user)
+            # Through keys.update, which compares with the stored row: the event says old -> new.
+            values = {f: form.cleaned_data[f] for f in form.changed_data if f in keys.CHANGEABLE}
+            keys.update(obj.id, values, now=now, actor=request.user)
             return
         _, secret = keys.create_key(
             name=obj.name,

@@ -23,8 +23,17 @@ if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
 
 KEY_PREFIX = "llmgw-sk-"
-# The fields an operator may change after creation (the owner and the secret stay).
-CHANGEABLE = ("name", "allowed_models", "rpm_limit", "tpm_limit", "tokens_per_day", "tokens_per_month", "expires_at")
+# The fields an operator may change after creation (the secret changes only by rotating).
+CHANGEABLE = (
+    "name",
+    "owner",
+    "allowed_models",
+    "rpm_limit",
+    "tpm_limit",
+    "tokens_per_day",
+    "tokens_per_month",
+    "expires_at",
+)
 
 
 class KeyRefused(Exception):
@@ -97,6 +106,8 @@ def _set_secret(key: ApiKey, secret: str) -> None:
 
 
 def _shown(value: Any) -> str:
+    if hasattr(value, "get_username"):
+        return value.get_username()
     if isinstance(value, list):
         return "[" + ", ".join(value) + "]"
     if isinstance(value, dt.datetime):
@@ -158,16 +169,6 @@ def rotate(
         _record(key, "rotated", detail, now=now, actor=actor, actor_name=actor_name)
         transaction.on_commit(lambda: notify.publish("keys"))
     return key, secret
-
-
-def changed(key: ApiKey, fields: Iterable[str], *, now: dt.datetime, actor: AbstractBaseUser | None) -> None:
-    """Record that an operator changed a key's fields (already saved) and push the change."""
-    names = ", ".join(sorted(fields))
-    if not names:
-        return
-    with transaction.atomic():
-        _record(key, "changed", f"changed: {names}", now=now, actor=actor)
-        transaction.on_commit(lambda: notify.publish("keys"))
 
 
 def revoke(

@@ -96,9 +96,10 @@ def _models_field(**kwargs: Any) -> serializers.ListField:
 
 
 class KeyUpdateIn(serializers.Serializer):
-    """A key's changeable fields; each optional. allowed_models empty: every model; 0: no limit or budget."""
+    """A key's changeable fields (owner: a username); each optional. allowed_models empty: every model; 0: none."""
 
     name = serializers.CharField(max_length=128, required=False)
+    owner = serializers.SlugRelatedField(slug_field="username", queryset=get_user_model().objects.all(), required=False)
     allowed_models = _models_field(required=False)
     rpm_limit = serializers.IntegerField(min_value=0, max_value=MAX_LIMIT, required=False)
     tpm_limit = serializers.IntegerField(min_value=0, max_value=MAX_LIMIT, required=False)

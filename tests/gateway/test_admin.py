@@ -172,3 +172,31 @@ def test_a_day_budget_above_the_month_is_refused_naming_the_field(client, operat
         "tokens_per_day": ["more than the month's budget (10): the month would refuse first"]
     }
     assert not ApiKey.objects.exists()
+
+
+def test_a_change_in_the_admin_is_recorded_old_to_new(client, operator, django_user_model, now):
+    bob = django_user_model.objects.create_user("bob")
+    key, _ = keys.create_key(name="k", owner=operator, now=now, allowed_models=["demo"])
+    client.force_login(operator)
+    resp = client.post(
+        f"/admin/gateway/apikey/{key.pk}/change/",
+        {
+            "name": "k",
+            "owner": bob.pk,
+            "allowed_models": "demo",
+            "rpm_limit": 60,
+            "tpm_limit": 0,
+            "tokens_per_day": 100,
+            "tokens_per_month": "",
+            "events-TOTAL_FORMS": 1,
+            "events-INITIAL_FORMS": 1,
+            "events-0-id": KeyEvent.objects.get(key=key).pk,
+            "events-0-key": key.pk,
+        },
+    )
+    assert resp.status_code == 302, resp.context["adminform"].form.errors if resp.context else resp
+    key.refresh_from_db()
+    assert (key.owner, key.rpm_limit, key.tokens_per_day, key.tokens_per_month) == (bob, 60, 100, 0)
+    ev = KeyEvent.objects.filter(key=key).first()
+    assert (ev.kind, ev.actor_name) == ("changed", "operator")
+    assert ev.detail == "owner: operator -> bob; rpm_limit: 0 -> 60; tokens_per_day: 0 -> 100"

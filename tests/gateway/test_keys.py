@@ -78,9 +78,11 @@ def test_changes_are_pushed_to_the_data_planes(django_user_model, now, subscribe
     owner = django_user_model.objects.create_user("bob")
     key, _ = keys.create_key(name="ci", owner=owner, now=now)
     assert _next(subscriber) == {"kind": "keys"}
-    keys.changed(key, ["rpm_limit"], now=now, actor=None)
+    keys.update(key.id, {"rpm_limit": 5}, now=now, actor=None)
     assert _next(subscriber) == {"kind": "keys"}
-    keys.changed(key, [], now=now, actor=None)
+    keys.update(key.id, {"rpm_limit": 5}, now=now, actor=None)  # no change: nothing pushed
+    keys.rotate(key.id, now=now)
+    assert _next(subscriber) == {"kind": "keys"}
     keys.revoke(key.id, now=now)
     assert _next(subscriber) == {"kind": "keys"}
     assert _next(subscriber) is None
@@ -107,8 +109,8 @@ def test_update_records_each_change_old_to_new_and_nothing_for_no_change(django_
     )
     keys.update(key.id, {"name": "ci2"}, now=later, actor=operator)
     assert KeyEvent.objects.filter(key=key).count() == 2
-    with pytest.raises(ValueError, match="not changeable: owner"):
-        keys.update(key.id, {"owner": operator}, now=later, actor=operator)
+    with pytest.raises(ValueError, match="not changeable: key_hash, prefix"):
+        keys.update(key.id, {"key_hash": "0" * 64, "prefix": "x"}, now=later, actor=operator)
 
 
 def test_rotate_keeps_the_record_and_replaces_the_hash(django_user_model, now):

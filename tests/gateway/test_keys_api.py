@@ -136,7 +136,7 @@ def test_bad_input_is_a_400_naming_the_field(operator, body, field, doc):  # noq
     assert not ApiKey.objects.exists()
 
 
-def test_operator_changes_limits_recorded_old_to_new(operator, key, doc):  # noqa: F811
+def test_operator_changes_limits_recorded_old_to_new(operator, key, doc, django_user_model):  # noqa: F811
     c = client(operator)
     r = c.patch(
         f"{KEYS}{key.id}/",
@@ -158,6 +158,12 @@ def test_operator_changes_limits_recorded_old_to_new(operator, key, doc):  # noq
     assert c.patch(f"{KEYS}{key.id}/", {"rpm_limit": 20}, format="json").status_code == 200
     assert KeyEvent.objects.filter(key=key).count() == 2
     assert c.put(f"{KEYS}{key.id}/", {"rpm_limit": 1}, format="json").status_code == 405
+    django_user_model.objects.create_user("bob")
+    r = c.patch(f"{KEYS}{key.id}/", {"owner": "bob"}, format="json")
+    assert r.status_code == 200 and r.json()["owner"] == "bob"
+    assert KeyEvent.objects.filter(key=key).first().detail == "owner: operator -> bob"
+    r = c.patch(f"{KEYS}{key.id}/", {"owner": "ghost"}, format="json")
+    assert r.status_code == 400 and list(r.json()) == ["owner"]
 
 
 def test_rotate_gives_the_same_key_a_new_secret(operator, key, doc):  # noqa: F811
