@@ -9,9 +9,11 @@ import pytest
 import redis
 from django.conf import settings
 from django.db import IntegrityError
+from django.utils import timezone
 
 from gateway import keys, notify
 from gateway.models import ApiKey, KeyEvent
+from tests.gateway.conftest import make_deployment, url_of, wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -141,3 +143,19 @@ def test_a_day_budget_alone_or_within_the_month_is_accepted(django_user_model, n
     keys.create_key(name="month", owner=owner, now=now, tokens_per_month=10)
     keys.create_key(name="both", owner=owner, now=now, tokens_per_day=10, tokens_per_month=10)
     assert ApiKey.objects.count() == 3
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_rotated_key_opens_the_gateway_with_its_new_secret_only(gateway, echoes, user):
+    make_deployment("demo", [url_of(echoes())])
+    key, old = keys.create_key(name="rotating", owner=user, now=timezone.now())
+    gateway.wait_ready(old, "demo", 1)
+    _, new = keys.rotate(key.id, now=timezone.now(), actor=user)
+
+    def answers(secret: str) -> int:
+        with gateway.client(secret) as c:
+            return c.post("/v1/completions", json={"model": "demo", "prompt": "a"}).status_code
+
+    wait_for(lambda: answers(old) == 401, timeout=5, what="the old secret refused")
+    assert answers(new) == 200

@@ -80,6 +80,7 @@ def test_create_with_an_actor_and_an_iso_expiry(alice, operator):
         (["--expires", "2000-01-01"], "--expires: must be in the future"),
         (["--expires", "soon"], "--expires: 'soon' is neither Nd (days from now) nor an ISO 8601 date-time"),
         (["--actor", "ghost"], "--actor: no user named 'ghost'"),
+        (["--models", "demo," + "m" * 129], "--models: item 2: Ensure this field has no more than 128 characters."),
     ],
 )
 def test_bad_input_names_the_option(alice, args, message):

@@ -41,6 +41,8 @@ COLUMNS = ("id", "name", "prefix", "owner", "models", "rpm", "tpm", "tokens/day"
 def _errors(errors: dict) -> str:
     parts = []
     for field, problems in errors.items():
+        if isinstance(problems, dict):  # a list's errors, by the index of the item at fault
+            problems = [f"item {i + 1}: {' '.join(str(p) for p in v)}" for i, v in sorted(problems.items())]
         text = "; ".join(str(p) for p in (problems if isinstance(problems, list) else [problems]))
         parts.append(f"{OPTIONS.get(field, field)}: {text}")
     return "; ".join(parts)
