@@ -3,10 +3,14 @@
 A key's secret is shown once, on the page after it is created; only its hash
 is kept. Revoking is an action (every data plane drops the key within a
 second). Usage is listed per key and model per minute, and summed per key
-and per model on the key's page.
+and per model on the key's page, with its budgets, this day's and month's
+spend, and its tokens per day for the last 30 days as an inline SVG chart
+(templates/admin/gateway/apikey/change_form.html).
 """
 
 from __future__ import annotations
+
+import datetime as dt
 
 from django import forms
 from django.contrib import admin, messages
@@ -14,9 +18,21 @@ from django.db.models import Sum
 from django.utils import timezone
 from django.utils.html import format_html_join
 
-from gateway import figures, keys
+from gateway import figures, keys, usage, usage_chart
 from gateway.models import ApiKey, KeyEvent, RoutedReplica, UsageMinute
 from llmgw.admin import ReadOnlyAdmin
+
+FORM_FIELDS = [
+    "name",
+    "owner",
+    "allowed_models",
+    "rpm_limit",
+    "tpm_limit",
+    "tokens_per_day",
+    "tokens_per_month",
+    "expires_at",
+]
+CHART_DAYS = 30
 
 
 class ApiKeyForm(forms.ModelForm):
@@ -30,12 +46,15 @@ class ApiKeyForm(forms.ModelForm):
 
     class Meta:
         model = ApiKey
-        fields = ["name", "owner", "allowed_models", "rpm_limit", "tpm_limit", "expires_at"]
+        fields = FORM_FIELDS
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.instance.pk:
             self.initial["allowed_models"] = ", ".join(self.instance.allowed_models or [])
+        # Left empty: no budget (0), as a form posted before budgets existed means.
+        for name in ("tokens_per_day", "tokens_per_month"):
+            self.fields[name].required = False
 
     def clean_allowed_models(self) -> list[str]:
         """A sorted list of unique names."""
@@ -48,6 +67,22 @@ class ApiKeyForm(forms.ModelForm):
         if value is not None and not self.instance.pk and value <= timezone.now():
             raise forms.ValidationError("must be in the future")
         return value
+
+    def clean_tokens_per_day(self) -> int:
+        """Empty: no budget."""
+        return self.cleaned_data.get("tokens_per_day") or 0
+
+    def clean_tokens_per_month(self) -> int:
+        """Empty: no budget."""
+        return self.cleaned_data.get("tokens_per_month") or 0
+
+    def clean(self):
+        """A day's budget no more than the month's (the database's check, said on the field)."""
+        data = super().clean()
+        day, month = data.get("tokens_per_day") or 0, data.get("tokens_per_month") or 0
+        if day and month and day > month:
+            self.add_error("tokens_per_day", f"more than the month's budget ({month}): the month would refuse first")
+        return data
 
 
 class KeyEventInline(admin.TabularInline):
@@ -64,7 +99,18 @@ class KeyEventInline(admin.TabularInline):
 @admin.register(ApiKey)
 class ApiKeyAdmin(admin.ModelAdmin):
     form = ApiKeyForm
-    list_display = ["name", "prefix", "owner", "models", "rpm_limit", "tpm_limit", "expires_at", "revoked_at"]
+    list_display = [
+        "name",
+        "prefix",
+        "owner",
+        "models",
+        "rpm_limit",
+        "tpm_limit",
+        "tokens_per_day",
+        "tokens_per_month",
+        "expires_at",
+        "revoked_at",
+    ]
     list_filter = ["revoked_at"]
     search_fields = ["name", "prefix", "owner__username"]
     autocomplete_fields = ["owner"]
@@ -100,7 +146,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
     def get_fields(self, request, obj=None):
         if obj is None:
-            return ["name", "owner", "allowed_models", "rpm_limit", "tpm_limit", "expires_at"]
+            return FORM_FIELDS
         return [
             "name",
             "prefix",
@@ -108,6 +154,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
             "allowed_models",
             "rpm_limit",
             "tpm_limit",
+            "tokens_per_day",
+            "tokens_per_month",
             "expires_at",
             "revoked_at",
             "created_at",
@@ -115,11 +163,20 @@ class ApiKeyAdmin(admin.ModelAdmin):
             "usage_by_model",
         ]
 
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        """The key's page, with its budgets, this day's and month's spend, and its tokens per day."""
+        extra_context = dict(extra_context or {})
+        key = self.get_object(request, object_id)
+        if key is not None:
+            extra_context.update(budget_page(key, timezone.now()))
+        return super().change_view(request, object_id, form_url, extra_context)
+
     def save_model(self, request, obj, form, change):
         now = timezone.now()
         if change:
-            obj.save()
-            keys.changed(obj, form.changed_data, now=now, actor=request.user)
+            # Through keys.update, which compares with the stored row: the event says old -> new.
+            values = {f: form.cleaned_data[f] for f in form.changed_data if f in keys.CHANGEABLE}
+            keys.update(obj.id, values, now=now, actor=request.user)
             return
         _, secret = keys.create_key(
             name=obj.name,
@@ -127,6 +184,8 @@ class ApiKeyAdmin(admin.ModelAdmin):
             allowed_models=form.cleaned_data["allowed_models"],
             rpm_limit=obj.rpm_limit,
             tpm_limit=obj.tpm_limit,
+            tokens_per_day=obj.tokens_per_day,
+            tokens_per_month=obj.tokens_per_month,
             expires_at=obj.expires_at,
             now=now,
             actor=request.user,
@@ -141,6 +200,23 @@ class ApiKeyAdmin(admin.ModelAdmin):
         now = timezone.now()
         n = sum(keys.revoke(k.id, now=now, actor=request.user) for k in queryset)
         self.message_user(request, f"{n} API key(s) revoked.")
+
+
+def budget_page(key: ApiKey, now: dt.datetime) -> dict:
+    """What the key's page shows above its form: each budget with its spend and reset, and the daily chart."""
+    spent = usage.spent([key.id], now).get(key.id, usage.Spent())
+    today = usage.day_start(now)
+    this_month = usage.month_start(now)
+    next_month = (this_month + dt.timedelta(days=32)).replace(day=1)
+    rows = []
+    for period, budget, used, reset in (
+        ("day", key.tokens_per_day, spent.day, today + dt.timedelta(days=1)),
+        ("month", key.tokens_per_month, spent.month, next_month),
+    ):
+        percent = round(used * 100 / budget) if budget else None
+        rows.append({"period": period, "budget": budget, "spent": used, "percent": percent, "resets_at": reset})
+    chart = usage_chart.daily_chart(usage.daily_tokens(key.id, now, CHART_DAYS))
+    return {"budgets": rows, "chart": chart}
 
 
 @admin.register(UsageMinute)

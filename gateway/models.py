@@ -29,6 +29,11 @@ class ApiKey(models.Model):
     # 0: no limit. Enforced across every gateway process through Redis.
     rpm_limit = models.PositiveIntegerField("requests a minute", default=0)
     tpm_limit = models.PositiveIntegerField("tokens a minute", default=0)
+    # Budgets in tokens (prompt + completion) per UTC day and UTC month; 0: none. Enforced by
+    # the data planes from counters in Redis (gateway/dataplane/budgets.py), checked against
+    # the recorded usage.
+    tokens_per_day = models.PositiveBigIntegerField("tokens a day (UTC)", default=0)
+    tokens_per_month = models.PositiveBigIntegerField("tokens a month (UTC)", default=0)
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField()
@@ -44,6 +49,17 @@ class ApiKey(models.Model):
                 condition=Q(expires_at__isnull=True) | Q(expires_at__gt=models.F("created_at")),
                 name="gateway_apikey_expires_after_created",
             ),
+            models.CheckConstraint(
+                condition=Q(tokens_per_day__gte=0) & Q(tokens_per_month__gte=0),
+                name="gateway_apikey_budgets_not_negative",
+            ),
+            # A day's budget above the month's could never be spent: the month refuses first.
+            models.CheckConstraint(
+                condition=Q(tokens_per_day=0)
+                | Q(tokens_per_month=0)
+                | Q(tokens_per_day__lte=models.F("tokens_per_month")),
+                name="gateway_apikey_day_budget_within_month",
+            ),
         ]
 
     def __str__(self) -> str:
@@ -55,7 +71,7 @@ class ApiKey(models.Model):
 
 
 class KeyEvent(models.Model):
-    """An operator's action on a key (created, changed, revoked), with who and when."""
+    """An operator's action on a key (created, changed, rotated, revoked), with who and when."""
 
     at = models.DateTimeField(db_index=True)
     key = models.ForeignKey(ApiKey, on_delete=models.CASCADE, related_name="events")

@@ -12,7 +12,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from django.db.models import Q
+from django.utils import timezone
 
+from gateway import usage
 from gateway.models import ApiKey
 from placement.models import Deployment, Replica, ReplicaState, Shard
 
@@ -47,6 +49,9 @@ class ModelRoute:
         return text
 
 
+NOTHING_SPENT = usage.Spent()
+
+
 @dataclass(frozen=True)
 class KeyEntry:
     """A key as the data plane checks it: no secret, only what a request is judged by."""
@@ -58,6 +63,13 @@ class KeyEntry:
     allowed_models: frozenset[str] | None
     rpm_limit: int
     tpm_limit: int
+    # Budgets per UTC day and month (0: none), and the spend recorded in the database for the
+    # day `recorded_on` (and its month) when the keys were loaded: what the budget counters
+    # are checked against (gateway/dataplane/budgets.py).
+    tokens_per_day: int = 0
+    tokens_per_month: int = 0
+    recorded: usage.Spent = NOTHING_SPENT
+    recorded_on: dt.date | None = None
 
     def expired(self, now: dt.datetime) -> bool:
         """Whether the key has expired at `now`."""
@@ -104,11 +116,27 @@ def load_routes() -> dict[str, ModelRoute]:
 
 
 def load_keys() -> dict[str, KeyEntry]:
-    """Usable keys by hash (one query); revoked keys are left out, expired ones kept to say so."""
+    """Usable keys by hash, with the recorded spend of those with a budget (two queries).
+
+    Revoked keys are left out, expired ones kept to say so.
+    """
     out: dict[str, KeyEntry] = {}
-    for k in ApiKey.objects.filter(Q(revoked_at__isnull=True)).only(
-        "id", "name", "key_hash", "expires_at", "allowed_models", "rpm_limit", "tpm_limit"
-    ):
+    now = timezone.now()
+    rows = list(
+        ApiKey.objects.filter(Q(revoked_at__isnull=True)).only(
+            "id",
+            "name",
+            "key_hash",
+            "expires_at",
+            "allowed_models",
+            "rpm_limit",
+            "tpm_limit",
+            "tokens_per_day",
+            "tokens_per_month",
+        )
+    )
+    spent = usage.spent([k.id for k in rows if k.tokens_per_day or k.tokens_per_month], now)
+    for k in rows:
         out[k.key_hash] = KeyEntry(
             id=k.id,
             name=k.name,
@@ -116,5 +144,9 @@ def load_keys() -> dict[str, KeyEntry]:
             allowed_models=frozenset(k.allowed_models) if k.allowed_models else None,
             rpm_limit=k.rpm_limit,
             tpm_limit=k.tpm_limit,
+            tokens_per_day=k.tokens_per_day,
+            tokens_per_month=k.tokens_per_month,
+            recorded=spent.get(k.id, NOTHING_SPENT),
+            recorded_on=now.astimezone(dt.UTC).date(),
         )
     return out

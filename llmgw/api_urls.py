@@ -3,6 +3,7 @@
 from django.urls import include, path, re_path
 from rest_framework.routers import DefaultRouter
 
+from gateway import api as gateway_api
 from inventory.api import DoctorView, GPUViewSet, NodeViewSet, NVLinkView
 from placement import api as placement_api
 from placement import prometheus_sd
@@ -17,6 +18,7 @@ router.register("shards", placement_api.ShardViewSet, basename="shard")
 router.register("placement-events", placement_api.EventViewSet, basename="placement-event")
 router.register("holds", placement_api.HoldViewSet, basename="hold")
 router.register("power-budgets", placement_api.PowerBudgetViewSet, basename="power-budget")
+router.register("gateway/keys", gateway_api.KeyViewSet, basename="gateway-key")
 
 urlpatterns: list = [
     path("agent/", include("agents.urls")),
@@ -24,6 +26,7 @@ urlpatterns: list = [
     # always has (a POST cannot be redirected), and stays out of the API document.
     path("placement/dry-run/", placement_api.DryRunView.as_view(), name="placement-dry-run"),
     path("placement/dry-run", placement_api.DryRunView.as_view(schema=None)),
+    path("gateway/usage/", gateway_api.UsageView.as_view(), name="gateway-usage"),
     *router.urls,
     re_path(r"^nvlink/?$", NVLinkView.as_view(), name="nvlink"),
     re_path(r"^doctor/?$", DoctorView.as_view(), name="doctor"),

@@ -51,6 +51,9 @@ ACTIONS = {
     ("post", "/api/v1/placement/dry-run/"): ("DryRunInRequest", {"200": "DryRunOut", "400": "DryRunInErrors"}),
     ("get", "/api/v1/nvlink/"): (None, {"200": "[Rack]"}),
     ("get", "/api/v1/doctor/"): (None, {"200": "DoctorReport"}),
+    ("post", "/api/v1/gateway/keys/{id}/rotate/"): (None, {"200": "KeyCreatedOut", "409": "KeyConflictOut"}),
+    ("post", "/api/v1/gateway/keys/{id}/revoke/"): (None, {"200": "KeyOut", "409": "KeyConflictOut"}),
+    ("get", "/api/v1/gateway/usage/"): (None, {"200": "UsageOut", "400": "UsageInErrors"}),
 }
 REFUSALS = dict.fromkeys(("400", "401", "403", "409", "413", "415"), "Problem")
 AGENT = {

@@ -22,6 +22,7 @@ from prometheus_client import generate_latest
 
 from gateway import keys as gwkeys
 from gateway import usage
+from gateway.dataplane import budgets
 from gateway.dataplane.background import Background
 from gateway.dataplane.catalog import Catalog
 from gateway.dataplane.http import (
@@ -76,6 +77,7 @@ class DataPlane(Background, Catalog, Upstream, Relay):
         )
         self.redis: aioredis.Redis | None = None
         self.limiter = Limiter(None, settings.LLMGW_CACHE_PREFIX)
+        self.budgets = budgets.Budgets(None, settings.LLMGW_CACHE_PREFIX)
         self.usage = usage.Accumulator()
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-db")
         self._tasks: list[asyncio.Task] = []
@@ -90,6 +92,7 @@ class DataPlane(Background, Catalog, Upstream, Relay):
         if settings.REDIS_URL:
             self.redis = aioredis.Redis.from_url(settings.REDIS_URL)
             self.limiter.redis = self.redis
+            self.budgets.redis = self.redis
         try:
             await self.reload("all")
         except Exception:
@@ -271,6 +274,12 @@ class DataPlane(Background, Catalog, Upstream, Relay):
                 ),
             )
             return
+        spent = await self.budgets.admit(key, time.time())
+        if spent is not None:
+            self.metrics.requests.labels(model, "429").inc()
+            self.usage.add(key.id, model, time.time(), error=True)
+            await send_raw(send, 429, spent.body, spent.headers)
+            return
         wall = time.time()
         window = await self.limiter.admit(key, wall)
         if window is not None:
@@ -293,6 +302,7 @@ class DataPlane(Background, Catalog, Upstream, Relay):
 
         async def spend(o: Outcome) -> None:
             await self.limiter.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
+            await self.budgets.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
 
         out = await self._forward(receive, send, route, body, raw, path, started, spend, rid)
         await out.settle_once()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import re
 
 import pytest
 import redis.asyncio as aioredis
 from django.conf import settings
 from django.contrib.messages import get_messages
+from django.utils import timezone
 
 from gateway import figures, keys, usage
 from gateway.models import ApiKey, KeyEvent
@@ -112,3 +114,89 @@ def test_replicas_at_the_gateway_show_engine_figures_and_ejections(client, opera
     assert "44%" in page and "75%" in page
     assert "for 25 s more" in page
     assert "http://a:1" in page and "http://b:1" in page
+
+
+def test_key_page_shows_budgets_spend_and_the_daily_chart(client, operator):
+    now = timezone.now()
+    key, _ = keys.create_key(
+        name="k", owner=operator, now=now - dt.timedelta(days=60), tokens_per_day=40, tokens_per_month=1000
+    )
+    acc = usage.Accumulator()
+    t = usage.day_start(now).timestamp() + 60  # 00:01 today
+    acc.add(key.id, "demo", t, prompt_tokens=30, completion_tokens=10)  # today: 40, the day's budget spent
+    acc.add(key.id, "demo", t - 86400, prompt_tokens=20)  # yesterday: 20
+    acc.add(key.id, "other", t - 86400, completion_tokens=5)  # yesterday: 25 in all
+    acc.add(key.id, "demo", t - 29 * 86400, prompt_tokens=4)  # the chart's first day
+    acc.add(key.id, "demo", t - 30 * 86400, prompt_tokens=999)  # before the chart
+    usage.write_batch(acc.take())
+    client.force_login(operator)
+    page = client.get(f"/admin/gateway/apikey/{key.pk}/change/").content.decode()
+    month_spent = 40 + sum(
+        n
+        for day, n in ((1, 25), (29, 4), (30, 999))
+        if (usage.day_start(now) - dt.timedelta(days=day)) >= usage.month_start(now)
+    )
+    assert '<tr data-period="day" data-budget="40" data-spent="40">' in page
+    assert f'<tr data-period="month" data-budget="1000" data-spent="{month_spent}">' in page
+    assert "spent: requests are refused until the reset" in page
+    bars = re.findall(r'<rect class="usage-bar" data-day="([\d-]+)" data-tokens="(\d+)" [^>]*height="([\d.]+)"', page)
+    today = usage.day_start(now).date()
+    assert len(bars) == 30
+    assert bars[0][:2] == ((today - dt.timedelta(days=29)).isoformat(), "4")
+    assert bars[-2][:2] == ((today - dt.timedelta(days=1)).isoformat(), "25")
+    assert bars[-1] == (today.isoformat(), "40", "120.0")  # the busiest day fills the height
+    assert bars[-2][2] == "75.0"
+    assert sum(int(b[1]) for b in bars) == 69
+    assert f"<title>{today.isoformat()}: 40 tokens</title>" in page
+    assert "69 in all; busiest day 40" in page
+    assert "<script" not in page.split('id="usage-chart"')[1].split("</svg>")[0]
+
+
+def test_a_day_budget_above_the_month_is_refused_naming_the_field(client, operator):
+    client.force_login(operator)
+    resp = client.post(
+        "/admin/gateway/apikey/add/",
+        {
+            "name": "x",
+            "owner": operator.pk,
+            "rpm_limit": 0,
+            "tpm_limit": 0,
+            "tokens_per_day": 11,
+            "tokens_per_month": 10,
+            "events-TOTAL_FORMS": 0,
+            "events-INITIAL_FORMS": 0,
+        },
+    )
+    assert resp.status_code == 200
+    assert resp.context["adminform"].form.errors == {
+        "tokens_per_day": ["more than the month's budget (10): the month would refuse first"]
+    }
+    assert not ApiKey.objects.exists()
+
+
+def test_a_change_in_the_admin_is_recorded_old_to_new(client, operator, django_user_model, now):
+    bob = django_user_model.objects.create_user("bob")
+    key, _ = keys.create_key(name="k", owner=operator, now=now, allowed_models=["demo"])
+    client.force_login(operator)
+    resp = client.post(
+        f"/admin/gateway/apikey/{key.pk}/change/",
+        {
+            "name": "k",
+            "owner": bob.pk,
+            "allowed_models": "demo",
+            "rpm_limit": 60,
+            "tpm_limit": 0,
+            "tokens_per_day": 100,
+            "tokens_per_month": "",
+            "events-TOTAL_FORMS": 1,
+            "events-INITIAL_FORMS": 1,
+            "events-0-id": KeyEvent.objects.get(key=key).pk,
+            "events-0-key": key.pk,
+        },
+    )
+    assert resp.status_code == 302, resp.context["adminform"].form.errors if resp.context else resp
+    key.refresh_from_db()
+    assert (key.owner, key.rpm_limit, key.tokens_per_day, key.tokens_per_month) == (bob, 60, 100, 0)
+    ev = KeyEvent.objects.filter(key=key).first()
+    assert (ev.kind, ev.actor_name) == ("changed", "operator")
+    assert ev.detail == "owner: operator -> bob; rpm_limit: 0 -> 60; tokens_per_day: 0 -> 100"

@@ -9,9 +9,11 @@ import pytest
 import redis
 from django.conf import settings
 from django.db import IntegrityError
+from django.utils import timezone
 
 from gateway import keys, notify
 from gateway.models import ApiKey, KeyEvent
+from tests.gateway.conftest import make_deployment, url_of, wait_for
 
 pytestmark = pytest.mark.django_db
 
@@ -78,9 +80,82 @@ def test_changes_are_pushed_to_the_data_planes(django_user_model, now, subscribe
     owner = django_user_model.objects.create_user("bob")
     key, _ = keys.create_key(name="ci", owner=owner, now=now)
     assert _next(subscriber) == {"kind": "keys"}
-    keys.changed(key, ["rpm_limit"], now=now, actor=None)
+    keys.update(key.id, {"rpm_limit": 5}, now=now, actor=None)
     assert _next(subscriber) == {"kind": "keys"}
-    keys.changed(key, [], now=now, actor=None)
+    keys.update(key.id, {"rpm_limit": 5}, now=now, actor=None)  # no change: nothing pushed
+    keys.rotate(key.id, now=now)
+    assert _next(subscriber) == {"kind": "keys"}
     keys.revoke(key.id, now=now)
     assert _next(subscriber) == {"kind": "keys"}
     assert _next(subscriber) is None
+
+
+def test_update_records_each_change_old_to_new_and_nothing_for_no_change(django_user_model, now, operator):
+    owner = django_user_model.objects.create_user("bob")
+    key, _ = keys.create_key(name="ci", owner=owner, now=now, allowed_models=["a"])
+    later = now + dt.timedelta(hours=1)
+    expires = now + dt.timedelta(days=1)
+    keys.update(
+        key.id,
+        {"name": "ci2", "allowed_models": ["c", "b"], "tokens_per_month": 10, "expires_at": expires, "tpm_limit": 0},
+        now=later,
+        actor=operator,
+    )
+    key.refresh_from_db()
+    assert (key.name, key.allowed_models, key.tokens_per_month, key.expires_at) == ("ci2", ["b", "c"], 10, expires)
+    ev = KeyEvent.objects.filter(key=key).first()
+    assert (ev.at, ev.kind, ev.actor_name) == (later, "changed", "operator")
+    assert ev.detail == (
+        "name: 'ci' -> 'ci2'; allowed_models: [a] -> [b, c]; tokens_per_month: 0 -> 10;"
+        " expires_at: None -> 2026-12-01T12:00:00+00:00"
+    )
+    keys.update(key.id, {"name": "ci2"}, now=later, actor=operator)
+    assert KeyEvent.objects.filter(key=key).count() == 2
+    with pytest.raises(ValueError, match="not changeable: key_hash, prefix"):
+        keys.update(key.id, {"key_hash": "0" * 64, "prefix": "x"}, now=later, actor=operator)
+
+
+def test_rotate_keeps_the_record_and_replaces_the_hash(django_user_model, now):
+    owner = django_user_model.objects.create_user("bob")
+    key, old = keys.create_key(name="ci", owner=owner, now=now, tokens_per_day=5)
+    same, new = keys.rotate(key.id, now=now, actor_name="someone")
+    key.refresh_from_db()
+    assert same.id == key.id and key.tokens_per_day == 5
+    assert key.key_hash == keys.hash_secret(new) and new != old
+    assert not ApiKey.objects.filter(key_hash=keys.hash_secret(old)).exists()
+    ev = KeyEvent.objects.filter(key=key).first()
+    assert (ev.kind, ev.actor_name) == ("rotated", "someone")
+    assert ev.detail == f"secret {old[:15]}… replaced by {new[:15]}…"
+    keys.revoke(key.id, now=now)
+    with pytest.raises(keys.KeyRefused, match="the key 'ci' is revoked"):
+        keys.rotate(key.id, now=now)
+
+
+def test_budgets_are_checked_by_the_database(django_user_model, now):
+    owner = django_user_model.objects.create_user("bob")
+    with pytest.raises(IntegrityError, match="gateway_apikey_day_budget_within_month"):
+        keys.create_key(name="ci", owner=owner, now=now, tokens_per_day=11, tokens_per_month=10)
+
+
+def test_a_day_budget_alone_or_within_the_month_is_accepted(django_user_model, now):
+    owner = django_user_model.objects.create_user("bob")
+    keys.create_key(name="day", owner=owner, now=now, tokens_per_day=11)
+    keys.create_key(name="month", owner=owner, now=now, tokens_per_month=10)
+    keys.create_key(name="both", owner=owner, now=now, tokens_per_day=10, tokens_per_month=10)
+    assert ApiKey.objects.count() == 3
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_a_rotated_key_opens_the_gateway_with_its_new_secret_only(gateway, echoes, user):
+    make_deployment("demo", [url_of(echoes())])
+    key, old = keys.create_key(name="rotating", owner=user, now=timezone.now())
+    gateway.wait_ready(old, "demo", 1)
+    _, new = keys.rotate(key.id, now=timezone.now(), actor=user)
+
+    def answers(secret: str) -> int:
+        with gateway.client(secret) as c:
+            return c.post("/v1/completions", json={"model": "demo", "prompt": "a"}).status_code
+
+    wait_for(lambda: answers(old) == 401, timeout=5, what="the old secret refused")
+    assert answers(new) == 200

@@ -5,8 +5,9 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+from django.utils import timezone
 
-from gateway import keys
+from gateway import keys, usage
 from gateway.table import ModelRoute, load_keys, load_routes
 from placement.models import Deployment, EngineProfile, Replica, ReplicaState, Shard
 from tests.factories import make_node
@@ -56,3 +57,22 @@ def test_keys_by_hash_without_revoked(operator, now, django_assert_num_queries):
     entry = table[keys.hash_secret(secret)]
     assert (entry.id, entry.name, entry.tpm_limit, entry.rpm_limit) == (live.id, "live", 9, 0)
     assert entry.allows("a") and not entry.allows("b")
+
+
+def test_budgeted_keys_carry_their_recorded_spend(operator, django_assert_num_queries):
+    today = timezone.now()
+    plain, plain_secret = keys.create_key(name="plain", owner=operator, now=today - dt.timedelta(days=40))
+    budgeted, secret = keys.create_key(
+        name="budgeted", owner=operator, now=today - dt.timedelta(days=40), tokens_per_day=100, tokens_per_month=1000
+    )
+    acc = usage.Accumulator()
+    acc.add(budgeted.id, "demo", today.timestamp(), prompt_tokens=7, completion_tokens=3)
+    acc.add(plain.id, "demo", today.timestamp(), prompt_tokens=7)
+    usage.write_batch(acc.take())
+    # The keys, and the spend of those with a budget.
+    with django_assert_num_queries(2):
+        table = load_keys()
+    entry = table[keys.hash_secret(secret)]
+    assert (entry.tokens_per_day, entry.tokens_per_month) == (100, 1000)
+    assert (entry.recorded, entry.recorded_on) == (usage.Spent(day=10, month=10), today.astimezone(dt.UTC).date())
+    assert table[keys.hash_secret(plain_secret)].recorded == usage.Spent()

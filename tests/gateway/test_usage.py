@@ -55,3 +55,36 @@ def test_rows_of_a_deleted_key_are_dropped(operator, now):
     acc.add(key.id, "demo", now.timestamp())
     acc.add(key.id + 1000, "demo", now.timestamp())
     assert usage.write_batch(acc.take()) == 1
+
+
+def test_spent_this_day_and_month_in_one_query(operator, now, django_assert_num_queries):
+    a, _ = keys.create_key(name="a", owner=operator, now=now - dt.timedelta(days=60))
+    b, _ = keys.create_key(name="b", owner=operator, now=now - dt.timedelta(days=60))
+    c, _ = keys.create_key(name="c", owner=operator, now=now - dt.timedelta(days=60))
+    acc = usage.Accumulator()
+    t = now.timestamp()  # 2026-11-30 12:00 UTC
+    acc.add(a.id, "demo", t, prompt_tokens=3, completion_tokens=4)
+    acc.add(a.id, "other", t - 12 * 3600, prompt_tokens=1)  # 00:00 today: today
+    acc.add(a.id, "demo", t - 12 * 3600 - 1, prompt_tokens=10)  # 23:59 yesterday: this month only
+    acc.add(a.id, "demo", t - 30 * 86400, prompt_tokens=100)  # October: neither
+    acc.add(b.id, "demo", t - 86400, completion_tokens=5)
+    usage.write_batch(acc.take())
+    with django_assert_num_queries(1):
+        got = usage.spent([a.id, b.id, c.id], now)
+    assert got == {a.id: usage.Spent(day=8, month=18), b.id: usage.Spent(day=0, month=5)}
+    assert usage.spent([], now) == {}
+
+
+def test_daily_tokens_fill_days_without_use(operator, now):
+    key, _ = keys.create_key(name="a", owner=operator, now=now - dt.timedelta(days=60))
+    acc = usage.Accumulator()
+    t = now.timestamp()
+    acc.add(key.id, "demo", t, prompt_tokens=3, completion_tokens=4)
+    acc.add(key.id, "x", t - 2 * 86400, prompt_tokens=5)
+    acc.add(key.id, "x", t - 3 * 86400, prompt_tokens=500)  # before the window of 3 days
+    usage.write_batch(acc.take())
+    assert usage.daily_tokens(key.id, now, days=3) == [
+        (dt.date(2026, 11, 28), 5),
+        (dt.date(2026, 11, 29), 0),
+        (dt.date(2026, 11, 30), 7),
+    ]
