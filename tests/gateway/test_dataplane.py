@@ -500,13 +500,20 @@ def test_routing_follows_prefixes_and_backs_off_a_busy_replica(gateway, echoes, 
         tries: list[str] = []
 
         def routed_elsewhere():
+            # One try sent to the busy replica (the gateway's figure of it a scrape too old on a
+            # loaded machine) would queue there for seconds: a try gives up after 2 s and the
+            # condition is asked again, so the wait is on the routing, not on one request's moment.
             t0 = time.monotonic()
-            with gateway.client(key) as c:
-                r = c.post("/v1/chat/completions", json=body)
+            try:
+                with gateway.client(key, timeout=2) as c:
+                    r = c.post("/v1/chat/completions", json=body)
+            except httpx.TimeoutException:
+                tries.append(f"timed out after {time.monotonic() - t0:.2f}s")
+                return False
             tries.append(f"{r.status_code} {r.headers.get('x-llmgw-replica')} {time.monotonic() - t0:.2f}s")
             return r.status_code == 200 and r.headers["x-llmgw-replica"] != str(reps[0].id)
 
-        wait_for(routed_elsewhere, timeout=10, what=lambda: f"the busy replica passed over: {tries} busy={reps[0].id}")
+        wait_for(routed_elsewhere, timeout=20, what=lambda: f"the busy replica passed over: {tries} busy={reps[0].id}")
     finally:
         stop.set()
         for t in threads:
