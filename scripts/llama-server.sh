@@ -85,7 +85,7 @@ rm -rf "$WORK/build" "$WORK/src"
     echo "$SOURCE_LINE"
     echo "$FLAGS_LINE"
     echo "compiler: $(g++ --version | head -1); cmake: $(cmake --version | head -1)"
-    echo "version: $("$WORK/out/bin/llama-server" --version 2>&1 | head -1)"
+    echo "reports: $("$WORK/out/bin/llama-server" --version 2>&1 | head -1)"
     echo "built: $(date -u +%Y-%m-%dT%H:%M:%SZ) in $(($(date +%s) - started)) s"
 } >"$WORK/out/STAMP"
 
