@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import gguf
 import httpx
@@ -21,6 +22,7 @@ from tests.llamacpp import (
 )
 from tests.ports import free_port_range
 
+RECORDINGS = Path(__file__).parent / "fixtures/engines"
 # A prompt long enough that a second request sharing it shows the cache at work.
 PREFIX = "You are a terse assistant. Answer with one word only, and never explain the answer. " * 2
 
@@ -71,6 +73,18 @@ def test_version_is_printed_on_stderr(llama_server_bin):
     assert run.returncode == 0
     assert run.stdout == ""
     assert run.stderr.splitlines()[0] == "version: 0.6.0-dev (build 0, commit unknown)"
+
+
+@pytest.mark.parametrize("flag", ["--version", "--help"])
+@pytest.mark.slow
+def test_the_recordings_are_what_this_build_prints(llama_server_bin, flag):
+    # `make record-llama-server` wrote them from this build; a rebuild from other source shows here.
+    run = subprocess.run([llama_server_bin, flag], capture_output=True, timeout=30, check=True)
+    stem = RECORDINGS / f"llamacpp-11434-{flag.removeprefix('--')}"
+    assert (run.stdout, run.stderr) == (
+        Path(f"{stem}.stdout.txt").read_bytes(),
+        Path(f"{stem}.stderr.txt").read_bytes(),
+    )
 
 
 @pytest.mark.slow
