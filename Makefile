@@ -12,12 +12,15 @@ TEST_ENV := DJANGO_SETTINGS_MODULE=llmgw.settings_test
 # migrations, so the check of the files runs at once; one plain connection (no pool) for its
 # one query. A server that does not answer is still reported.
 MIGRATIONS_CHECK_DB ?= postgres://postgres@127.0.0.1:5432/postgres
+# llama.cpp's llama-server, which the real-engine tests run: built once per machine into a cache
+# outside the checkout (the script says where; see `make llama-server`).
+LLAMA_SERVER := $(shell ./scripts/llama-server.sh --path 2>/dev/null)
 
 # OpenAI's JavaScript SDK, for tests/gateway/test_openai_sdk.py's Node smoke test.
 OPENAI_JS := 7.59.0
 JS_SDK := var/js-sdk
 
-.PHONY: run test lint bench bench-peers demo services migrations clean browser js-sdk
+.PHONY: run test lint bench bench-peers demo services migrations clean browser js-sdk llama-server record-llama-server
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -42,14 +45,14 @@ run: $(VENV)/.installed
 	DEBUG=$${DEBUG:-1} ./scripts/run-all.sh
 
 # The whole suite against PostgreSQL and Redis on localhost, its end-to-end subset on SQLite, and the linters.
-test: $(VENV)/.installed-dev services browser js-sdk
+test: $(VENV)/.installed-dev services browser js-sdk llama-server
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(TEST_ENV) $(PY) manage.py check
 	$(TEST_ENV) DATABASE_URL=$(MIGRATIONS_CHECK_DB) DATABASE_POOL_MAX=0 $(PY) manage.py makemigrations --check --dry-run
-	$(TEST_ENV) $(BIN)/pytest
+	$(TEST_ENV) LLMGW_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/pytest
 	# The end-to-end subset again on the embedded default (SQLite, the file cache).
-	DJANGO_SETTINGS_MODULE=llmgw.settings_test_sqlite $(BIN)/pytest -m e2e --ds=llmgw.settings_test_sqlite
+	DJANGO_SETTINGS_MODULE=llmgw.settings_test_sqlite LLMGW_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/pytest -m e2e --ds=llmgw.settings_test_sqlite
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check --fix .
@@ -70,6 +73,15 @@ js-sdk:
 		mkdir -p $(JS_SDK) && npm install --prefix $(JS_SDK) --no-audit --no-fund --silent openai@$(OPENAI_JS) \
 			&& touch $(JS_SDK)/.installed-$(OPENAI_JS); \
 	fi
+
+# llama.cpp's llama-server from pinned source (a few minutes the first time, then nothing to do).
+# Its build tools are installed the way `browser` installs Chromium, only when missing.
+llama-server: | $(PY)
+	PYTHON=$(PY) ./scripts/llama-server.sh
+
+# Redo tests/fixtures/engines/llamacpp-11434-*: what this build prints and serves.
+record-llama-server: $(VENV)/.installed-dev llama-server
+	LLMGW_LLAMA_SERVER=$(LLAMA_SERVER) $(PY) scripts/record_llama_server.py tests/fixtures/engines
 
 migrations: $(VENV)/.installed-dev
 	$(TEST_ENV) $(PY) manage.py makemigrations

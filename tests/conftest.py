@@ -1,4 +1,4 @@
-"""Shared fixtures: a clean telemetry cache and factories for nodes and users."""
+"""Shared fixtures: a clean telemetry cache, factories for nodes and users, and a real llama-server."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from django.core.cache import cache
 
 from llmgw import roles
 from tests.factories import make_node, register_payload  # noqa: F401
+from tests.llamacpp import llama_server, llama_server_bin, tiny_model  # noqa: F401
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, 0, tzinfo=dt.UTC)
 

@@ -106,3 +106,17 @@ def test_the_migrations_check_is_quiet_where_no_database_exists_yet():
     run = subprocess.run(["bash", "-c", unreachable], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "Got an error checking a consistent migration history" in run.stderr
+
+
+def test_make_test_builds_llama_server_and_names_it_to_pytest(tmp_path):
+    env = clean_env(XDG_CACHE_HOME=str(tmp_path))
+    dry = subprocess.run(["make", "-n", "test"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    assert "PYTHON=.venv/bin/python ./scripts/llama-server.sh" in lines
+    binary = f"LLMGW_LLAMA_SERVER={tmp_path}/llmgw/llama.cpp-11434/bin/llama-server"
+    pytest_lines = [line for line in lines if "bin/pytest" in line]
+    assert len(pytest_lines) == 2
+    assert all(binary in line for line in pytest_lines)
+    # Built before any test runs.
+    assert lines.index("PYTHON=.venv/bin/python ./scripts/llama-server.sh") < lines.index(pytest_lines[0])
