@@ -58,9 +58,15 @@ class ReplicaRequest:
         """The request of a profile.
 
         GPUs per node, when not declared, is the profile's TP x PP spread over
-        its nodes.
+        its nodes; a profile of an engine that can run on cores alone
+        (llama.cpp) declaring CPU cores and no GPUs is a CPU-only shard.
         """
-        per_node = profile.gpus_per_node or max(1, math.ceil(profile.tp * profile.pp / max(profile.nodes, 1)))
+        if profile.gpus_per_node:
+            per_node = profile.gpus_per_node
+        elif profile.cpu_cores and _runs_on_cores(profile.engine):
+            per_node = 0
+        else:
+            per_node = max(1, math.ceil(profile.tp * profile.pp / max(profile.nodes, 1)))
         return cls(
             gpus_per_node=per_node,
             nodes=profile.nodes,
@@ -75,6 +81,12 @@ class ReplicaRequest:
             avoid=dict(avoid or {}),
             ports_after=_ports_after(profile.engine, profile.args or []),
         )
+
+
+def _runs_on_cores(engine: str) -> bool:
+    """Whether the engine can serve from CPU cores alone (not one rank per GPU): llama.cpp, echo."""
+    canon = wire_engines.canonical(engine)
+    return bool(canon) and not wire_engines.ENGINES[canon].rank_per_gpu
 
 
 def _ports_after(engine: str, args: list[str]) -> int:

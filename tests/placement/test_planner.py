@@ -393,3 +393,21 @@ def test_a_node_not_ready_is_not_a_candidate():
 def test_weights_presence_is_an_exact_path_not_a_prefix():
     result = plan(req(model_path="/models/llama-70b"), snap(node("a", weights=frozenset({"/models/llama"}))))
     assert only_reason(result, "a") == "weights /models/llama-70b not present"
+
+
+def test_a_cpu_only_llamacpp_profile_needs_cores_and_no_gpu():
+    # llama.cpp serves from cores alone: a profile with CPU cores and no GPUs per node asks for no card,
+    # so a node without any can take it; vLLM's ranks each need a GPU whatever its cores.
+    cpu = EngineProfile(name="cpu", engine="llamacpp", cpu_cores=30)
+    assert ReplicaRequest.from_profile(cpu).gpus_per_node == 0
+    assert ReplicaRequest.from_profile(EngineProfile(name="v", engine="vllm", cpu_cores=30)).gpus_per_node == 1
+    assert (
+        ReplicaRequest.from_profile(
+            EngineProfile(name="g", engine="llamacpp", cpu_cores=8, gpus_per_node=1)
+        ).gpus_per_node
+        == 1
+    )
+    s = snap(node("cpu-a", 0, cpu_count=48), node("cpu-b", 0, cpu_count=16))
+    p = plan(ReplicaRequest.from_profile(cpu), s, explain=True)
+    assert (p.node_ids, p.shards[0].gpu_indices, p.shards[0].cpu_cores) == (["cpu-a"], (), 30)
+    assert p.reasons == {"cpu-b": "needs 30 CPU cores, 16 free"}
