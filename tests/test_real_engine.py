@@ -42,6 +42,8 @@ JOIN = "e2e-join-token-for-the-real-engine"
 MODEL = "tiny"
 # Long enough that a shared prefix is worth caching: llama.cpp reuses a slot's cached prompt.
 SYSTEM = "You are a careful assistant for the operators of a GPU cluster. " * 6
+# Random weights may pick the end-of-turn token at once: exact counts need llama.cpp's own switch.
+NOISE = {"ignore_eos": True}
 
 
 class Cluster:
@@ -116,10 +118,11 @@ class StreamingLoad:
                     messages=[{"role": "user", "content": f"worker {worker} turn {n}: tell me about GPUs"}],
                     max_tokens=24,
                     stream=True,
+                    extra_body=NOISE,
                 )
-                text = "".join(chunk.choices[0].delta.content or "" for chunk in stream)
-                if not text:
-                    raise RuntimeError("an empty answer")
+                finished = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+                if finished != ["length"]:
+                    raise RuntimeError(f"the stream ended with {finished}, not one finish_reason 'length'")
                 with self.lock:
                     self.ok += 1
             except Exception as e:  # every failure is the finding, whatever its kind
@@ -189,16 +192,18 @@ def test_llama_cpp_through_discovery_placement_the_gateway_a_drain_and_a_crash(
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0, timeout=30)
 
     # OpenAI's SDK: a chat, the documentation's streaming loop, a completion.
-    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8)
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8, extra_body=NOISE
+    )
     assert answer.choices[0].message.role == "assistant"
     assert answer.usage.completion_tokens == 8
     streamed = []
     for chunk in client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8, stream=True
+        model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8, stream=True, extra_body=NOISE
     ):
         streamed.append(chunk.choices[0].delta.content or "")
     assert "".join(streamed)
-    done = client.completions.create(model=MODEL, prompt="The cluster", max_tokens=8)
+    done = client.completions.create(model=MODEL, prompt="The cluster", max_tokens=8, extra_body=NOISE)
     assert done.usage.completion_tokens == 8 and done.choices[0].text
 
     # llama.cpp's own prompt cache: a conversation's second turn reuses its first turn's prompt.
@@ -240,7 +245,8 @@ def test_llama_cpp_through_discovery_placement_the_gateway_a_drain_and_a_crash(
     assert victim.reason.startswith("the engine was killed by SIGKILL")
     last = victim.output_tail.splitlines()[-1]
     assert victim.reason.endswith(last[-200:].strip())
-    assert "llama-server" in victim.output_tail or "srv" in victim.output_tail
+    # llama-server's own log lines (its slots at work), not the agent's words.
+    assert " slot " in victim.output_tail
     cluster.until(lambda: len(ready()) == 2 and victim.replica_id not in {r.id for r in ready()}, timeout=90)
     assert dep.replica_set.filter(state="ready").count() == 2
 
