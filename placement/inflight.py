@@ -6,12 +6,23 @@ rolling update fails no request. Each router process (the gateway's data
 planes) writes its own counts to Redis every fraction of a second under a
 short TTL, so a router that dies stops counting within seconds. Placement
 owns the format; the routers import it.
+
+The embedded default has no Redis: there each router writes its counts to a
+file of its own under the var directory (replaced atomically), and a file not
+renewed within the TTL counts as a router gone. Without it the reconciler saw
+no router at all and stopped a drained replica at once, cutting the streams
+still running on it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -55,11 +66,43 @@ class Totals:
     per_replica: dict[str, int]
 
 
-def totals() -> Totals:
-    """Requests in flight per replica over every live router (none known without Redis)."""
+def _reports_dir() -> Path:
+    return Path(settings.VAR_DIR) / "inflight"
+
+
+def report_file(process_id: str, counts: Mapping[str, int] | None, *, now: float | None = None) -> None:
+    """The embedded default's report_async: one file per router, replaced whole; None removes it."""
+    path = _reports_dir() / f"{process_id}.json"
+    if counts is None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{process_id}.tmp")
+    tmp.write_text(json.dumps({"at": time.time() if now is None else now, "counts": dict(counts)}))
+    os.replace(tmp, path)
+
+
+def _file_totals(now: float) -> Totals:
+    routers, out = 0, {}
+    for path in _reports_dir().glob("*.json"):
+        try:
+            report = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if now - float(report.get("at", 0)) > REPORT_TTL_S:
+            continue
+        routers += 1
+        for rid, n in report.get("counts", {}).items():
+            out[rid] = out.get(rid, 0) + int(n)
+    return Totals(routers, out)
+
+
+def totals(*, now: float | None = None) -> Totals:
+    """Requests in flight per replica over every live router (Redis, or the embedded default's files)."""
     global _client
     if not settings.REDIS_URL:
-        return Totals(0, {})
+        return _file_totals(time.time() if now is None else now)
     if _client is None:
         _client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
     out: dict[str, int] = {}

@@ -231,7 +231,7 @@ def test_llama_cpp_through_discovery_placement_the_gateway_a_drain_and_a_crash(
         cluster.until(lambda: NodeEvent.objects.filter(node_id=drained, kind="drained").exists(), timeout=90)
         served_before = load_run.ok
         cluster.until(lambda: load_run.ok >= served_before + 5, timeout=30)
-    assert load_run.failures == []
+    assert load_run.failures == [], gw.tail()
     assert load_run.ok >= 10
     assert not Shard.objects.filter(node_id=drained, replica__state="ready").exists()
     assert len(ready()) == 2

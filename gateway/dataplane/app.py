@@ -43,7 +43,6 @@ from gateway.dataplane.pool import Pool
 from gateway.dataplane.streaming import Outcome, Relay
 from gateway.dataplane.upstream import Health, Upstream
 from gateway.table import KeyEntry, ModelRoute
-from placement import inflight as placement_inflight
 from wire.engines import EngineLoad
 
 log = logging.getLogger("gateway.dataplane")
@@ -105,7 +104,7 @@ class DataPlane(Background, Catalog, Upstream, Relay):
         self._tasks.append(asyncio.create_task(self._scrape_forever()))
         if self.redis is not None:
             self._tasks.append(asyncio.create_task(self._listen_forever()))
-            self._tasks.append(asyncio.create_task(self._report_inflight_forever()))
+        self._tasks.append(asyncio.create_task(self._report_inflight_forever()))
 
     async def shutdown(self) -> None:
         """Stop the loops, write the last usage, close the pools."""
@@ -120,9 +119,9 @@ class DataPlane(Background, Catalog, Upstream, Relay):
         if self.client is not None:
             await self.client.aclose()
         await self.pool.aclose()
+        with contextlib.suppress(Exception):
+            await self._report_inflight(None)
         if self.redis is not None:
-            with contextlib.suppress(Exception):
-                await placement_inflight.report_async(self.redis, self.process_id, None)
             await self.redis.aclose()
         self._db.shutdown(wait=False)
 

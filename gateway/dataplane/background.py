@@ -92,12 +92,18 @@ class Background:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
 
+    async def _report_inflight(self, counts: dict[str, int] | None) -> None:
+        """Tell the reconciler this process's requests in flight: through Redis, or a file without it."""
+        if self.redis is not None:
+            await placement_inflight.report_async(self.redis, self.process_id, counts)
+        else:
+            await asyncio.to_thread(placement_inflight.report_file, self.process_id, counts)
+
     async def _report_inflight_forever(self) -> None:
-        assert self.redis is not None
         while True:
             try:
                 counts = {rid: n for rid, n in self.inflight.items() if n > 0}
-                await placement_inflight.report_async(self.redis, self.process_id, counts)
+                await self._report_inflight(counts)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
