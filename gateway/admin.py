@@ -22,16 +22,8 @@ from gateway import figures, keys, usage, usage_chart
 from gateway.models import ApiKey, KeyEvent, RoutedReplica, UsageMinute
 from llmgw.admin import ReadOnlyAdmin
 
-FORM_FIELDS = [
-    "name",
-    "owner",
-    "allowed_models",
-    "rpm_limit",
-    "tpm_limit",
-    "tokens_per_day",
-    "tokens_per_month",
-    "expires_at",
-]
+# The form edits what keys.update may change, no more.
+FORM_FIELDS = list(keys.CHANGEABLE)
 CHART_DAYS = 30
 
 

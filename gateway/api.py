@@ -88,19 +88,7 @@ class KeyViewSet(viewsets.ModelViewSet):
         """Create a key; the answer holds its secret, shown this once."""
         data = KeyIn(data=request.data)
         data.is_valid(raise_exception=True)
-        v = data.validated_data
-        key, secret = keys.create_key(
-            name=v["name"],
-            owner=v["owner"],
-            allowed_models=v["allowed_models"],
-            rpm_limit=v["rpm_limit"],
-            tpm_limit=v["tpm_limit"],
-            tokens_per_day=v["tokens_per_day"],
-            tokens_per_month=v["tokens_per_month"],
-            expires_at=v["expires_at"],
-            now=timezone.now(),
-            actor=request.user,
-        )
+        key, secret = keys.create_key(**data.validated_data, now=timezone.now(), actor=request.user)
         return self._answer(key, secret=secret, code=201)
 
     @extend_schema(request=KeyUpdateIn, responses={200: KeyOut, 400: KeyInErrors})

@@ -144,20 +144,7 @@ class Command(BaseCommand):
         )
         if not data.is_valid():
             raise CommandError(_errors(data.errors))
-        v = data.validated_data
-        key, secret = keys.create_key(
-            name=v["name"],
-            owner=v["owner"],
-            allowed_models=v["allowed_models"],
-            rpm_limit=v["rpm_limit"],
-            tpm_limit=v["tpm_limit"],
-            tokens_per_day=v["tokens_per_day"],
-            tokens_per_month=v["tokens_per_month"],
-            expires_at=v["expires_at"],
-            now=now,
-            actor=actor,
-            actor_name=actor_name,
-        )
+        key, secret = keys.create_key(**data.validated_data, now=now, actor=actor, actor_name=actor_name)
         self.stdout.write(secret)
         self.stderr.write(
             f"created key {key.id} ({key.name}, {key.prefix}…): copy the secret now, it is not shown again"
