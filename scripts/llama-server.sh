@@ -73,7 +73,7 @@ cmake -S "$WORK/src" -B "$WORK/build" "${CMAKE_FLAGS[@]}" >"$WORK/cmake.log" 2>&
 cmake --build "$WORK/build" --target llama-server -j"$(nproc)" >"$WORK/build.log" 2>&1 ||
     { tail -50 "$WORK/build.log" >&2; exit 1; }
 
-# The binary finds libllama.so and libggml*.so beside it (its RUNPATH is $ORIGIN): keep bin/ whole.
+# The binary finds libllama.so and libggml*.so beside it (its RUNPATH is its own directory): keep bin/ whole.
 mkdir "$WORK/out"
 cp -a "$WORK/build/bin" "$WORK/out/bin"
 cp "$WORK/src/LICENSE" "$WORK/out/LICENSE"
