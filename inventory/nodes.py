@@ -54,7 +54,7 @@ def record_event(
 ) -> NodeEvent:
     """Write one audit row for a node, and its INFO line once the caller commits."""
     name = actor_name or (actor.get_username() if actor is not None else "system")
-    logs.after_commit(log, "node %s: %s: %s (%s)", node_id, kind, message, name)
+    logs.after_commit(log, "node %s: %s: %s (by %s)", node_id, kind, message, name)
     return NodeEvent.objects.create(
         node_id=node_id, at=now, kind=kind, actor=actor, actor_name=name, message=message, data=dict(data or {})
     )

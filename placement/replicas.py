@@ -60,7 +60,7 @@ def event(
     name = actor.get_username() if actor is not None else "system"
     subject = f"replica {replica_id} (deployment {deployment_id})" if replica_id else f"deployment {deployment_id}"
     change = f"{from_state} -> {to_state}" if from_state and to_state else f"{kind}, {to_state}" if to_state else kind
-    logs.after_commit(log, "%s: %s%s (%s)", subject, change, f": {reason}" if reason else "", name)
+    logs.after_commit(log, "%s: %s%s (by %s)", subject, change, f": {reason}" if reason else "", name)
     return PlacementEvent(
         at=now,
         deployment_id=deployment_id,
