@@ -22,17 +22,18 @@ JS_SDK := var/js-sdk
 
 .PHONY: run test lint bench bench-peers demo services migrations clean browser js-sdk llama-server record-llama-server
 
+# The install is quiet unless something fails: no recipe echoed, nothing printed on success.
 $(PY):
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip
 
 # The stamp is touched only once every module imports: an install missing a
 # run-time dependency fails here, every time, instead of being marked done and
 # failing later at `migrate` (where running `make run` again could not help).
 $(VENV)/.installed: requirements.txt pyproject.toml scripts/check_imports.py | $(PY)
-	$(PY) -m pip install --quiet -r requirements.txt
-	PYTHONPATH=. $(PY) scripts/check_imports.py
-	touch $@
+	@$(PY) -m pip install --quiet -r requirements.txt
+	@PYTHONPATH=. $(PY) scripts/check_imports.py
+	@touch $@
 
 $(VENV)/.installed-dev: requirements-dev.txt $(VENV)/.installed
 	$(PY) -m pip install --quiet -r requirements-dev.txt
@@ -41,7 +42,7 @@ $(VENV)/.installed-dev: requirements-dev.txt $(VENV)/.installed
 # The web server, a Celery worker, Celery beat and the gateway in the foreground; Ctrl-C stops all four.
 run: $(VENV)/.installed
 	DEBUG=$${DEBUG:-1} $(PY) manage.py migrate --noinput
-	DEBUG=$${DEBUG:-1} $(PY) manage.py ensure_admin
+	DEBUG=$${DEBUG:-1} $(PY) manage.py ensure_admin --show-later
 	DEBUG=$${DEBUG:-1} ./scripts/run-all.sh
 
 # The whole suite against PostgreSQL and Redis on localhost, its end-to-end subset on SQLite, and the linters.

@@ -4,6 +4,7 @@ Sized for the agent heartbeat, the busiest request by far: short, CPU-bound
 requests that wait on PostgreSQL and Redis for a few round trips each.
 WEB_CONCURRENCY (processes, default one per core) and LLMGW_WEB_THREADS
 (threads per process, default 4: they overlap those waits) as for granian.
+LLMGW_ACCESS_LOG=1 logs every request to stderr, as it does for granian.
 """
 
 import os
@@ -16,3 +17,5 @@ threads = int(os.environ.get("LLMGW_WEB_THREADS") or 4)
 keepalive = 30
 # Far more connections than threads can be idle in keep-alive at once.
 worker_connections = 10000
+# Off by default: an agent's lease every few seconds per node would bury what happened.
+accesslog = "-" if os.environ.get("LLMGW_ACCESS_LOG", "").strip().lower() in {"1", "true", "yes", "on"} else None

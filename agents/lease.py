@@ -19,6 +19,7 @@ only on those refusals. A refused lease renews nothing.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import random
 
 from django.conf import settings
@@ -32,6 +33,8 @@ from agents.models import NodeCredential
 from inventory import lease as lease_db
 from inventory import outbox
 from inventory.models import Command
+
+log = logging.getLogger(__name__)
 
 TABLES = lease_db.Tables(credentials=NodeCredential._meta.db_table, commands=Command._meta.db_table)
 # 256 acknowledgements of 36-character ids, as JSON, with room to spare.
@@ -76,6 +79,8 @@ def lease_request(token: str | None, body: protocol.Body[wire.Lease], *, now: dt
     if renewal.waiting:
         rows, more = lease_db.take_waiting(TABLES, msg.node_id, now=now, limit=wire.MAX_COMMANDS)
         pending = [outbox.to_wire(Command(id=i, kind=k, payload=p)) for i, k, p in rows]
+    # Every node renews every few seconds: routine, DEBUG (the commands it carries are logged where they are queued).
+    log.debug("lease: node %s renewed, %d commands", msg.node_id, len(pending))
     return wire.LeaseResponse(
         commands=pending,
         server_time=now.timestamp(),

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -48,9 +47,6 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 WAIT_PATH = "/api/v1/agent/wait"
-# Under the 30-60 s idle timeouts of the usual proxies and load balancers, so
-# a quiet wait is never cut by one in the middle and read as an error.
-DEFAULT_HOLD_S = 25.0
 # A wakeup that found the node between two polls (busy with the heartbeat the
 # previous wakeup asked for) is kept this long for its next poll.
 REMEMBER_S = 10.0
@@ -168,7 +164,7 @@ class WaitEndpoint:
     """The ASGI application answering GET /api/v1/agent/wait."""
 
     def __init__(self, *, hold_s: float | None = None, redis_url: str | None = None) -> None:
-        self.hold_s = hold_s if hold_s is not None else float(os.environ.get("LLMGW_AGENT_WAIT_S", DEFAULT_HOLD_S))
+        self.hold_s = hold_s if hold_s is not None else settings.LLMGW_AGENT_WAIT_S
         self.redis_url = settings.REDIS_URL if redis_url is None else redis_url
         self.hub: Hub | None = None
         # A few threads: a burst of reconnecting agents queues here rather than
@@ -201,6 +197,8 @@ class WaitEndpoint:
             await _answer(send, 501, {"detail": "agent wakeups are off here (no Redis): heartbeat on your interval"})
             return
         work = await self._hub().wait(node_id, self.hold_s, gone=lambda: _disconnected(receive))
+        # Every node holds one of these at all times: routine, like its lease.
+        log.debug("agent wait: node %s %s", node_id, "has work" if work else "heard nothing")
         if work:
             await _answer(send, 200, {"work": True})
         else:

@@ -7,6 +7,7 @@ so two writers cannot both move a node and the operator can read why it moved.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -26,12 +27,15 @@ from inventory.models import (
     NodeState,
     Storage,
 )
+from llmgw import logs
 from wire import engines as wire_engines
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
 
     import wire
+
+log = logging.getLogger(__name__)
 
 
 class TransitionError(Exception):
@@ -48,8 +52,9 @@ def record_event(
     actor_name: str = "",
     data: Mapping | None = None,
 ) -> NodeEvent:
-    """Write one audit row for a node."""
+    """Write one audit row for a node, and its INFO line once the caller commits."""
     name = actor_name or (actor.get_username() if actor is not None else "system")
+    logs.after_commit(log, "node %s: %s: %s (by %s)", node_id, kind, message, name)
     return NodeEvent.objects.create(
         node_id=node_id, at=now, kind=kind, actor=actor, actor_name=name, message=message, data=dict(data or {})
     )

@@ -285,6 +285,9 @@ SPECTACULAR_SETTINGS = {
 # filesystem on a laptop so that a worker needs no server.
 CELERY_BROKER_URL = os.environ.get("CELERY_BROKER_URL", "filesystem://")
 if CELERY_BROKER_URL == "filesystem://":
+    # The filesystem has no host, but kombu warns "No hostname was supplied" in
+    # every process given a URL without one: three lines of noise per `make run`.
+    CELERY_BROKER_URL = "filesystem://localhost/"
     _broker_dir = VAR_DIR / "celery" / "broker"
     CELERY_BROKER_TRANSPORT_OPTIONS = {
         "data_folder_in": str(_broker_dir),
@@ -389,12 +392,28 @@ LLMGW_GATEWAY_SCRAPE = env_seconds("LLMGW_GATEWAY_SCRAPE", 1.0)
 LLMGW_DRAIN_REQUESTS_TIMEOUT = env_seconds("LLMGW_DRAIN_REQUESTS_TIMEOUT", 300.0)
 # How often each data plane writes its usage counts (one upsert per flush).
 LLMGW_GATEWAY_USAGE_FLUSH = env_seconds("LLMGW_GATEWAY_USAGE_FLUSH", 5.0)
+# How long the agents' wakeup long-poll (agents/wakeup.py) is held before a 204:
+# under the 30-60 s idle timeouts of the usual proxies and load balancers, so a
+# quiet wait is never cut by one in the middle and read as an error.
+LLMGW_AGENT_WAIT_S = env_seconds("LLMGW_AGENT_WAIT_S", 25.0)
 
+# Access logs (every request the web server and the gateway answer) are off
+# unless LLMGW_ACCESS_LOG is set; scripts/serve.sh and scripts/gateway.sh read
+# the same variable for granian and gunicorn. Routine library chatter is
+# DEBUG (llmgw/logs.py).
+LLMGW_ACCESS_LOG = env_bool("LLMGW_ACCESS_LOG")
+_ROUTINE_LOGGERS = ("celery.beat", "celery.worker.strategy", "celery.app.trace", "httpx")
+if not LLMGW_ACCESS_LOG:
+    _ROUTINE_LOGGERS += ("django.server",)
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
+    "filters": {"routine": {"()": "llmgw.logs.Routine"}},
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": os.environ.get("LOG_LEVEL", "INFO")},
-    "loggers": {"django.db.backends": {"level": "INFO"}},
+    "loggers": {
+        "django.db.backends": {"level": "INFO"},
+        **{name: {"filters": ["routine"]} for name in _ROUTINE_LOGGERS},
+    },
 }

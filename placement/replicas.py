@@ -8,18 +8,22 @@ number of queries that does not grow with the deployments it looks at.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 
+from llmgw import logs
 from placement.models import REPLICA_TRANSITIONS, PlacementEvent, Replica, ReplicaState
 from placement.signals import replicas_changed
 from wire import shard_states
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
+
+log = logging.getLogger(__name__)
 
 LIVE_STATES = frozenset(
     {
@@ -52,7 +56,11 @@ def event(
     reason: str = "",
     actor: AbstractBaseUser | None = None,
 ) -> PlacementEvent:
-    """An unsaved event row (bulk-inserted by the caller)."""
+    """An unsaved event row (bulk-inserted by the caller), and its INFO line once the caller commits."""
+    name = actor.get_username() if actor is not None else "system"
+    subject = f"replica {replica_id} (deployment {deployment_id})" if replica_id else f"deployment {deployment_id}"
+    change = f"{from_state} -> {to_state}" if from_state and to_state else f"{kind}, {to_state}" if to_state else kind
+    logs.after_commit(log, "%s: %s%s (by %s)", subject, change, f": {reason}" if reason else "", name)
     return PlacementEvent(
         at=now,
         deployment_id=deployment_id,
@@ -63,7 +71,7 @@ def event(
         to_state=to_state,
         reason=reason,
         actor=actor,
-        actor_name=actor.get_username() if actor is not None else "system",
+        actor_name=name,
     )
 
 

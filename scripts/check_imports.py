@@ -9,6 +9,11 @@ then fails here, at install time, instead of at `migrate` on a fresh clone.
 
     check_imports.py            the control plane and the agent (llmgw, inventory, placement, agents)
     check_imports.py --agent    the node agent alone, which must not import Django
+    check_imports.py -v         and say how many modules imported
+
+It prints nothing when every module imports (`make run`'s install step is
+quiet unless something fails): what the modules log or warn while they are
+imported is not the install's news.
 
 It imports the packages installed in the interpreter, or the checkout's when
 run from it; run it from another directory to check an installed copy.
@@ -19,6 +24,8 @@ from __future__ import annotations
 import argparse
 import atexit
 import importlib
+import io
+import logging
 import os
 import pkgutil
 import shutil
@@ -83,6 +90,8 @@ def check_control_plane() -> tuple[int, list[str]]:
     var_dir = tempfile.mkdtemp(prefix="llmgw-import-check-")
     atexit.register(shutil.rmtree, var_dir, ignore_errors=True)
     os.environ["LLMGW_VAR_DIR"] = var_dir
+    # Where settings put collected static files: whitenoise warns of a missing one when the middleware loads.
+    os.makedirs(os.path.join(var_dir, "static"))
     import django
 
     django.setup()
@@ -100,7 +109,7 @@ def check_control_plane() -> tuple[int, list[str]]:
         except Exception as exc:
             failures.append(f"template {template}: {type(exc).__name__}: {exc}")
     try:
-        call_command("check", verbosity=0)
+        call_command("check", stdout=io.StringIO())
     except Exception as exc:
         failures.append(f"manage.py check: {type(exc).__name__}: {exc}")
     return len(names), failures
@@ -122,14 +131,18 @@ def main(argv: list[str] | None = None) -> int:
     """Run the check; print each failure and exit 1 if there is any."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agent", action="store_true", help="check the node agent alone (no Django)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="say how many modules imported")
     args = parser.parse_args(argv)
+    # Modules that start something when imported say so at INFO (the gateway's data plane does): not news here.
+    logging.disable(logging.INFO)
     count, failures = check_agent() if args.agent else check_control_plane()
     for failure in failures:
         print(f"import check: {failure}", file=sys.stderr)
     if failures:
         print(f"import check: {len(failures)} of {count} modules failed in {sys.executable}", file=sys.stderr)
         return 1
-    print(f"import check: {count} modules imported")
+    if args.verbose:
+        print(f"import check: {count} modules imported")
     return 0
 
 

@@ -2,11 +2,17 @@
 # The gateway's data plane (ASGI, granian) on HOST:PORT, in the foreground (make run, the benchmark).
 # It also answers the agents' wakeup long-poll, GET /api/v1/agent/wait (agents/wakeup.py).
 #   LLMGW_GATEWAY_WORKERS  data plane processes (default 1; they agree through Redis)
+#   LLMGW_ACCESS_LOG       1: log every request (off by default)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ADDR="${1:?usage: scripts/gateway.sh HOST:PORT}"
 HOST="${ADDR%:*}"
 PORT="${ADDR##*:}"
 PY="${PYTHON:-.venv/bin/python}"
+# LLMGW_ACCESS_LOG=1 (or true, yes, on) turns granian's access log on; off, only what happened is logged.
+case "${LLMGW_ACCESS_LOG:-}" in
+1 | [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn]) access_log=--access-log ;;
+*) access_log=--no-access-log ;;
+esac
 exec "$PY" -m granian --interface asgi gateway.asgi:app --host "$HOST" --port "$PORT" \
-    --workers "${LLMGW_GATEWAY_WORKERS:-1}" --no-ws --log-level "${LLMGW_WEB_LOG_LEVEL:-info}"
+    --workers "${LLMGW_GATEWAY_WORKERS:-1}" --no-ws --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"

@@ -47,5 +47,15 @@ until $BIN/python -c 'import sys, urllib.request; urllib.request.urlopen(sys.arg
     fi
     sleep 0.5
 done
-echo "llmgw is up: http://$ADDR/admin/, the gateway at http://$GATEWAY/v1/  (Ctrl-C stops all four)"
+up="llmgw is up: http://$ADDR/admin/, the gateway at http://$GATEWAY/v1/  (Ctrl-C stops all four)"
+# A login `manage.py ensure_admin --show-later` has just created: its password is the last thing
+# printed before the log, where it is not lost among the migrations and the four servers' start.
+if [ -f "$VAR/admin-password.show" ] && [ -f "$VAR/admin-password" ]; then
+    { read -r user && read -r password; } <"$VAR/admin-password"
+    up+=$'\n'"admin login created: user '$user', password '$password'"
+    up+=$'\n'"(kept in $VAR/admin-password, readable by you alone)"
+    rm -f "$VAR/admin-password.show"
+fi
+# One write: the login comes with the line that says the server answers, never apart from it.
+printf '%s\n' "$up"
 wait -n "${pids[@]}"

@@ -3,6 +3,7 @@
 #   LLMGW_WEB_SERVER   granian (default) or gunicorn (with gunicorn.conf.py)
 #   WEB_CONCURRENCY    worker processes (default: one per core)
 #   LLMGW_WEB_THREADS  threads per worker running the WSGI application (default 4)
+#   LLMGW_ACCESS_LOG   1: log every request (off by default)
 #   DATABASE_POOL_MAX  default 0 here: persistent connections, one per thread
 # Both servers run a fixed number of threads, so persistent connections are
 # bounded (WEB_CONCURRENCY x LLMGW_WEB_THREADS) without the pool, whose
@@ -17,6 +18,11 @@ ADDR="${1:?usage: scripts/serve.sh HOST:PORT}"
 HOST="${ADDR%:*}"
 PORT="${ADDR##*:}"
 PY="${PYTHON:-.venv/bin/python}"
+# LLMGW_ACCESS_LOG=1 (or true, yes, on) turns granian's access log on; off, only what happened is logged.
+case "${LLMGW_ACCESS_LOG:-}" in
+1 | [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn]) access_log=--access-log ;;
+*) access_log=--no-access-log ;;
+esac
 export WEB_CONCURRENCY="${WEB_CONCURRENCY:-$(nproc)}"
 export LLMGW_WEB_THREADS="${LLMGW_WEB_THREADS:-4}"
 export DATABASE_POOL_MAX="${DATABASE_POOL_MAX:-0}"
@@ -25,7 +31,7 @@ case "${LLMGW_WEB_SERVER:-granian}" in
 granian)
     exec "$PY" -m granian --interface wsgi llmgw.wsgi:application --host "$HOST" --port "$PORT" \
         --workers "$WEB_CONCURRENCY" --blocking-threads "$LLMGW_WEB_THREADS" --no-ws \
-        --log-level "${LLMGW_WEB_LOG_LEVEL:-info}"
+        --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
     ;;
 gunicorn)
     exec "$PY" -m gunicorn llmgw.wsgi:application --config gunicorn.conf.py --bind "$ADDR" \

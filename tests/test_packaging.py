@@ -68,7 +68,7 @@ def test_pip_install_gives_a_control_plane_that_imports_every_module(checkout, t
     # Run from elsewhere, so that the installed copy is imported, not the checkout's.
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    out = run([str(bin_dir / "python"), str(checkout / "scripts/check_imports.py")], cwd=elsewhere)
+    out = run([str(bin_dir / "python"), str(checkout / "scripts/check_imports.py"), "-v"], cwd=elsewhere)
     count = int(re.search(r"import check: (\d+) modules imported", out).group(1))
     assert count > 100
     site = next((tmp_path / "venv/lib").glob("python3.*/site-packages"))
@@ -90,7 +90,7 @@ def test_the_agent_installs_alone_without_django(checkout, tmp_path):
     run([str(bin_dir / "pip"), "install", "--quiet", str(checkout / "deploy/agent")], cwd=tmp_path)
     helped = run([str(bin_dir / "llmgw-agent"), "--help"], cwd=tmp_path)
     assert helped.startswith("usage: llmgw-agent ")
-    out = run([str(bin_dir / "python"), str(checkout / "scripts/check_imports.py"), "--agent"], cwd=tmp_path)
+    out = run([str(bin_dir / "python"), str(checkout / "scripts/check_imports.py"), "--agent", "-v"], cwd=tmp_path)
     assert re.search(r"import check: \d+ modules imported", out)
     installed = run([str(bin_dir / "pip"), "list", "--format=freeze"], cwd=tmp_path, env=clean_env())
     names = {line.split("==")[0].lower() for line in installed.splitlines() if "==" in line}

@@ -57,6 +57,19 @@ def test_ensure_admin_creates_once(tmp_path, settings, capsys, django_user_model
 
 
 @pytest.mark.django_db
+def test_ensure_admin_show_later_leaves_the_password_for_run_all(tmp_path, settings, capsys):
+    # make run's way: the password is printed by scripts/run-all.sh once it is up, not among the migrations.
+    settings.VAR_DIR = tmp_path
+    call_command("ensure_admin", "--show-later")
+    out = capsys.readouterr().out
+    username, password = (tmp_path / "admin-password").read_text().splitlines()
+    assert username == "admin"
+    assert password not in out
+    assert "admin login created: user 'admin'; its password follows once llmgw is up" in out
+    assert (tmp_path / "admin-password.show").stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.django_db
 @pytest.mark.parametrize("page", ["/api/docs/", "/api/redoc/"])
 def test_api_docs_come_from_our_own_static_files(client, operator, page):
     """Swagger UI and Redoc load from drf-spectacular-sidecar's files, never a CDN (air-gapped clusters)."""

@@ -1,8 +1,10 @@
-"""scripts/run-all.sh (what `make run` ends in) says "llmgw is up" only when it is."""
+"""scripts/run-all.sh (what `make run` ends in) says "llmgw is up" only when it is, with the new admin
+password right after it, and logs requests only when LLMGW_ACCESS_LOG asks."""
 
 from __future__ import annotations
 
 import socket
+import uuid
 
 import httpx
 import pytest
@@ -12,12 +14,13 @@ from tests.cleanenv import REPO, Background, clean_env, free_port, wait_until
 pytestmark = pytest.mark.slow
 
 
-def run_all(tmp_path, listen: str) -> Background:
+def run_all(tmp_path, listen: str, **extra: str) -> Background:
     env = clean_env(DEBUG="1", LLMGW_VAR_DIR=str(tmp_path / "var"), LLMGW_LISTEN=listen, LLMGW_START_TIMEOUT="120")
     # The gateway is the fourth process: a port of its own, since a gateway that cannot listen stops them all.
     env["LLMGW_GATEWAY_LISTEN"] = f"127.0.0.1:{free_port()}"
-    for name in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL"):
+    for name in ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LLMGW_ACCESS_LOG"):
         env.pop(name, None)
+    env.update(extra)
     return Background(["scripts/run-all.sh"], cwd=REPO, env=env, log=tmp_path / "run-all.log")
 
 
@@ -49,3 +52,41 @@ def test_a_web_server_that_dies_is_reported_and_never_called_up(tmp_path):
     assert proc.proc.returncode == 1, out
     assert f"llmgw: the web server on 127.0.0.1:{port} exited before it answered" in out
     assert "llmgw is up" not in out
+
+
+@pytest.mark.parametrize("access_log", ["", "1"])
+def test_requests_are_logged_only_with_the_access_log_and_a_new_password_comes_last(tmp_path, access_log):
+    # What `manage.py ensure_admin --show-later` leaves when it has just created the login.
+    var = tmp_path / "var"
+    var.mkdir()
+    (var / "admin-password").write_text("admin\nS3cret-pw\n")
+    (var / "admin-password.show").touch()
+    port, gateway = free_port(), f"127.0.0.1:{free_port()}"
+    proc = run_all(tmp_path, f"127.0.0.1:{port}", LLMGW_ACCESS_LOG=access_log, LLMGW_GATEWAY_LISTEN=gateway)
+    page = f"/admin/login/?next=/{uuid.uuid4().hex}/"
+    poll = '"GET /api/v1/agent/wait HTTP/1.1" 401'
+    try:
+        wait_until(lambda: "llmgw is up" in proc.output() or not proc.alive(), timeout=180, what="llmgw is up",
+                   context=proc.output)  # fmt: skip
+        assert proc.alive(), proc.output()
+        assert proc.output().split("llmgw is up", 1)[1].splitlines()[1:3] == [
+            "admin login created: user 'admin', password 'S3cret-pw'",
+            f"(kept in {var}/admin-password, readable by you alone)",
+        ]
+        assert not (var / "admin-password.show").exists()
+        # A page of the web server, and an agent's long-poll at the gateway (refused: no credential).
+        assert httpx.get(f"http://127.0.0.1:{port}{page}", timeout=10).status_code == 200
+        assert httpx.get(f"http://{gateway}/api/v1/agent/wait?node=gpu-a", timeout=10).status_code == 401
+        if access_log:
+            wait_until(lambda: page in proc.output() and poll in proc.output(), timeout=30,
+                       what="both requests' access lines", context=proc.output)  # fmt: skip
+    finally:
+        proc.stop()
+    out = proc.output()
+    logged = [line for line in out.splitlines() if page in line or "/api/v1/agent/wait" in line]
+    if access_log:
+        assert len(logged) == 2, out
+        assert f'"GET {page} HTTP/1.1" 200' in logged[0] + logged[1]
+    else:
+        # Stopped, every process has written all it would: neither request left a line.
+        assert logged == [], out

@@ -6,6 +6,7 @@ And the credential rules of every agent endpoint.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 
 import httpx
 import pytest
@@ -280,3 +281,15 @@ def test_an_agent_sends_its_status_then_leases_until_something_changes(client, j
         assert telemetry.get("node-a") is not None
     finally:
         agent.close()
+
+
+def test_a_lease_is_routine_logged_at_debug_only(client, reporting, caplog):
+    # Every node renews every few seconds: nothing at INFO, one line at DEBUG.
+    with caplog.at_level(logging.INFO):
+        assert renew(client, reporting).status_code == 200
+    assert caplog.records == []
+    with caplog.at_level(logging.DEBUG):
+        assert renew(client, reporting).status_code == 200
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "agents.lease"] == [
+        ("DEBUG", "lease: node node-a renewed, 0 commands")
+    ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import httpx
@@ -143,3 +144,20 @@ def test_enqueuing_a_command_wakes_its_node_after_the_commit(settings):
     finally:
         pubsub.close()
         client.close()
+
+
+def test_a_wait_is_routine_logged_at_debug_only(nodes, caplog):
+    # Every node holds one at all times: nothing at INFO, one line at DEBUG.
+    with caplog.at_level(logging.INFO):
+        assert wait(nodes["gpu-a"], "gpu-a", hold_s=0.1) == (204, None)
+    assert caplog.records == []
+    with caplog.at_level(logging.DEBUG):
+        assert wait(nodes["gpu-a"], "gpu-a", hold_s=0.1) == (204, None)
+    assert [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "agents.wakeup"] == [
+        ("DEBUG", "agent wait: node gpu-a heard nothing")
+    ]
+
+
+def test_the_hold_is_the_setting(settings):
+    settings.LLMGW_AGENT_WAIT_S = 7.5
+    assert WaitEndpoint(redis_url="").hold_s == 7.5

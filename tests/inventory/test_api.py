@@ -1,5 +1,6 @@
 """The inventory REST API: reads, filters, search, actions, labels, NVLink, and who may do what."""
 
+import logging
 import uuid
 
 import pytest
@@ -304,3 +305,12 @@ def test_gpu_api_carries_the_fabric_health_summary(operator, now):
     make_node("sick", now=now, gpus=cards)
     [gpu] = client_for(operator).get("/api/v1/gpus/?search=sick").json()["results"]
     assert (gpu["fabric_health"], gpu["nvlink_domain"]) == ("Unhealthy", f"{CLUSTER}/7")
+
+
+def test_a_drain_is_one_info_line_naming_who_and_why(cluster, operator, caplog, django_capture_on_commit_callbacks):
+    with caplog.at_level(logging.INFO), django_capture_on_commit_callbacks(execute=True):
+        resp = client_for(operator).post("/api/v1/nodes/node-a/drain/", {"reason": "swap a PSU"}, format="json")
+    assert resp.status_code == 200
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("inventory.nodes", "INFO", "node node-a: state: ready -> draining: swap a PSU (by operator)")
+    ]

@@ -34,7 +34,7 @@ def test_the_embedded_default_keeps_its_files_under_var(tmp_path):
     done = load_settings(tmp_path)
     assert done.returncode == 0, done.stderr
     broker, options, engine, name = json.loads(done.stdout)
-    assert broker == "filesystem://"
+    assert broker == "filesystem://localhost/"
     assert {k: v for k, v in options.items() if k.endswith("_folder") or k.startswith("data_folder")} == {
         "data_folder_in": str(tmp_path / "celery" / "broker"),
         "data_folder_out": str(tmp_path / "celery" / "broker"),
