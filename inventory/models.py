@@ -370,8 +370,8 @@ class NodeEvent(models.Model):
     """
 
     node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
-    # The node's id, written when it is forgotten (node is then null).
-    node_name = models.CharField(max_length=253, blank=True)
+    # The node's id, written with every event: `node` goes null when the node is forgotten, this stays.
+    node_name = models.CharField(max_length=253)
     at = models.DateTimeField(db_index=True)
     kind = models.CharField(max_length=32, db_index=True)
     actor = models.ForeignKey(
@@ -387,9 +387,7 @@ class NodeEvent(models.Model):
         indexes = [models.Index(fields=["node", "-at"], name="inventory_event_node_at")]
         constraints = [
             # An event always says which node it is about, before and after the node is forgotten.
-            models.CheckConstraint(
-                condition=Q(node__isnull=False) | ~Q(node_name=""), name="inventory_nodeevent_names_its_node"
-            ),
+            models.CheckConstraint(condition=~Q(node_name=""), name="inventory_nodeevent_names_its_node"),
         ]
 
     def __str__(self) -> str:
@@ -398,7 +396,7 @@ class NodeEvent(models.Model):
     @property
     def node_label(self) -> str:
         """The node's id, also once it is forgotten."""
-        return self.node_id or self.node_name
+        return self.node_name or self.node_id or ""
 
 
 class LivenessClock(models.Model):

@@ -51,7 +51,14 @@ def record_event(
     """Write one audit row for a node."""
     name = actor_name or (actor.get_username() if actor is not None else "system")
     return NodeEvent.objects.create(
-        node_id=node_id, at=now, kind=kind, actor=actor, actor_name=name, message=message, data=dict(data or {})
+        node_id=node_id,
+        node_name=node_id,
+        at=now,
+        kind=kind,
+        actor=actor,
+        actor_name=name,
+        message=message,
+        data=dict(data or {}),
     )
 
 

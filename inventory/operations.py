@@ -279,7 +279,6 @@ def forget(node_id: str, *, now: dt.datetime, actor: AbstractBaseUser | None = N
         refusal = forget_refusal(node)
         if refusal:
             raise ForgetRefused(refusal)
-        NodeEvent.objects.filter(node_id=node_id).update(node_name=node_id)
         hooks.workloads().forget_node(node_id)
         node.delete()
         NodeEvent.objects.create(
