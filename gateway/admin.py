@@ -233,7 +233,8 @@ def _fmt(value: float | None, spec: str) -> str:
 class RoutedReplicaAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     """Each serving or retiring replica with what the gateways see: engine load and cache, in-flight, ejection.
 
-    The figures are read from Redis once per page, for that page's request.
+    The figures are read once per page (from Redis, or the embedded default's
+    cache), for the replicas listed; when no gateway shared any, the page says so.
     """
 
     list_filter = ["state", "deployment"]
@@ -243,8 +244,21 @@ class RoutedReplicaAdmin(ReadOnlyAdmin, admin.ModelAdmin):
     def get_queryset(self, request):
         return super().get_queryset(request).filter(state__in=["ready", "degraded", "draining"])
 
+    def _figures(self, request) -> dict[str, figures.Figures]:
+        if not hasattr(request, "gateway_figures"):
+            ids = [str(rid) for rid in self.get_queryset(request).values_list("id", flat=True)]
+            request.gateway_figures = figures.read(ids)
+            request.gateway_listed = bool(ids)
+        return request.gateway_figures
+
+    def changelist_view(self, request, extra_context=None):
+        """The list, with a plain word when no gateway shared figures for any listed replica."""
+        if not self._figures(request) and request.gateway_listed:
+            messages.warning(request, figures.NONE_SHARED)
+        return super().changelist_view(request, extra_context)
+
     def get_list_display(self, request):
-        seen = figures.read()
+        seen = self._figures(request)
 
         def col(title: str, get):
             def show(obj):

@@ -23,6 +23,7 @@ from inventory.serializers import (
     ActionInErrors,
     DoctorReportOut,
     DrainOut,
+    ForgetConflictOut,
     GPUOut,
     LabelsIn,
     LabelsInErrors,
@@ -40,6 +41,7 @@ ACTION_PERMISSIONS = {
     "uncordon": "inventory.cordon_node",
     "drain": "inventory.drain_node",
     "labels": "inventory.change_labels",
+    "destroy": "inventory.forget_node",
 }
 
 
@@ -66,7 +68,7 @@ def _nodes():
 
 
 class NodeViewSet(viewsets.ReadOnlyModelViewSet):
-    """Nodes with their GPUs and fabrics; cordon, uncordon, drain and labels as actions."""
+    """Nodes with their GPUs and fabrics; cordon, uncordon, drain and labels as actions; DELETE forgets one."""
 
     serializer_class = NodeOut
     permission_classes = [NodePermissions]
@@ -93,6 +95,16 @@ class NodeViewSet(viewsets.ReadOnlyModelViewSet):
         if name == "drain":
             return Response(DrainOut({"node": node, "replicas_to_move": affected}).data)
         return Response(NodeActionOut({"node": node}).data)
+
+    @extend_schema(responses={204: None, 409: ForgetConflictOut})
+    def destroy(self, request: Request, pk: str | None = None) -> Response:
+        """Forget a node gone for good; refused while it holds allocations or shards not stopped. Its history stays."""
+        node = self.get_object()
+        try:
+            operations.forget(node.id, now=timezone.now(), actor=request.user)
+        except operations.ForgetRefused as exc:
+            return Response({"node": [str(exc)]}, status=status.HTTP_409_CONFLICT)
+        return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(request=ActionIn, responses={200: NodeActionOut, 400: ActionInErrors, 409: StateConflictOut})
     @action(detail=True, methods=["post"])

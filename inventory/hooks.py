@@ -42,7 +42,11 @@ class Workloads(Protocol):
         ...
 
     def shard_count(self, node_id: str) -> int:
-        """How many shard records a node holds, whatever their state."""
+        """How many shards not yet stopped or failed a node holds."""
+        ...
+
+    def forget_node(self, node_id: str) -> None:
+        """Let go of a node about to be forgotten: remove its stopped and failed shards, keep their history."""
         ...
 
     def node_shards(self, node: Node) -> list[Any]:

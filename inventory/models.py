@@ -363,9 +363,15 @@ class FabricScan(models.Model):
 
 
 class NodeEvent(models.Model):
-    """Something that happened to a node, with who did it: the audit trail and the "why"."""
+    """Something that happened to a node, with who did it: the audit trail and the "why".
 
-    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="events")
+    A forgotten node's events stay, naming it in `node_name`: the history of a
+    machine gone for good is what an incident review reads.
+    """
+
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL, related_name="events")
+    # The node's id, written with every event: `node` goes null when the node is forgotten, this stays.
+    node_name = models.CharField(max_length=253)
     at = models.DateTimeField(db_index=True)
     kind = models.CharField(max_length=32, db_index=True)
     actor = models.ForeignKey(
@@ -379,9 +385,18 @@ class NodeEvent(models.Model):
     class Meta:
         ordering = ["-at", "-id"]
         indexes = [models.Index(fields=["node", "-at"], name="inventory_event_node_at")]
+        constraints = [
+            # An event always says which node it is about, before and after the node is forgotten.
+            models.CheckConstraint(condition=~Q(node_name=""), name="inventory_nodeevent_names_its_node"),
+        ]
 
     def __str__(self) -> str:
-        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.node_id} {self.kind}: {self.message}"
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.node_label} {self.kind}: {self.message}"
+
+    @property
+    def node_label(self) -> str:
+        """The node's id, also once it is forgotten."""
+        return self.node_name or self.node_id or ""
 
 
 class LivenessClock(models.Model):

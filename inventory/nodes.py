@@ -56,7 +56,14 @@ def record_event(
     name = actor_name or (actor.get_username() if actor is not None else "system")
     logs.after_commit(log, "node %s: %s: %s (by %s)", node_id, kind, message, name)
     return NodeEvent.objects.create(
-        node_id=node_id, at=now, kind=kind, actor=actor, actor_name=name, message=message, data=dict(data or {})
+        node_id=node_id,
+        node_name=node_id,
+        at=now,
+        kind=kind,
+        actor=actor,
+        actor_name=name,
+        message=message,
+        data=dict(data or {}),
     )
 
 

@@ -20,7 +20,7 @@ from django.utils import timezone
 
 import wire
 from inventory import changes, hooks, telemetry
-from inventory.models import NODE_TRANSITIONS, Allocation, Node, NodeState
+from inventory.models import NODE_TRANSITIONS, Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import TransitionError, change_state, set_operator_labels
 
 if TYPE_CHECKING:
@@ -253,8 +253,9 @@ def patch_labels(
 def forget_refusal(node: Node) -> str:
     """Why a node cannot be forgotten, "" when it can.
 
-    A node holding allocations or shards is still part of some replica: its
-    rows are what tells the reconciler there is something to rebuild.
+    A node holding allocations or shards not over is still part of some
+    replica: its rows are what tells the reconciler there is something to
+    rebuild. Stopped and failed shards hold nothing and do not count.
     """
     allocations = Allocation.objects.filter(node_id=node.id).count()
     shards = hooks.workloads().shard_count(node.id)
@@ -262,22 +263,32 @@ def forget_refusal(node: Node) -> str:
     if allocations:
         parts.append(f"{allocations} allocation{'s' if allocations != 1 else ''}")
     if shards:
-        parts.append(f"{shards} shard{'s' if shards != 1 else ''}")
+        parts.append(f"{shards} shard{'s' if shards != 1 else ''} not stopped")
     return f"{node.id} still holds " + " and ".join(parts) if parts else ""
 
 
-def forget(node_id: str) -> None:
-    """Remove a node that is gone for good, its hardware rows and its telemetry.
+def forget(node_id: str, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> None:
+    """Remove a node that is gone for good, its hardware rows and its telemetry, keeping its history.
 
-    Refused (ForgetRefused) while it holds allocations or shards. The node's
-    own history goes with it, so the caller records who forgot it (the
-    admin's log entry).
+    Refused (ForgetRefused) while it holds allocations or shards not over.
+    Its events stay, naming it, with a last one saying who forgot it; its
+    stopped and failed shards go (placement keeps their events).
     """
     with transaction.atomic():
         node = Node.objects.select_for_update().get(id=node_id)
         refusal = forget_refusal(node)
         if refusal:
             raise ForgetRefused(refusal)
+        hooks.workloads().forget_node(node_id)
         node.delete()
+        NodeEvent.objects.create(
+            node=None,
+            node_name=node_id,
+            at=now,
+            kind="forgotten",
+            actor=actor,
+            actor_name=actor.get_username() if actor is not None else "system",
+            message=f"forgotten (was {node.state})",
+        )
         changes.mark([node_id])
     telemetry.forget(node_id)

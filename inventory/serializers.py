@@ -202,6 +202,12 @@ class StateConflictOut(serializers.Serializer):
     state = serializers.ListField(child=serializers.CharField(), read_only=True)
 
 
+class ForgetConflictOut(serializers.Serializer):
+    """409: the node still holds allocations or shards not stopped, so it cannot be forgotten."""
+
+    node = serializers.ListField(child=serializers.CharField(), read_only=True)
+
+
 @extend_schema_serializer(component_name="Card")
 class CardOut(serializers.Serializer):
     """One GPU on an NVLink tray."""

@@ -6,9 +6,11 @@ import datetime as dt
 from typing import TYPE_CHECKING
 
 from django.db import transaction
+from django.db.models import Exists, OuterRef, Q
 
+from inventory.models import Allocation
 from placement import queueing, replicas
-from placement.models import Deployment, PlacementEvent
+from placement.models import Deployment, PlacementEvent, Shard
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
@@ -25,13 +27,30 @@ def live_replicas(dep: Deployment) -> int:
     return dep.replica_set.filter(state__in=replicas.LIVE_STATES).count()
 
 
+def holding_replicas(dep: Deployment) -> int:
+    """How many of a deployment's replicas hold something on a node: GPUs or cores, a port, a shard not over.
+
+    A replica still pending that was never placed holds nothing, so it does
+    not keep its deployment alive (a model no node fits must not need a
+    scale to zero and a reconcile before it can be deleted).
+    """
+    live_shard = Shard.objects.filter(replica=OuterRef("pk")).exclude(state__in=replicas.SHARD_DONE)
+    allocated = Allocation.objects.filter(replica_id=OuterRef("pk"))
+    return (
+        dep.replica_set.filter(state__in=replicas.LIVE_STATES)
+        .filter(Q(Exists(live_shard)) | Q(Exists(allocated)))
+        .count()
+    )
+
+
 def deletable(dep: Deployment) -> str:
     """Why a deployment cannot be deleted now, "" when it can.
 
     Deleting rows would orphan running shards and their GPUs: scale to zero
-    first, and delete once the reconciler has stopped them.
+    first, and delete once the reconciler has stopped them. Replicas that
+    hold nothing (pending, never placed) go with the deployment.
     """
-    n = live_replicas(dep)
+    n = holding_replicas(dep)
     return f"{n} replicas still live: scale to 0 first" if n else ""
 
 

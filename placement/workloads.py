@@ -59,8 +59,16 @@ class PlacementWorkloads:
         }
 
     def shard_count(self, node_id: str) -> int:
-        """Every shard record the node holds: while any is left, forgetting the node is refused."""
-        return Shard.objects.filter(node_id=node_id).count()
+        """The node's shards not yet stopped or failed: while any is left, forgetting the node is refused."""
+        return Shard.objects.filter(node_id=node_id).exclude(state__in=FINISHED_SHARD_STATES).count()
+
+    def forget_node(self, node_id: str) -> None:
+        """Remove the node's stopped and failed shards (the node is being forgotten).
+
+        Their events stay (the shard link goes null), as do their replicas:
+        what ran there is still told by the placement history.
+        """
+        Shard.objects.filter(node_id=node_id, state__in=FINISHED_SHARD_STATES).delete()
 
     def node_shards(self, node: Node) -> list[Any]:
         """The node's shards with replica and deployment, newest first."""

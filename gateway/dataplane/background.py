@@ -137,7 +137,7 @@ class Background:
         await asyncio.gather(*(self._scrape(b) for b in backends.values()))
         for rid in set(self.engine) - set(backends):
             del self.engine[rid]
-        if self.redis is not None:
+        if backends:
             now = time.monotonic()
             rows = {}
             for rid in backends:
@@ -152,7 +152,10 @@ class Background:
                     ejected_for_s=round(h.ejected_until - now, 1) if h and h.ejected_until > now else 0.0,
                     failures=h.failures if h else 0,
                 )
-            await figures.publish_async(self.redis, rows)
+            if self.redis is not None:
+                await figures.publish_async(self.redis, rows)
+            else:
+                await asyncio.to_thread(figures.publish_cache, rows)
 
     def loads(self, backends: tuple[Backend, ...]) -> dict[str, float]:
         """Each replica's load: this process's requests in flight, or the engine's own count when higher."""

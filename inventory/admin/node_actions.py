@@ -82,7 +82,7 @@ class NodeActions(admin.ModelAdmin):
                 try:
                     with transaction.atomic():  # the log entry only if the node really went
                         self.log_deletions(request, Node.objects.filter(id=n.id))
-                        operations.forget(n.id)
+                        operations.forget(n.id, now=timezone.now(), actor=request.user)
                 except operations.ForgetRefused as exc:
                     refused.append(str(exc))
                     continue
@@ -105,4 +105,4 @@ class NodeActions(admin.ModelAdmin):
         return TemplateResponse(request, "admin/inventory/node/action_confirmation.html", context)
 
     def delete_model(self, request, obj):
-        operations.forget(obj.id)
+        operations.forget(obj.id, now=timezone.now(), actor=request.user)

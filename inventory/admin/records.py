@@ -61,10 +61,15 @@ class FabricScanAdmin(ReadOnlyAdmin, admin.ModelAdmin):
 
 @admin.register(NodeEvent)
 class NodeEventAdmin(ReadOnlyAdmin, admin.ModelAdmin):
-    list_display = ["at", "node", "kind", "actor_name", "message"]
+    list_display = ["at", "node_label", "kind", "actor_name", "message"]
     list_filter = ["kind"]
-    search_fields = ["node__id", "message", "actor_name"]
-    list_select_related = ["node"]
+    # node_id and node_name: a forgotten node's history is found by its id as before.
+    search_fields = ["node__id", "node_name", "message", "actor_name"]
+
+    @admin.display(description="node", ordering="node_id")
+    def node_label(self, obj: NodeEvent) -> str:
+        """The node's id, also once it is forgotten."""
+        return obj.node_label
 
 
 for model in (FabricAttachment, Storage, LocalWeights, EngineInstall):

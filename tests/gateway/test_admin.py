@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import html
 import re
 
 import pytest
@@ -114,6 +115,22 @@ def test_replicas_at_the_gateway_show_engine_figures_and_ejections(client, opera
     assert "44%" in page and "75%" in page
     assert "for 25 s more" in page
     assert "http://a:1" in page and "http://b:1" in page
+
+
+def test_replicas_at_the_gateway_without_redis_read_the_embedded_defaults_cache(client, operator, now, settings):
+    settings.REDIS_URL = ""
+    prof = EngineProfile.objects.create(name="p", engine="vllm")
+    dep = Deployment.objects.create(name="llama", served_model="llama", profile=prof, replicas=1)
+    a = Replica.objects.create(deployment=dep, state="ready", endpoint="http://a:1", created_at=now, updated_at=now)
+    client.force_login(operator)
+    # No gateway has shared anything yet: the page says why its columns are empty.
+    page = client.get("/admin/gateway/routedreplica/").content.decode()
+    assert html.escape(figures.NONE_SHARED) in page
+    figures.publish_cache({str(a.id): figures.Figures(7, 2, 0.4375, 0.75, 3, 0.0, 0)})
+    page = client.get("/admin/gateway/routedreplica/").content.decode()
+    assert html.escape(figures.NONE_SHARED) not in page
+    assert "44%" in page and "75%" in page
+    assert '<td class="field-show">7</td>' in page
 
 
 def test_key_page_shows_budgets_spend_and_the_daily_chart(client, operator):

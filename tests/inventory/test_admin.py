@@ -189,6 +189,11 @@ def test_forget_refused_while_holding_then_allowed(nodes, operator):
     ]
     entry = LogEntry.objects.get(action_flag=DELETION)
     assert (entry.user, entry.object_id) == (operator, "node-b")
+    # Its history stays readable in the admin, with who forgot it.
+    forgotten = NodeEvent.objects.get(kind="forgotten")
+    assert (forgotten.node_id, forgotten.node_name, forgotten.actor) == (None, "node-b", operator)
+    page = text(c.get("/admin/inventory/nodeevent/?q=node-b"))
+    assert "node joined" in page and "forgotten (was ready)" in page
 
 
 def test_node_page_sections(nodes, operator, now):
@@ -206,7 +211,7 @@ def test_node_page_sections(nodes, operator, now):
     assert "<td>2.5 Gb/s</td><td>1.0 Gb/s</td>" in page
     assert "<td>qwen</td>" in page
     assert "<td>64 GB</td>" in page
-    assert "Cannot be forgotten: node-b still holds 1 allocation and 1 shard." in page
+    assert "Cannot be forgotten: node-b still holds 1 allocation and 1 shard not stopped." in page
     assert "Drain it and wait for its replicas to move" in page  # and what to do about it
     assert 'id="agent-labels"><code>rack=r2</code>' in page
     assert "node joined" in page  # history

@@ -144,6 +144,25 @@ def test_cordon_uncordon_through_the_api(cluster, operator):
     assert c.post("/api/v1/nodes/node-a/uncordon/", {}, format="json").json()["node"]["state"] == "ready"
 
 
+def test_forget_a_node_through_the_api(cluster, operator, viewer, now):
+    """DELETE forgets a node whose shards all ended; refused (409, saying what it holds) while one runs."""
+    assert client_for().delete("/api/v1/nodes/node-b.example/").status_code == 401
+    assert client_for(viewer).delete("/api/v1/nodes/node-b.example/").status_code == 403
+    c = client_for(operator)
+    live = replica_on("node-b.example", now=now, state="ready", gpus=(0,))
+    refused = c.delete("/api/v1/nodes/node-b.example/")
+    assert refused.status_code == 409
+    assert refused.json() == {"node": ["node-b.example still holds 1 shard not stopped"]}
+    assert c.delete("/api/v1/nodes/node-a/").json() == {"node": ["node-a still holds 1 allocation"]}
+    assert c.post("/api/v1/nodes/node-b.example/drain/", {"reason": "retired"}, format="json").status_code == 200
+    live.shards.update(state="stopped")  # its agent reported the engine ended
+    assert c.delete("/api/v1/nodes/node-b.example/").status_code == 204
+    assert not Node.objects.filter(id="node-b.example").exists()
+    assert c.get("/api/v1/nodes/node-b.example/").status_code == 404
+    kinds = list(NodeEvent.objects.filter(node_name="node-b.example").order_by("id").values_list("kind", "actor_name"))
+    assert kinds[-1] == ("forgotten", "operator") and ("state", "operator") in kinds
+
+
 def test_drain_lists_the_replicas_that_will_move(cluster, operator, now):
     replica = replica_on("node-a", now=now, deployment="llama")
     resp = client_for(operator).post("/api/v1/nodes/node-a/drain/", {}, format="json")

@@ -10,6 +10,7 @@ from inventory.allocation import allocate
 from inventory.heartbeat import touch
 from inventory.models import Node, NodeEvent, NodeState
 from inventory.nodes import TransitionError, change_state
+from placement.models import Replica, Shard
 from tests.factories import make_node
 from tests.inventory.cockpit_fixtures import put_telemetry, replica_on
 
@@ -168,18 +169,35 @@ def test_removing_an_operator_label_brings_the_agents_back(now, operator):
 def test_forget_refused_while_holding_allocations_or_shards(now):
     make_node("n1", now=now)
     allocate(node_id="n1", replica_id=uuid.uuid4(), shard_id=uuid.uuid4(), gpu_indices=[0])
-    replica_on("n1", now=now, state="stopped")
-    with pytest.raises(operations.ForgetRefused, match="n1 still holds 1 allocation and 1 shard"):
-        operations.forget("n1")
+    replica_on("n1", now=now, state="ready")
+    with pytest.raises(operations.ForgetRefused, match="n1 still holds 1 allocation and 1 shard not stopped"):
+        operations.forget("n1", now=now)
     assert Node.objects.filter(id="n1").exists()
 
 
 def test_forget_removes_node_and_telemetry(now):
     make_node("n1", now=now)
     put_telemetry("n1")
-    operations.forget("n1")
+    operations.forget("n1", now=now)
     assert not Node.objects.filter(id="n1").exists()
     assert telemetry.get("n1") is None
+
+
+def test_a_drained_node_whose_shards_all_ended_is_forgotten_with_its_history(now, operator):
+    """Stopped and failed shards hold nothing: they do not block; the node's events stay, naming it."""
+    make_node("n1", now=now)
+    operations.drain("n1", now=now, actor=operator)
+    stopped = replica_on("n1", now=now, state="stopped")
+    failed = replica_on("n1", now=now, state="failed", gpus=(2,))
+    assert operations.forget_refusal(Node.objects.get(id="n1")) == ""
+    operations.forget("n1", now=now + dt.timedelta(minutes=1), actor=operator)
+    assert not Node.objects.filter(id="n1").exists()
+    assert not Shard.objects.exists()
+    assert set(Replica.objects.values_list("id", flat=True)) == {stopped.id, failed.id}
+    history = [(e.node_id, e.node_name, e.kind, e.actor_name) for e in NodeEvent.objects.order_by("at", "id")]
+    assert history[-1] == (None, "n1", "forgotten", "operator")
+    assert "state" in {kind for _, _, kind, _ in history[:-1]}
+    assert all(node_id is None and name == "n1" for node_id, name, _, _ in history)
 
 
 def test_label_lines_read_back_as_written():

@@ -188,3 +188,17 @@ def test_a_failed_shard_shows_its_cause_and_its_engines_output_preformatted(oper
     page = c.get(f"/admin/placement/replica/{shard.replica_id}/change/").content.decode()
     assert f"<details><summary>3 lines</summary>{pre}</details>" in page
     assert cause in page
+
+
+def test_a_deployment_no_node_fits_is_deleted_from_the_admin(operator, now):
+    """Its only replica stayed pending, holding nothing: the admin deletes it at once, and records who."""
+    prof = EngineProfile.objects.create(name="echo-4", engine="echo", gpus_per_node=4)
+    dep = Deployment.objects.create(name="chat", served_model="chat", profile=prof, replicas=1)
+    reconcile(now=now)  # no node: pending
+    assert list(Replica.objects.values_list("state", flat=True)) == ["pending"]
+    c = login(operator)
+    assert c.get(f"/admin/placement/deployment/{dep.pk}/delete/").status_code == 200
+    r = c.post(f"/admin/placement/deployment/{dep.pk}/delete/", {"post": "yes"})
+    assert r.status_code == 302 and not Deployment.objects.exists() and not Replica.objects.exists()
+    gone = PlacementEvent.objects.get(kind="deleted")
+    assert (gone.actor, gone.deployment_name) == (operator, "chat")

@@ -289,6 +289,21 @@ def test_deleting_a_deployment_with_live_replicas_is_refused(operator, dep, now)
     assert c.delete(f"/api/v1/deployments/{dep.id}/").status_code == 204
 
 
+def test_a_deployment_whose_replica_was_never_placed_is_deleted_at_once(operator, viewer, dep, now):
+    """A pending replica holds no GPU, port or shard: it does not keep its deployment alive."""
+    reconcile(now=now)  # no node: the replica stays pending
+    (rep,) = Replica.objects.filter(deployment=dep)
+    assert rep.state == "pending" and not Shard.objects.exists()
+    assert client().delete(f"/api/v1/deployments/{dep.id}/").status_code == 401
+    assert client(viewer).delete(f"/api/v1/deployments/{dep.id}/").status_code == 403
+    r = client(operator).delete(f"/api/v1/deployments/{dep.id}/")
+    assert r.status_code == 204, r.content
+    assert not Deployment.objects.filter(id=dep.id).exists() and not Replica.objects.exists()
+    gone = PlacementEvent.objects.get(kind="deleted")
+    assert (gone.actor, gone.deployment_name) == (operator, "chat")
+    assert gone.reason == "deleted: deployment chat (model chat, profile echo-4)"
+
+
 def test_an_agent_credential_is_not_an_operator(client, settings):
     """A node's credential talks to the agent endpoints only: placement refuses it."""
     from tests.agents.conftest import JOIN, post

@@ -198,7 +198,7 @@ def test_kept_equals_a_fresh_build_after_a_series_of_changes(now, settings):
     check()
     make_node("d", now=t, mgmt_addr="10.0.0.2")
     check()
-    forget("d")
+    forget("d", now=t)
     check()
     # Time passes: the lease runs out for some.
     t = now + dt.timedelta(seconds=settings.LLMGW_UNREACHABLE_AFTER + 1)
