@@ -65,7 +65,7 @@ def test_ensure_admin_show_later_leaves_the_password_for_run_all(tmp_path, setti
     username, password = (tmp_path / "admin-password").read_text().splitlines()
     assert username == "admin"
     assert password not in out
-    assert "admin login created: user 'admin'; its password follows once llmgw is up" in out
+    assert "admin login created: user 'admin'; its password is printed once the servers answer" in out
     assert (tmp_path / "admin-password.show").stat().st_mode & 0o777 == 0o600
 
 
