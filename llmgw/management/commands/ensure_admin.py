@@ -57,7 +57,9 @@ class Command(BaseCommand):
             fh.write(f"{username}\n{password}\n")
         if show_later:
             (settings.VAR_DIR / SHOW_LATER).touch(mode=0o600)
-            self.stdout.write(f"admin login created: user {username!r}; its password is printed once the servers answer")
+            self.stdout.write(
+                f"admin login created: user {username!r}; its password is printed once the servers answer"
+            )
             return
         self.stdout.write(self.style.SUCCESS(f"admin login created: user {username!r}, password {password!r}"))
         self.stdout.write(f"(also kept in {secret_file}, readable by you alone)")
