@@ -156,3 +156,10 @@ def test_recorded_llamacpp_with_escaped_comment_lines():
     # The paste escapes `#` as `\#`; those lines are not samples and must not be read as any.
     assert _values(text) == {"llamacpp:requests_processing": [0.0], "llamacpp:requests_deferred": [0.0]}
     assert parse(text, names_for("llamacpp", "")) == EngineLoad(0.0, 0.0, None, None)
+
+
+def test_recorded_llamacpp_11434_under_load():
+    # A real scrape (SOURCES.md): two requests generating, 165 prompt tokens taken from the cache
+    # beside 194 processed: the hit ratio is 165 / 359, where cached / processed read 0.85.
+    text = _read("llamacpp-11434-metrics.txt")
+    assert parse(text, names_for("llamacpp", "0.6.0-dev")) == EngineLoad(2.0, 0.0, None, 165 / (165 + 194))
