@@ -17,6 +17,7 @@ from rest_framework import serializers
 
 from gateway import usage
 from gateway.models import ApiKey
+from llmgw.schema import field_errors
 
 # PositiveIntegerField's range (rpm, tpm) and PositiveBigIntegerField's (budgets).
 MAX_LIMIT = 2**31 - 1
@@ -135,17 +136,12 @@ class KeyIn(KeyUpdateIn):
     expires_at = serializers.DateTimeField(allow_null=True, default=None)
 
 
-class KeyInErrors(serializers.Serializer):
-    """400 from a key's create or change: each field named with its problems (only those with one appear)."""
-
-    name = serializers.ListField(child=serializers.CharField(), required=False)
-    owner = serializers.ListField(child=serializers.CharField(), required=False)
-    allowed_models = serializers.JSONField(required=False)
-    rpm_limit = serializers.ListField(child=serializers.CharField(), required=False)
-    tpm_limit = serializers.ListField(child=serializers.CharField(), required=False)
-    tokens_per_day = serializers.ListField(child=serializers.CharField(), required=False)
-    tokens_per_month = serializers.ListField(child=serializers.CharField(), required=False)
-    expires_at = serializers.ListField(child=serializers.CharField(), required=False)
+KeyInErrors = field_errors(
+    "KeyInErrors",
+    "400 from a key's create or change: each field named with its problems (only those with one appear).",
+    ("name", "owner", "allowed_models", "rpm_limit", "tpm_limit", "tokens_per_day", "tokens_per_month", "expires_at"),
+    allowed_models=serializers.JSONField(required=False),
+)
 
 
 class KeyConflictOut(serializers.Serializer):
@@ -192,15 +188,11 @@ class UsageIn(serializers.Serializer):
         return attrs
 
 
-class UsageInErrors(serializers.Serializer):
-    """400 from the usage report: each query parameter named with its problems (only those with one appear)."""
-
-    start = serializers.ListField(child=serializers.CharField(), required=False)
-    end = serializers.ListField(child=serializers.CharField(), required=False)
-    group_by = serializers.ListField(child=serializers.CharField(), required=False)
-    bucket = serializers.ListField(child=serializers.CharField(), required=False)
-    key = serializers.ListField(child=serializers.CharField(), required=False)
-    model = serializers.ListField(child=serializers.CharField(), required=False)
+UsageInErrors = field_errors(
+    "UsageInErrors",
+    "400 from the usage report: each query parameter named with its problems (only those with one appear).",
+    ("start", "end", "group_by", "bucket", "key", "model"),
+)
 
 
 class UsageRowOut(serializers.Serializer):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rest_framework import serializers
+
 DETAIL = "ErrorDetail"
 FIELDS = "FieldErrors"
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -70,3 +72,17 @@ def declare_refusals(result: dict[str, Any], generator: Any, request: Any, publi
             for status, answer in add.items():
                 responses.setdefault(status, answer)
     return result
+
+
+def field_errors(
+    name: str, doc: str, fields: tuple[str, ...], **special: serializers.Field
+) -> type[serializers.Serializer]:
+    """A 400 body's serializer for the document: each of `fields` a list of problems, present only when it has one.
+
+    `special` gives a field another shape (a JSON field's problems can be nested). The
+    class is named `name`, so the document's component keeps that name.
+    """
+    attrs: dict[str, Any] = {"__doc__": doc, "__module__": __name__}
+    for field in fields:
+        attrs[field] = special.get(field) or serializers.ListField(child=serializers.CharField(), required=False)
+    return type(name, (serializers.Serializer,), attrs)

@@ -16,6 +16,7 @@ from typing import Any
 from rest_framework import serializers
 
 import wire
+from llmgw.schema import field_errors
 from placement import secrets
 from placement.explain import EVERY_NODE, FITS_SHOWN, SUMMARY
 from placement.models import Deployment, Engine, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
@@ -414,15 +415,11 @@ class DryRunIn(serializers.Serializer):
         return attrs
 
 
-class DryRunInErrors(serializers.Serializer):
-    """400 from a dry run: what is wrong, field by field (only the fields with a problem appear)."""
-
-    profile = serializers.ListField(child=serializers.CharField(), required=False)
-    deployment = serializers.ListField(child=serializers.CharField(), required=False)
-    node_selector = serializers.ListField(child=serializers.CharField(), required=False)
-    policy = serializers.ListField(child=serializers.CharField(), required=False)
-    replicas = serializers.ListField(child=serializers.CharField(), required=False)
-    explain = serializers.ListField(child=serializers.CharField(), required=False)
+DryRunInErrors = field_errors(
+    "DryRunInErrors",
+    "400 from a dry run: what is wrong, field by field (only the fields with a problem appear).",
+    ("profile", "deployment", "node_selector", "policy", "replicas", "explain"),
+)
 
 
 class ReasonCountOut(serializers.Serializer):
