@@ -139,16 +139,11 @@ class ApiKeyAdmin(admin.ModelAdmin):
     def get_fields(self, request, obj=None):
         if obj is None:
             return FORM_FIELDS
+        # What may change, the prefix beside the name, then what is only read.
         return [
-            "name",
+            *FORM_FIELDS[:1],
             "prefix",
-            "owner",
-            "allowed_models",
-            "rpm_limit",
-            "tpm_limit",
-            "tokens_per_day",
-            "tokens_per_month",
-            "expires_at",
+            *FORM_FIELDS[1:],
             "revoked_at",
             "created_at",
             "created_by",
