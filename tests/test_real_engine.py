@@ -16,8 +16,8 @@ import dataclasses
 import os
 import signal
 import subprocess
-import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -32,7 +32,7 @@ from inventory.models import Command, Node, NodeEvent
 from inventory.nodes import change_state
 from placement.models import Deployment, EngineProfile, Replica, Shard
 from placement.reconciler import reconcile
-from tests.gateway.conftest import gateway_factory, make_key  # noqa: F401
+from tests.gateway.conftest import Load, gateway_factory, make_key  # noqa: F401
 from tests.ports import free_port_range
 from wire import engines as wire_engines
 
@@ -100,44 +100,23 @@ def ready() -> list[Replica]:
     return list(Replica.objects.filter(state="ready"))
 
 
-class StreamingLoad:
-    """Streamed chats through the gateway with OpenAI's SDK, from several threads, every outcome kept."""
+def sdk_streams(client: openai.OpenAI) -> Callable[[int, int], str]:
+    """One streamed chat a call with OpenAI's SDK; it must end with one finish_reason 'length'."""
 
-    def __init__(self, client: openai.OpenAI, workers: int = 3) -> None:
-        self.client, self.ok, self.failures = client, 0, []
-        self.stop, self.lock = threading.Event(), threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
+    def request(worker: int, n: int) -> str:
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": f"worker {worker} turn {n}: tell me about GPUs"}],
+            max_tokens=24,
+            stream=True,
+            extra_body=NOISE,
+        )
+        finished = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
+        if finished != ["length"]:
+            raise RuntimeError(f"the stream ended with {finished}, not one finish_reason 'length'")
+        return ""
 
-    def _run(self, worker: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            n += 1
-            try:
-                stream = self.client.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": f"worker {worker} turn {n}: tell me about GPUs"}],
-                    max_tokens=24,
-                    stream=True,
-                    extra_body=NOISE,
-                )
-                finished = [c.choices[0].finish_reason for c in stream if c.choices and c.choices[0].finish_reason]
-                if finished != ["length"]:
-                    raise RuntimeError(f"the stream ended with {finished}, not one finish_reason 'length'")
-                with self.lock:
-                    self.ok += 1
-            except Exception as e:  # every failure is the finding, whatever its kind
-                with self.lock:
-                    self.failures.append(f"{type(e).__name__}: {e}")
-
-    def __enter__(self) -> StreamingLoad:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=60)
+    return request
 
 
 @pytest.fixture
@@ -223,7 +202,7 @@ def test_llama_cpp_through_discovery_placement_the_gateway_a_drain_and_a_crash(
 
     # A drain under streaming load: the replacement comes up on the third node, no request fails.
     drained = Shard.objects.filter(replica__state="ready").order_by("node_id").first().node_id
-    with StreamingLoad(client) as load_run:
+    with Load(sdk_streams(client), workers=3, join_s=60) as load_run:
         wait = time.monotonic() + 30
         while load_run.ok < 5 and time.monotonic() < wait:
             time.sleep(0.05)

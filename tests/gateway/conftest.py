@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -245,3 +246,44 @@ def user(django_user_model):
 def chat(text: str, model: str = "demo", **extra) -> dict:
     """A chat completion request body."""
     return {"model": model, "messages": [{"role": "user", "content": text}], **extra}
+
+
+class Load:
+    """Requests from several threads until stopped, every outcome kept.
+
+    `request(worker, n)` sends one request and returns the replica that answered ("" when
+    unknown), or raises: any exception is a failed request, whatever its kind.
+    """
+
+    def __init__(self, request: Callable[[int, int], str], workers: int = 6, *, join_s: float = 30.0) -> None:
+        self.request, self.join_s = request, join_s
+        self.stop = threading.Event()
+        self.ok = 0
+        self.failures: list[str] = []
+        self.by_replica: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
+
+    def _run(self, worker: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            n += 1
+            try:
+                replica = self.request(worker, n)
+            except Exception as e:  # every failure is the finding
+                with self.lock:
+                    self.failures.append(f"{type(e).__name__}: {e}")
+                continue
+            with self.lock:
+                self.ok += 1
+                self.by_replica[replica] = self.by_replica.get(replica, 0) + 1
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=self.join_s)

@@ -9,7 +9,7 @@ there would fail.
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -20,55 +20,32 @@ from inventory.models import Command
 from placement.models import Deployment, EngineProfile, Replica
 from placement.reconciler import reconcile
 from tests.factories import make_node, report_shard_state
-from tests.gateway.conftest import make_key, url_of, wait_for
+from tests.gateway.conftest import Load, make_key, url_of, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
-class Load:
-    """Streaming chat requests from several threads until stopped; every outcome kept."""
+def streamed_chats(url: str, key: str) -> Callable[[int, int], str]:
+    """One streamed chat a call, through the gateway; the replica that answered it."""
+    clients: dict[int, httpx.Client] = {}
 
-    def __init__(self, url: str, key: str, workers: int = 6) -> None:
-        self.url, self.key = url, key
-        self.stop = threading.Event()
-        self.ok = 0
-        self.failures: list[str] = []
-        self.by_replica: dict[str, int] = {}
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(workers)]
+    def request(worker: int, n: int) -> str:
+        c = clients.get(worker)
+        if c is None:
+            c = clients[worker] = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        body = {
+            "model": "chat",
+            "stream": True,
+            "messages": [{"role": "user", "content": f"worker {worker} turn {n} " + "w " * 8}],
+        }
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            data = r.read()
+            replica = r.headers.get("x-llmgw-replica", "")
+        if r.status_code != 200 or not data.rstrip().endswith(b"data: [DONE]"):
+            raise RuntimeError(f"HTTP {r.status_code}: {data[-200:]!r}")
+        return replica
 
-    def _run(self, worker: int) -> None:
-        with httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=30) as c:
-            n = 0
-            while not self.stop.is_set():
-                n += 1
-                body = {
-                    "model": "chat",
-                    "stream": True,
-                    "messages": [{"role": "user", "content": f"worker {worker} turn {n} " + "w " * 8}],
-                }
-                try:
-                    with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                        data = r.read()
-                        replica = r.headers.get("x-llmgw-replica", "")
-                    if r.status_code != 200 or not data.rstrip().endswith(b"data: [DONE]"):
-                        raise RuntimeError(f"HTTP {r.status_code}: {data[-200:]!r}")
-                    with self.lock:
-                        self.ok += 1
-                        self.by_replica[replica] = self.by_replica.get(replica, 0) + 1
-                except Exception as e:
-                    with self.lock:
-                        self.failures.append(f"{type(e).__name__}: {e}")
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=30)
+    return request
 
 
 def _agent_stops(servers: dict[str, object], now) -> list[str]:
@@ -122,7 +99,7 @@ def test_scale_down_and_rolling_update_fail_no_request(gateway_factory, echoes, 
 
         wait_for(once, timeout=30, what=what)
 
-    with Load(gateway.url, key) as load:
+    with Load(streamed_chats(gateway.url, key)) as load:
         wait_for(lambda: load.ok >= 20, timeout=20, what=lambda: f"load running: {load.ok} {load.failures[:3]}")
         # Scale down: one replica retires while requests run on it.
         dep.replicas = 2
