@@ -91,3 +91,16 @@ def test_an_older_agent_reporting_llama_server_is_read_as_llamacpp(now):
     assert [(s.node_id, s.install_engine) for s in planned.shards] == [("old", False)]
     # Its install answers, keyed by the old name, are read under the canonical one too.
     assert install_answer(wire.InstallEngine(engine="llamacpp"), {"llama-server": "b4589"}).state == "ready"
+
+
+def test_the_install_answer_reads_versions_as_the_registry_does_and_says_what_to_install():
+    # A profile asking for llama.cpp "4589" means the build discovery reports as "b4589".
+    assert (
+        install_answer(wire.InstallEngine(engine="llama.cpp", version="4589"), {"llamacpp": "b4589"}).state == "ready"
+    )
+    answer = install_answer(wire.InstallEngine(engine="llamacpp", version="b7000"), {"llamacpp": "b4589"})
+    assert (answer.state, answer.detail) == (
+        "unsupported",
+        "this agent does not install engines; install llama.cpp b7000 on the node so that `llama-server --version` "
+        "answers (found: b4589), then restart the agent",
+    )

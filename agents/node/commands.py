@@ -170,13 +170,19 @@ class Commands:
 def install_answer(cmd: wire.InstallEngine, engine_versions: dict[str, str]) -> wire.EngineInstall:
     """What an agent that found `engine_versions` answers an InstallEngine with: ready, or unsupported and why."""
     # Canonical names on both sides: asked for `llamacpp`, an agent that found `llama-server` has it.
-    engine = wire_engines.canonical(cmd.engine) or cmd.engine
+    known = wire_engines.ENGINES.get(wire_engines.canonical(cmd.engine))
+    engine = known.name if known else cmd.engine
     have = wire_engines.canonical_versions(engine_versions).get(engine, "")
-    if have and (not cmd.version or have == cmd.version):
+    # Versions as the registry reads them: a profile asking for llama.cpp "4589" means the build "b4589".
+    same = known.version(have).text == known.version(cmd.version).text if known else have == cmd.version
+    if have and (not cmd.version or same):
         return wire.EngineInstall(engine=engine, version=have, variant=cmd.variant, state="ready")
-    detail = f"this agent does not install engines; install {engine}"
-    detail += f" {cmd.version}" if cmd.version else ""
-    detail += f" on the node (found: {have or 'none'}) and restart the agent"
+    wanted = f"{known.label if known else engine}{f' {cmd.version}' if cmd.version else ''}"
+    probe = f" so that `{' '.join(known.probe.argv)}` answers" if known and known.probe else ""
+    detail = (
+        f"this agent does not install engines; install {wanted} on the node{probe} (found: {have or 'none'}), "
+        "then restart the agent"
+    )
     return wire.EngineInstall(
         engine=engine, version=cmd.version, variant=cmd.variant, state="unsupported", detail=detail
     )
