@@ -15,10 +15,6 @@ from wire.engines import EngineError, Launch
 
 __all__ = ["EngineError", "Launch", "build", "engine_name", "loggable_argv", "shard_env"]
 
-# The placement decides these; a profile's env must not quietly override them,
-# or a shard would run on GPUs or adapters another shard holds.
-PLACEMENT_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_IB_HCA")
-
 
 def loggable_argv(argv: list[str]) -> list[str]:
     """`argv` with the value of each secret-carrying flag masked, for the shard log (never for running)."""

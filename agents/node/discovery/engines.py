@@ -9,11 +9,6 @@ from wire import engines as wire_engines
 from .tools import run_tool
 
 
-def parse_version(engine: str, stdout: str, stderr: str = "") -> str:
-    """The version an engine's probe printed, read from the stream it prints on ("" when none)."""
-    return wire_engines.probe_version(wire_engines.get(engine), stdout, stderr).text
-
-
 def probe_engines(root: Path | None, *, timeout: float = 20.0, live: bool = False) -> tuple[dict[str, str], list[str]]:
     """Installed engines (canonical names) and their versions; an engine that is absent is simply not listed.
 
