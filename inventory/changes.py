@@ -166,7 +166,8 @@ def since(version: int | None) -> Changes:
 
 def _placement_view(entry: Mapping[str, Any] | None) -> tuple:
     # What placement reads from telemetry: each port's physical fabric
-    # (state, link layer, subnet managers, network) and each card's power limit.
+    # (state, link layer, subnet managers, network), each card's power limit,
+    # and the TCP ports listening on the node.
     if not entry:
         return ()
     ports = tuple(
@@ -176,7 +177,7 @@ def _placement_view(entry: Mapping[str, Any] | None) -> tuple:
         if isinstance(p, Mapping)
     )  # fmt: skip
     limits = tuple((g.get("index"), g.get("power_limit_w")) for g in entry.get("gpus") or [] if isinstance(g, Mapping))
-    return ports, limits
+    return ports, limits, tuple(entry.get("listening_ports") or ())
 
 
 def mark_telemetry(node_id: str, previous: Mapping[str, Any] | None, entry: Mapping[str, Any]) -> bool:

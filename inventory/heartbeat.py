@@ -200,6 +200,8 @@ def telemetry(hb: wire.Heartbeat, previous: Mapping[str, Any] | None, *, now: dt
         "gpus": dumped["gpus"] or [],
         "ib_ports": ports,
         "shards": [{"shard_id": s.shard_id, "state": str(s.state)} for s in hb.shards],
+        # What listens on the node: the planner hands out no shard port among them.
+        "listening_ports": hb.listening_ports,
     }
 
 

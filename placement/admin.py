@@ -20,7 +20,7 @@ from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
 from llmgw.admin import ReadOnlyAdmin
-from placement import audit, explain, kept, planner, queueing, replicas, retiring, secrets
+from placement import audit, backoff, explain, kept, planner, queueing, replicas, retiring, secrets
 from placement import deployments as deployment_actions
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, ReplicaState, Shard
 
@@ -104,9 +104,9 @@ class DeploymentAdmin(admin.ModelAdmin):
     list_filter = ["paused", "policy", "pool"]
     search_fields = ["name", "served_model"]
     autocomplete_fields = ["profile"]
-    readonly_fields = ["created_at", "updated_at"]
+    readonly_fields = ["avoided_nodes", "created_at", "updated_at"]
     inlines = [ReplicaInline]
-    actions = ["pause", "resume"]
+    actions = ["pause", "resume", "clear_avoidance"]
 
     def get_queryset(self, request):
         return (
@@ -119,6 +119,33 @@ class DeploymentAdmin(admin.ModelAdmin):
     @admin.display(description="ready", ordering="ready_count")
     def ready(self, obj: Deployment) -> str:
         return f"{obj.ready_count}/{obj.replicas}"
+
+    @admin.display(description="avoided nodes")
+    def avoided_nodes(self, obj: Deployment) -> str:
+        """Each node this deployment keeps off: how often it failed there, the last cause, and until when."""
+        if obj.pk is None:
+            return "-"
+        found = backoff.avoidances(obj, now=timezone.now())
+        if not found:
+            return "none"
+        return format_html(
+            "<ul>{}</ul>",
+            format_html_join(
+                "",
+                "<li><b>{}</b>: {} failed starts, last {}: {} (until {} UTC; the action "
+                "&ldquo;Clear node avoidance&rdquo; ends it now)</li>",
+                (
+                    (
+                        a.node_id,
+                        a.failures,
+                        f"{a.last_at:%Y-%m-%d %H:%M:%S}",
+                        a.last_reason,
+                        f"{a.until:%Y-%m-%d %H:%M:%S}",
+                    )
+                    for a in found
+                ),
+            ),
+        )
 
     def save_model(self, request, obj, form, change):
         super().save_model(request, obj, form, change)
@@ -150,6 +177,16 @@ class DeploymentAdmin(admin.ModelAdmin):
         for dep in queryset:
             deployment_actions.set_paused(dep, True, now=timezone.now(), actor=request.user)
         self.message_user(request, f"{queryset.count()} paused", messages.SUCCESS)
+
+    @admin.action(description="Clear node avoidance (use every avoided node again)", permissions=["change"])
+    def clear_avoidance(self, request, queryset):
+        now = timezone.now()
+        cleared = 0
+        for dep in queryset:
+            for a in backoff.avoidances(dep, now=now):
+                backoff.clear_avoidance(dep, a.node_id, now=now, actor=request.user)
+                cleared += 1
+        self.message_user(request, f"{cleared} node avoidances cleared", messages.SUCCESS)
 
     @admin.action(description="Resume", permissions=["change"])
     def resume(self, request, queryset):

@@ -93,15 +93,19 @@ def _set_states(
     now: dt.datetime,
     actor: str,
     tails: dict[uuid.UUID, str] | None = None,
+    taken: dict[uuid.UUID, int] | None = None,
 ) -> list:
     """Compare-and-set each shard's state; an event row for each that moved. Returns the moves made.
 
-    `tails`: the end of the engine's output, by shard id, for shards the agent reported failed.
+    `tails`: the end of the engine's output, by shard id, for shards the agent reported failed;
+    `taken`: the port the agent found in use, by shard id, for shards that failed on it.
     """
     events = []
     moved = []
     for row, new, reason, exit_code, kind in changes:
-        output = {"output_tail": tails[row.id]} if tails and row.id in tails else {}
+        output: dict = {"output_tail": tails[row.id]} if tails and row.id in tails else {}
+        if taken and row.id in taken:
+            output["port_in_use"] = taken[row.id]
         n = Shard.objects.filter(id=row.id, state=row.state).update(
             state=new, reason=reason, exit_code=exit_code, updated_at=now, **output
         )
@@ -264,6 +268,7 @@ def record_shard_states(
     result.pending = read.pending
     changes = []
     tails: dict[uuid.UUID, str] = {}
+    taken: dict[uuid.UUID, int] = {}
     fence = []
     for sid, s in reports.items():
         row = read.shards.get(sid)
@@ -275,13 +280,15 @@ def record_shard_states(
         old = row.state
         if allowed(old, state) and state == wire.ShardState.FAILED:
             reason, tails[sid] = failure(s)
+            if s.port_in_use is not None:
+                taken[sid] = s.port_in_use
             changes.append((row, str(state), reason, s.exit_code, "shard_state"))
         elif allowed(old, state):
             changes.append((row, str(state), s.reason, s.exit_code, "shard_state"))
         elif old == state and (s.reason != row.reason or s.exit_code != row.exit_code) and old not in TERMINAL:
             # Same state, new detail (a loading shard's progress): the row, no event.
             Shard.objects.filter(id=sid, state=old).update(reason=s.reason, exit_code=s.exit_code, updated_at=now)
-    result.changed = _set_states(changes, now=now, actor="agent", tails=tails)
+    result.changed = _set_states(changes, now=now, actor="agent", tails=tails, taken=taken)
     if _fence(node_id, fence, result, now=now):
         # A command queued after the read: read them again.
         result.pending = None

@@ -11,10 +11,14 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from llmgw.permissions import PermissionsRequired
-from placement import audit, explain, kept, planner, replicas
+from placement import audit, backoff, explain, kept, planner, replicas
 from placement import deployments as deployment_actions
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.serializers import (
+    AvoidanceOut,
+    ClearAvoidanceIn,
+    ClearAvoidanceInErrors,
+    ClearAvoidanceOut,
     DeploymentIn,
     DeploymentOut,
     DryRunIn,
@@ -145,6 +149,24 @@ class DeploymentViewSet(InOutViewSet):
         """Reconcile it again."""
         dep = deployment_actions.set_paused(self.get_object(), False, now=timezone.now(), actor=request.user)
         return Response(self.serializer_class(self._reload(dep)).data)
+
+    @extend_schema(responses=AvoidanceOut(many=True), filters=False)
+    @action(detail=True, methods=["get"])
+    def avoidance(self, request, pk=None):
+        """The nodes this deployment keeps off after failed starts there: the cause and when it ends."""
+        return Response(AvoidanceOut(backoff.avoidances(self.get_object(), now=timezone.now()), many=True).data)
+
+    @extend_schema(request=ClearAvoidanceIn, responses={200: ClearAvoidanceOut, 400: ClearAvoidanceInErrors})
+    @action(detail=True, methods=["post"], permission_classes=[CanChange], url_path="clear-avoidance")
+    def clear_avoidance(self, request, pk=None):
+        """Let the deployment use a node again: its failed starts there so far no longer count (recorded)."""
+        dep = self.get_object()
+        data = ClearAvoidanceIn(data=request.data)
+        data.is_valid(raise_exception=True)
+        now = timezone.now()
+        cleared = backoff.clear_avoidance(dep, data.validated_data["node"].id, now=now, actor=request.user)
+        left = backoff.avoidances(dep, now=now)
+        return Response(ClearAvoidanceOut({"cleared": cleared, "avoided": left}).data)
 
 
 class ReplicaViewSet(viewsets.ReadOnlyModelViewSet):

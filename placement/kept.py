@@ -204,7 +204,7 @@ class KeptIndex:
         for addr in addrs - {""}:
             at = self.by_addr.get(addr)
             if at:
-                snap.host_ports[addr] = {p for n in at for p in snap.nodes[n].ports}
+                snap.host_ports[addr] = {p for n in at for p in snap.nodes[n].ports | snap.nodes[n].busy_ports}
             else:
                 snap.host_ports.pop(addr, None)
                 self.by_addr.pop(addr, None)

@@ -221,6 +221,11 @@ class Shard(models.Model):
     # The end of the engine's output when the shard failed, as its agent reported it,
     # redacted and bounded again here (wire.bounded_tail): why, in the engine's words.
     output_tail = models.TextField(blank=True, help_text="A failed shard's last lines of engine output, redacted.")
+    # Failed before any engine ran because its agent found this port taken on the node: a fact about
+    # the node (the replica is placed again on another port), not a failed start of the deployment.
+    port_in_use = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The port the agent found taken when the shard was to start."
+    )
     profile_fp = models.CharField("profile fingerprint", max_length=32, blank=True)
     created_at = models.DateTimeField()
     updated_at = models.DateTimeField()
@@ -274,6 +279,31 @@ class PlacementEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.kind} {self.from_state}->{self.to_state}: {self.reason}"
+
+
+class AvoidanceClear(models.Model):
+    """An operator cleared a deployment's avoidance of a node: its failed starts there before `at` no longer count.
+
+    One row per deployment and node, moved forward by each clear; each clear is
+    also a PlacementEvent ("avoidance_cleared") naming who, when and the node.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="avoidance_clears")
+    node = models.ForeignKey("inventory.Node", on_delete=models.CASCADE, related_name="+")
+    at = models.DateTimeField()
+    actor = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    actor_name = models.CharField(max_length=150, blank=True)
+
+    class Meta:
+        ordering = ["deployment_id", "node_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["deployment", "node"], name="placement_avoidance_clear_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id} on {self.node_id} cleared {self.at:%Y-%m-%d %H:%M:%S}"
 
 
 class HoldScope(models.TextChoices):

@@ -96,6 +96,12 @@ def _health(rep: LiveReplica, profile: EngineProfile, now: dt.datetime) -> tuple
         where = f"shard {s['rank']} on {s['node_id']}"
         if s["node__state"] == NodeState.LOST:
             return RS.FAILED, f"node {s['node_id']} lost"
+        if s["state"] == SS.FAILED and s.get("port_in_use") is not None:
+            # The node's fact, not the deployment's failure: no backoff, no avoidance (placement.backoff).
+            return RS.FAILED, (
+                f"{where}: port {s['port_in_use']} was already in use on the node;"
+                " placed again on another port (not counted as a failed start)"
+            )
         if s["state"] == SS.FAILED:
             return RS.FAILED, f"{where} failed" + (f": {s['reason']}" if s["reason"] else "")
         if s["state"] in (SS.STOPPED, SS.DRAINING) and state != RS.DRAINING:
@@ -135,6 +141,7 @@ def _load(deployment_ids: list[int]) -> dict[int, list[LiveReplica]]:
 def reconcile(*, now: dt.datetime) -> Report:
     """One reconcile pass over every deployment that is not paused. Idempotent."""
     orphans = release_orphans()
+    retiring.release_leftover_shards(now=now)
     deployments = {d.id: d for d in Deployment.objects.filter(paused=False).select_related("profile")}
     by_dep = _load(list(deployments))
     p = Pass(

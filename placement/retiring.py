@@ -16,19 +16,33 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import transaction
-from django.db.models import OuterRef, Subquery
+from django.db.models import CharField, Exists, OuterRef, Subquery
+from django.db.models.functions import Cast
 
 import wire
-from inventory import allocation, outbox
-from inventory.models import Allocation, Node, NodeEvent, NodeState
+from inventory import allocation, changes, outbox
+from inventory.models import Allocation, Command, CommandKind, Node, NodeEvent, NodeState
 from inventory.nodes import record_event
 from placement import inflight, replicas
-from placement.models import Replica, ReplicaState, Shard
+from placement.models import PlacementEvent, Replica, ReplicaState, Shard
+from wire import shard_states
 
 RS = ReplicaState
+SS = shard_states.S
 SERVING = (RS.READY, RS.DEGRADED)
 # The shard columns a pass reads for each live replica.
-SHARD_FIELDS = ("id", "replica_id", "node_id", "rank", "state", "reason", "created_at", "http_port", "node__state")
+SHARD_FIELDS = (
+    "id",
+    "replica_id",
+    "node_id",
+    "rank",
+    "state",
+    "reason",
+    "created_at",
+    "http_port",
+    "port_in_use",
+    "node__state",
+)
 
 
 @dataclass
@@ -65,6 +79,73 @@ def _gone(s: dict[str, Any]) -> bool:
     return s["state"] in replicas.SHARD_DONE or s["node__state"] == NodeState.LOST
 
 
+def _undelivered(shards: list[dict[str, Any]]) -> set[Any]:
+    """The pending shards whose StartShard no agent has received yet, their commands locked.
+
+    Locked, so no heartbeat marks one delivered while the caller releases it.
+    A heartbeat that read one just before still hands it over: that engine is
+    then a shard the control plane has written off, fenced when reported.
+    """
+    waiting = {str(s["id"]): s["id"] for s in shards if s["state"] == SS.PENDING}
+    if not waiting:
+        return set()
+    found = Command.objects.select_for_update().filter(
+        shard_id__in=list(waiting),
+        kind=CommandKind.START_SHARD,
+        acked_at__isnull=True,
+        first_delivered_at__isnull=True,
+    )
+    return {waiting[sid] for sid in found.values_list("shard_id", flat=True) if sid in waiting}
+
+
+def _release_unstarted(rep: LiveReplica, ids: set[Any], *, reason: str, now: dt.datetime) -> None:
+    """Shards that never reached their agent end here, with the replica: their (node, port) is free again."""
+    if not ids:
+        return
+    for s in rep.shards:
+        if s["id"] in ids:
+            outbox.cancel_for_shard(str(s["id"]))
+    release_shards(
+        [(s["id"], s["replica_id"]) for s in rep.shards if s["id"] in ids],
+        deployment_id=rep.row.deployment_id,
+        reason=f"never started: {reason}",
+        now=now,
+    )
+    for s in rep.shards:
+        if s["id"] in ids:
+            s["state"] = SS.STOPPED
+
+
+def release_shards(shards: list[tuple[Any, Any]], *, deployment_id: int | None, reason: str, now: dt.datetime) -> int:
+    """Move these (shard id, replica id) from pending to stopped, an event each; returns how many moved.
+
+    Compare-and-set on pending: a shard its agent reported meanwhile has a
+    process to stop, and keeps its port until that process has ended.
+    """
+    events = []
+    for sid, rid in shards:
+        if Shard.objects.filter(id=sid, state=SS.PENDING).update(
+            state=SS.STOPPED, reason=reason[:2000], updated_at=now
+        ):
+            events.append(
+                replicas.event(
+                    "shard_released",
+                    now=now,
+                    deployment_id=deployment_id,
+                    replica_id=rid,
+                    shard_id=sid,
+                    from_state=SS.PENDING,
+                    to_state=SS.STOPPED,
+                    reason=reason[:2000],
+                )
+            )
+    if events:
+        PlacementEvent.objects.bulk_create(events)
+        # The snapshot reads shard ports: the nodes' ports are free again.
+        changes.mark(list(Shard.objects.filter(id__in=[e.shard_id for e in events]).values_list("node_id", flat=True)))
+    return len(events)
+
+
 def retire(
     rep: LiveReplica, new_state: str, *, reason: str, now: dt.datetime, actor: AbstractBaseUser | None = None
 ) -> bool:
@@ -73,14 +154,18 @@ def retire(
     A planned stop (scale down, replaced) whose processes still run goes
     through DRAINING and keeps its GPUs until they have ended: an agent
     refuses to start a new shard on cards an old one still holds. A failed
-    replica is released at once, so it is placed again without waiting.
+    replica is released at once, so it is placed again without waiting. A
+    shard whose StartShard never reached its agent has no process: it is
+    stopped here, with the replica, and its port is free again at once.
     """
-    stopping = new_state == RS.STOPPED and not all(_gone(s) for s in rep.shards)
     serving = rep.row.state in SERVING
     with transaction.atomic():
+        unstarted = _undelivered(rep.shards)
+        stopping = new_state == RS.STOPPED and not all(_gone(s) or s["id"] in unstarted for s in rep.shards)
         target = RS.DRAINING if stopping else new_state
         if not replicas.change_state(rep.row, target, now=now, reason=reason, actor=actor):
             return False
+        _release_unstarted(rep, unstarted, reason=reason, now=now)
         if stopping and serving:
             # Its requests finish first; stop_when_idle sends the stops.
             rep.row.updated_at = now
@@ -144,6 +229,43 @@ def drain_done(rep: LiveReplica, now: dt.datetime) -> str:
     if (now - (rep.row.stop_requested_at or rep.row.updated_at)).total_seconds() > DRAIN_TIMEOUT_S:
         return f"shards not reported stopped within {DRAIN_TIMEOUT_S:g} s; released"
     return ""
+
+
+def release_leftover_shards(*, now: dt.datetime, limit: int = 500) -> int:
+    """Stop the pending shards of replicas that are over, once nothing can start them any more; returns how many.
+
+    A replica retired before its StartShard reached the agent is released with
+    it (retire); this catches what slipped past: a StartShard delivered in an
+    answer the agent never got, then cancelled, or a replica released after
+    its drain timed out. Such a shard is pending for ever, and its (node,
+    port) with it. Swept once no command about it waits for its agent and its
+    replica ended STOP_GRACE_S ago: an agent that had started it was told to
+    stop it, and says so in the heartbeat that acknowledges the stop.
+    """
+    settled = now - dt.timedelta(seconds=STOP_GRACE_S)
+    waiting = Command.objects.filter(shard_id=Cast(OuterRef("id"), CharField()), acked_at__isnull=True)
+    rows = list(
+        Shard.objects.filter(
+            state=SS.PENDING,
+            replica__state__in=[RS.STOPPED, RS.FAILED],
+            replica__updated_at__lt=settled,
+        )
+        .exclude(Exists(waiting))
+        .order_by("created_at")
+        .values_list("id", "replica_id", "replica__deployment_id")[:limit]
+    )
+    if not rows:
+        return 0
+    by_dep: dict[int, list[tuple[Any, Any]]] = {}
+    for sid, rid, dep in rows:
+        by_dep.setdefault(dep, []).append((sid, rid))
+    moved = 0
+    with transaction.atomic():
+        for dep, shards in by_dep.items():
+            moved += release_shards(
+                shards, deployment_id=dep, reason="never started; released after its replica ended", now=now
+            )
+    return moved
 
 
 def finish_drains(*, now: dt.datetime) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 from rest_framework import serializers
 
 import wire
+from inventory.models import Node
 from llmgw.schema import field_errors
 from placement import secrets
 from placement.explain import EVERY_NODE, FITS_SHOWN, SUMMARY
@@ -255,6 +256,36 @@ class ScaleInErrors(serializers.Serializer):
     """400 from scale: what is wrong with the number of replicas."""
 
     replicas = serializers.ListField(child=serializers.CharField(), read_only=True)
+
+
+class AvoidanceOut(serializers.Serializer):
+    """A node a deployment keeps off after failed starts there: why, and until when."""
+
+    node = serializers.CharField(source="node_id")
+    failures = serializers.IntegerField(help_text="Failed starts there within the window (LLMGW_START_FAILURE_WINDOW).")
+    last_reason = serializers.CharField(help_text="The last failed start's reason: the cause.")
+    last_at = serializers.DateTimeField()
+    until = serializers.DateTimeField(help_text="When the avoidance ends by itself, unless cleared first.")
+    why = serializers.CharField()
+
+
+class ClearAvoidanceIn(serializers.Serializer):
+    """Which node the deployment may use again."""
+
+    node = serializers.SlugRelatedField(slug_field="id", queryset=Node.objects.all())
+
+
+class ClearAvoidanceInErrors(serializers.Serializer):
+    """400 from clear_avoidance: what is wrong with the node."""
+
+    node = serializers.ListField(child=serializers.CharField(), read_only=True)
+
+
+class ClearAvoidanceOut(serializers.Serializer):
+    """What a clear did: the avoidance it ended (null when the node was not avoided), and what remains."""
+
+    cleared = AvoidanceOut(allow_null=True)
+    avoided = AvoidanceOut(many=True)
 
 
 class ShardOut(serializers.ModelSerializer):

@@ -136,6 +136,9 @@ class NodeInfo:
     # Momentary draw from telemetry (W), for the operator; budgets count claims.
     power_draw_w: float = 0.0
     ports: frozenset[int] = frozenset()
+    # TCP ports the node's agent reports listening (its own shards' among them): a shard
+    # port handed out here would die with "Address already in use".
+    busy_ports: frozenset[int] = frozenset()
     # Seconds since the last heartbeat when past LLMGW_UNREACHABLE_AFTER (0: the lease holds).
     # The planner refuses such a node whatever its state says: the sweep may not have run yet.
     silent_s: int = 0
@@ -236,7 +239,7 @@ class Snapshot:
         for n in self.nodes.values():
             self._add(n)
             if n.mgmt_addr:
-                self.host_ports.setdefault(n.mgmt_addr, set()).update(n.ports)
+                self.host_ports.setdefault(n.mgmt_addr, set()).update(n.ports | n.busy_ports)
 
     # The index ---------------------------------------------------------
     def _slots(self, n: NodeInfo) -> Iterator[tuple[tuple[str, str], int]]:
@@ -327,9 +330,10 @@ class Snapshot:
         """The lowest port from the base that starts `span` ports no shard on the node's host uses.
 
         The host is the node's management address; a shard binding ports after
-        its HTTP port (SGLang's data parallelism) needs them all free.
+        its HTTP port (SGLang's data parallelism) needs them all free. A port
+        the node (or another at its address) reports listening is never free.
         """
-        used = set(n.ports) | set(skip)
+        used = set(n.ports) | n.busy_ports | set(skip)
         if n.mgmt_addr:
             used |= self.host_ports.get(n.mgmt_addr, set())
         if self.cluster_ports is not None:

@@ -215,6 +215,7 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
                 imex_up=gpu_rules.imex_up(imex),
                 power_draw_w=draw,
                 ports=frozenset(ports.get(node_id, ())),
+                busy_ports=listening(t),
             ),
             last_seen=last_seen,
             attachments=tuple((name, tuple(hcas), rate) for _, name, hcas, rate in fabrics.get(node_id, [])),
@@ -223,6 +224,16 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
             power_claimed=float(c.get("power") or 0),
         )
     return out
+
+
+def listening(entry: Mapping[str, Any]) -> frozenset[int]:
+    """The TCP ports a node's last status reports listening (none when not reported, or not numbers)."""
+    found = entry.get("listening_ports") or ()
+    return (
+        frozenset(p for p in found if isinstance(p, int) and not isinstance(p, bool))
+        if isinstance(found, list)
+        else frozenset()
+    )
 
 
 def _gpu(idx: int, cls: str, ecc: Any, problems: Any, numa: int, peers: Any, nic: Any, limit: float) -> GPUInfo:

@@ -9,6 +9,9 @@ ADDR="${1:?usage: scripts/gateway.sh HOST:PORT}"
 HOST="${ADDR%:*}"
 PORT="${ADDR##*:}"
 PY="${PYTHON:-.venv/bin/python}"
+# granian binds with SO_REUSEPORT: a second gateway on this port would share it with the first
+# (traffic split between two control planes). Refuse a port already held instead.
+"$PY" scripts/port_free.py "$ADDR" || exit 1
 # LLMGW_ACCESS_LOG=1 (or true, yes, on) turns granian's access log on; off, only what happened is logged.
 case "${LLMGW_ACCESS_LOG:-}" in
 1 | [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn]) access_log=--access-log ;;

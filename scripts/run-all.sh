@@ -9,6 +9,9 @@ GATEWAY="${LLMGW_GATEWAY_LISTEN:-127.0.0.1:8080}"
 VAR="${LLMGW_VAR_DIR:-var}"
 # The filesystem broker's folders (settings put them under LLMGW_VAR_DIR).
 mkdir -p "$VAR/celery/broker" "$VAR/celery/processed" "$VAR/celery/control"
+# A port already held is refused before anything starts: the servers would share it
+# (SO_REUSEPORT) or die, and the probe below could be answered by the other program.
+$BIN/python scripts/port_free.py "$ADDR" "$GATEWAY" || exit 1
 
 pids=()
 cleanup() {

@@ -18,6 +18,8 @@ ADDR="${1:?usage: scripts/serve.sh HOST:PORT}"
 HOST="${ADDR%:*}"
 PORT="${ADDR##*:}"
 PY="${PYTHON:-.venv/bin/python}"
+# granian binds with SO_REUSEPORT: refuse a port another program already holds.
+"$PY" scripts/port_free.py "$ADDR" || exit 1
 # LLMGW_ACCESS_LOG=1 (or true, yes, on) turns granian's access log on; off, only what happened is logged.
 case "${LLMGW_ACCESS_LOG:-}" in
 1 | [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn]) access_log=--access-log ;;

@@ -21,6 +21,8 @@ MAX_PORTS = 64
 MAX_SHARDS = 256
 MAX_LABELS = 64
 MAX_LIST = 256
+# Listening TCP ports a heartbeat reports.
+MAX_LISTENING = 1024
 MAX_COMMANDS = 256
 # The InfiniBand port error counters watched, by their sysfs names: the doctor
 # judges them, the agent exports them. A rising link_downed is a link that

@@ -14,6 +14,7 @@ from wire.common import (
     MAX_COMMANDS,
     MAX_GPUS,
     MAX_LIST,
+    MAX_LISTENING,
     MAX_PORTS,
     MAX_SHARDS,
     Count,
@@ -143,6 +144,9 @@ class ShardStatus(Message):
     # A failed shard's end of its engine's output, redacted and bounded by the agent
     # (wire.bounded_tail; an older agent sent it raw, so the control plane does it again).
     log_tail: Annotated[list[Text], Field(max_length=50)] = empty_list()
+    # Set on a shard that failed because its port was taken on the node when the agent
+    # checked it, before any engine ran: a fact about the node, not the deployment's failure.
+    port_in_use: Port | None = None
 
     @field_validator("state", mode="before")
     @classmethod
@@ -170,6 +174,9 @@ class Heartbeat(Message):
     engine_installs: Annotated[list[EngineInstall], Field(max_length=MAX_LIST)] | None = None
     gpu_fabrics: Annotated[list[GPUFabricReport], Field(max_length=MAX_GPUS)] | None = None
     imex: IMEX | None = None
+    # The TCP ports listening on the node (IPv4 and IPv6), lowest first; None: not reported
+    # (an older agent). The planner hands out no shard port in this list.
+    listening_ports: Annotated[list[Port], Field(max_length=MAX_LISTENING)] | None = None
     # Ids of commands the agent has received and applied.
     acks: Annotated[list[Short], Field(max_length=MAX_COMMANDS)] = empty_list()
 

@@ -37,6 +37,7 @@ from agents.node.commands import Commands
 from agents.node.config import Config
 from agents.node.metrics import Latest, MetricsServer, metrics_addr
 from agents.node.netif import interface_addr
+from agents.node.ports import listening_ports
 from agents.node.probe import DiscoveryProbe, Probe
 from agents.node.shardload import ShardMeter
 from agents.node.state import AppliedJournal, CredentialFile
@@ -282,6 +283,7 @@ class Agent:
             engine_installs=list(self.installs.values()) or None,
             gpu_fabrics=fabrics,
             imex=getattr(sample, "imex", None),
+            listening_ports=listening_ports(),
             acks=acks,
         )
         self.metrics.update(body)

@@ -68,6 +68,8 @@ class Shard:
     # When a signalled process gets SIGKILL.
     kill_at: float | None = None
     adopted: bool = False
+    # The port found taken on this node when the shard was to start (no engine ran).
+    port_in_use: int | None = None
 
     @property
     def st(self) -> S:

@@ -19,7 +19,8 @@ interval sends status again.
 The thresholds, and why each is what it is:
 
 - Anything discrete, at once: the shards (their states, reasons, exit codes,
-  ports: placement and the gateway act on them), engine installs, IMEX, the
+  ports: placement and the gateway act on them), the TCP ports listening on
+  the node (the planner keeps shard ports off them), engine installs, IMEX, the
   GPUs' NVLink fabric state, a card or a port appearing or vanishing, a port's
   state, speed, identity or subnet manager, throttle reasons, problems, and
   any change of a GPU's wear (retired pages, remapped rows, XIDs: the doctor
@@ -218,6 +219,8 @@ def status_change(
         return "engine installs"
     if new.imex != old.imex:
         return "imex"
+    if new.listening_ports != old.listening_ports:
+        return "listening ports"
     old_gpus, new_gpus = _by(old.gpus, lambda g: g.index), _by(new.gpus, lambda g: g.index)
     if set(old_gpus) != set(new_gpus) or (old.gpus is None) != (new.gpus is None):
         return "gpus"

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 import wire
-from agents.node import engines
+from agents.node import engines, ports
 from agents.node.netif import interface_addr
 from agents.node.processes import log_tail, proc_identity, rotate_log, signal_group
 from agents.node.shards import TERMINAL, TRANSITIONS, S, Shard, ShardRecords, TransitionError, safe_name
@@ -236,6 +236,17 @@ class Supervisor:
             if conflict:
                 self._move(shard, S.FAILED, reason=conflict)
                 return shard
+            # Checked last, right before the engine would bind it: another program may have
+            # taken the port since the control plane last heard what listens here.
+            busy = ports.taken([shard.http_port]) if shard.http_port else None
+            if busy is not None:
+                shard.port_in_use = busy
+                self._move(
+                    shard,
+                    S.FAILED,
+                    reason=f"port {busy} is already in use on this node (another program listens on it)",
+                )
+                return shard
             try:
                 iface = cmd.mgmt_interface or self.mgmt_interface
                 launch = engines.build(
@@ -418,6 +429,7 @@ class Supervisor:
                         exit_code=s.exit_code if s.exit_code is None or abs(s.exit_code) <= 1024 else None,
                         http_port=s.http_port,
                         log_tail=tail,
+                        port_in_use=s.port_in_use if s.st == S.FAILED else None,
                     )
                 )
             return out
