@@ -151,7 +151,7 @@ class DeploymentViewSet(InOutViewSet):
         return Response(self.serializer_class(self._reload(dep)).data)
 
     @extend_schema(responses=AvoidanceOut(many=True), filters=False)
-    @action(detail=True, methods=["get"])
+    @action(detail=True, methods=["get"], pagination_class=None)
     def avoidance(self, request, pk=None):
         """The nodes this deployment keeps off after failed starts there: the cause and when it ends."""
         return Response(AvoidanceOut(backoff.avoidances(self.get_object(), now=timezone.now()), many=True).data)

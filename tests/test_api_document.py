@@ -47,6 +47,11 @@ ACTIONS = {
     ("post", "/api/v1/deployments/{id}/scale/"): ("ScaleInRequest", {"200": "DeploymentOut", "400": "ScaleInErrors"}),
     ("post", "/api/v1/deployments/{id}/pause/"): (None, {"200": "DeploymentOut"}),
     ("post", "/api/v1/deployments/{id}/resume/"): (None, {"200": "DeploymentOut"}),
+    ("get", "/api/v1/deployments/{id}/avoidance/"): (None, {"200": "[AvoidanceOut]"}),
+    ("post", "/api/v1/deployments/{id}/clear-avoidance/"): (
+        "ClearAvoidanceInRequest",
+        {"200": "ClearAvoidanceOut", "400": "ClearAvoidanceInErrors"},
+    ),
     ("get", "/api/v1/replicas/{id}/events/"): (None, {"200": "PaginatedEventOutList"}),
     ("post", "/api/v1/placement/dry-run/"): ("DryRunInRequest", {"200": "DryRunOut", "400": "DryRunInErrors"}),
     ("get", "/api/v1/nvlink/"): (None, {"200": "[Rack]"}),

@@ -12,6 +12,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 import wire
+from inventory import outbox
 from placement import agent_sync, explain, planner
 from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.reconciler import reconcile
@@ -279,6 +280,7 @@ def test_dry_run_summarises_the_reasons_and_bounds_the_nodes_that_fit(viewer, pr
 def test_deleting_a_deployment_with_live_replicas_is_refused(operator, dep, now):
     make_node("a", now=now)
     reconcile(now=now)
+    outbox.pending("a", now=now)  # a heartbeat's answer carried the StartShard: the engine may run
     c = client(operator)
     r = c.delete(f"/api/v1/deployments/{dep.id}/")
     assert r.status_code == 409 and r.json() == {"replicas": ["1 replicas still live: scale to 0 first"]}
