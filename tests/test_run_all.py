@@ -37,21 +37,62 @@ def test_up_is_said_once_the_web_server_answers(tmp_path):
         proc.stop()
 
 
-def test_a_web_server_that_dies_is_reported_and_never_called_up(tmp_path):
-    # Another program holds the port: runserver exits at once, and run-all.sh must say so and stop.
+@pytest.mark.parametrize("which", ["web", "gateway"])
+def test_a_port_already_held_is_refused_before_anything_starts(tmp_path, which):
+    # Another program holds the port: run-all.sh must say which and stop, never "up" (granian would share
+    # the port with SO_REUSEPORT, and the probe could be answered by the other program).
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = run_all(tmp_path, f"127.0.0.1:{port}")
+        addr = f"127.0.0.1:{port}"
+        extra = {"LLMGW_GATEWAY_LISTEN": addr} if which == "gateway" else {}
+        proc = run_all(tmp_path, addr if which == "web" else f"127.0.0.1:{free_port()}", **extra)
         try:
-            wait_until(lambda: not proc.alive(), timeout=180, what="run-all.sh stopping", context=proc.output)
+            wait_until(lambda: not proc.alive(), timeout=60, what="run-all.sh stopping", context=proc.output)
         finally:
             proc.stop()
     out = proc.output()
     assert proc.proc.returncode == 1, out
-    assert f"llmgw: the web server on 127.0.0.1:{port} exited before it answered" in out
+    assert f"llmgw: port {port} on 127.0.0.1 is already in use" in out
     assert "llmgw is up" not in out
+    # Refused before any server started: no worker, no beat, no web server said anything.
+    assert "celery" not in out.lower() and "granian" not in out.lower()
+
+
+def test_a_second_gateway_on_the_gateways_port_is_refused(tmp_path):
+    port = free_port()
+    env = clean_env(LLMGW_VAR_DIR=str(tmp_path / "var"))
+    for name in ("DATABASE_URL", "CELERY_BROKER_URL"):
+        env.pop(name, None)
+    first = Background(["scripts/gateway.sh", f"127.0.0.1:{port}"], cwd=REPO, env=env, log=tmp_path / "first.log")
+    try:
+        wait_until(lambda: listeners(port) == 1 or not first.alive(), timeout=120, what="the first gateway",
+                   context=first.output)  # fmt: skip
+        assert first.alive(), first.output()
+        second = Background(["scripts/gateway.sh", f"127.0.0.1:{port}"], cwd=REPO, env=env, log=tmp_path / "2.log")
+        try:
+            wait_until(lambda: not second.alive(), timeout=60, what="the second gateway", context=second.output)
+        finally:
+            second.stop()
+        assert second.proc.returncode == 1, second.output()
+        assert f"llmgw: port {port} on 127.0.0.1 is already in use" in second.output()
+        # One listener on the port: the first gateway's, serving alone.
+        assert listeners(port) == 1 and first.alive()
+    finally:
+        first.stop()
+
+
+def listeners(port: int) -> int:
+    """How many sockets listen on a TCP port of this machine (SO_REUSEPORT lets several)."""
+    hexport = f":{port:04X}"
+    count = 0
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(name) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                count += fields[1].endswith(hexport) and fields[3] == "0A"
+    return count
 
 
 @pytest.mark.parametrize("access_log", ["", "1"])
