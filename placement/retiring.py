@@ -16,8 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import transaction
-from django.db.models import CharField, Exists, OuterRef, Subquery
-from django.db.models.functions import Cast
+from django.db.models import OuterRef, Subquery
 
 import wire
 from inventory import allocation, changes, outbox
@@ -243,19 +242,25 @@ def release_leftover_shards(*, now: dt.datetime, limit: int = 500) -> int:
     stop it, and says so in the heartbeat that acknowledges the stop.
     """
     settled = now - dt.timedelta(seconds=STOP_GRACE_S)
-    waiting = Command.objects.filter(shard_id=Cast(OuterRef("id"), CharField()), acked_at__isnull=True)
     rows = list(
         Shard.objects.filter(
             state=SS.PENDING,
             replica__state__in=[RS.STOPPED, RS.FAILED],
             replica__updated_at__lt=settled,
         )
-        .exclude(Exists(waiting))
         .order_by("created_at")
         .values_list("id", "replica_id", "replica__deployment_id")[:limit]
     )
     if not rows:
         return 0
+    # Read apart, not joined: commands name their shard by its id's text, which a UUID column
+    # cast to text spells differently from one database to another.
+    waiting = set(
+        Command.objects.filter(shard_id__in=[str(r[0]) for r in rows], acked_at__isnull=True).values_list(
+            "shard_id", flat=True
+        )
+    )
+    rows = [r for r in rows if str(r[0]) not in waiting]
     by_dep: dict[int, list[tuple[Any, Any]]] = {}
     for sid, rid, dep in rows:
         by_dep.setdefault(dep, []).append((sid, rid))

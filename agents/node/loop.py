@@ -84,8 +84,11 @@ class Agent:
         http: httpx.Client | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.time,
+        listening: Callable[[], list[int]] = listening_ports,
     ) -> None:
         self.config = config
+        # What listens on this node, read for every heartbeat (agents/node/ports.py).
+        self.listening = listening
         self.probe = probe
         self.state_dir = Path(config.state_dir)
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -283,7 +286,7 @@ class Agent:
             engine_installs=list(self.installs.values()) or None,
             gpu_fabrics=fabrics,
             imex=getattr(sample, "imex", None),
-            listening_ports=listening_ports(),
+            listening_ports=self.listening(),
             acks=acks,
         )
         self.metrics.update(body)
@@ -302,7 +305,15 @@ class Agent:
         resp = self._answer(r, model, "heartbeat", reregister_on=(401, 403, 404))
         self.status.answered(sent, resp, now=self.clock())
         self.commands.acknowledged(body.acks)
+        before = shard_states(self.supervisor)
         self.commands.apply_all(resp.commands)
+        if any(
+            state == wire.ShardState.FAILED and (sid, state) not in before
+            for sid, state in shard_states(self.supervisor)
+        ):
+            # A start refused at once (its port taken, its GPUs held): the control plane hears it now and
+            # places the replica again, not an interval later.
+            self.woken.set()
         if resp.rotate_credential:
             try:
                 self.rotate_credential()

@@ -568,3 +568,27 @@ def test_a_join_is_retried_with_the_same_nonce_until_answered(make_agent, cp):
     # A registration with its own credential carries none.
     agent.register()
     assert "join_nonce" not in cp.requests[-1][2]
+
+
+def test_a_start_on_a_taken_port_is_said_at_once_with_the_port_and_what_listens(make_agent, cp):
+    import socket
+
+    agent = make_agent()
+    agent.step()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cp.pending = [echo_start("s-port", load=0, id="c-1", gpu_indices=[0], port=port).model_dump()]
+        agent.woken.clear()
+        agent.heartbeat()
+        # Refused before any engine ran; the loop heartbeats again now, not an interval later.
+        assert agent.woken.is_set()
+        agent.heartbeat()
+    body = cp.requests[-1][2]
+    (shard,) = body["shards"]
+    assert (shard["state"], shard["port_in_use"], shard["http_port"]) == ("failed", port, port)
+    assert shard["reason"] == f"port {port} is already in use on this node (another program listens on it)"
+    # What listens on the node travels with the status: the planner keeps off it.
+    assert port in body["listening_ports"]
+    assert agent.supervisor.shards["s-port"].pid is None
