@@ -308,6 +308,7 @@ class ShardOut(serializers.ModelSerializer):
             "reason",
             "exit_code",
             "output_tail",
+            "port_in_use",
             "profile_fp",
             "created_at",
             "updated_at",
