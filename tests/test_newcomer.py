@@ -43,10 +43,9 @@ STORE_SETTINGS = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LLMGW_CACHE
 
 
 def readme_first_hour(readme: Path) -> list[str]:
-    """The commands of the README's first-hour block, comments stripped."""
+    """The commands of the README's first-hour block (marked `<!-- runnable: newcomer -->`), comments stripped."""
     text = readme.read_text()
-    section = text.split("## The first hour", 1)[1]
-    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    block = re.search(r"^<!-- runnable: newcomer -->\n```bash\n(.*?)```", text, re.S | re.M).group(1)
     lines = [re.sub(r"\s+#\s.*$", "", line).strip() for line in block.splitlines()]
     return [line for line in lines if line]
 
