@@ -134,7 +134,7 @@ def test_the_reader_finds_marked_blocks_and_refuses_unknown_ones():
     )
     first, second, third = marked_blocks(text, "page.md")
     assert (first.line, first.language, first.kind, first.code, first.runner) == (4, "bash", "", "echo hi\n", "bash")
-    assert (second.line, second.kind, second.code) == (14, "prometheus", "scrape_configs: []\n")
+    assert (second.line, second.kind, second.code) == (15, "prometheus", "scrape_configs: []\n")
     assert second.runner == "prometheus"
     with pytest.raises(MarkerError, match=r"page\.md:19: a runnable block in 'ruby': no test runs that"):
         _ = third.runner
