@@ -60,10 +60,13 @@ def simulated_agent(index: int, control_plane: str, workdir, token, **changes):
     return Agent(cfg, probe=DiscoveryProbe(root=cfg.root, model_dirs=list(cfg.model_dirs)))
 
 
-@pytest.fixture(params=["redis", "no-redis"])
+# Without Redis is `make run`'s embedded default: the end-to-end subset runs it on SQLite too.
+@pytest.fixture(params=["redis", pytest.param("no-redis", marks=pytest.mark.e2e)])
 def fleet(request, live_server, tmp_path, settings):
     settings.LLMGW_JOIN_TOKEN = JOIN
     settings.LLMGW_SHARD_PORT_BASE = free_port_range()
+    if request.param == "redis" and not settings.REDIS_URL:
+        pytest.skip("these settings have no Redis")
     no_redis = {"REDIS_URL": "", "LLMGW_VAR_DIR": str(tmp_path / "var")} if request.param == "no-redis" else {}
     gateway = Gateway(tmp_path, "gateway", extra_env=no_redis)
     gateway.start()
