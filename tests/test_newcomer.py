@@ -105,6 +105,18 @@ def test_a_newcomer_follows_the_readme(tmp_path):
 
         wait_until(ready_nodes, timeout=300, what=f"{NODES} simulated nodes ready", context=logs)
 
+        # make demo's agents are configured with nothing but the control plane: they hold the wakeup
+        # long-poll on the gateway make run started, because the control plane names it in its answers.
+        agent_logs = sorted((tmp_path / "var" / "simulate").glob("*/agent.log"))
+        assert len(agent_logs) == NODES, agent_logs
+        wait_until(
+            lambda: all("wakeup: long-poll held at http://" in p.read_text() for p in agent_logs),
+            timeout=60,
+            what="every simulated agent holding the wakeup long-poll",
+            context=lambda: "\n".join(f"--- {p}\n{p.read_text()[-1500:]}" for p in agent_logs),
+        )
+        assert not [p for p in agent_logs if "commands arrive with heartbeats" in p.read_text()]
+
         profile = api.post("/profiles/", json={"name": "echo-1", "engine": "echo", "gpus_per_node": 1})
         assert profile.status_code == 201, profile.text
         deployment = api.post(

@@ -124,6 +124,9 @@ class Listener:
             url = self.url()
             status = self.poll()
             if status in (200, 204):
+                if url not in told:
+                    told.add(url)
+                    log.info("wakeup: long-poll held at %s%s; commands are heard at once", url, WAIT_PATH)
                 failures = 0
                 self.stop.wait(MIN_GAP_S)
             elif status in (404, 405, 501):

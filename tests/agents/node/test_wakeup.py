@@ -114,6 +114,13 @@ def test_a_control_plane_without_the_wakeup_is_asked_again_only_every_few_minute
     )
 
 
+def test_the_first_answer_of_each_url_is_said_once(caplog):
+    lst, _ = listener([204, 200, 204])
+    with caplog.at_level(logging.INFO, logger="llmgw.agent.wakeup"):
+        waits_of(lst, 3)
+    assert caplog.messages == [f"wakeup: long-poll held at http://cp{WAIT_PATH}; commands are heard at once"]
+
+
 def test_a_gateway_named_meanwhile_is_polled_at_once():
     lst, seen = listener([404, 204])
     named = []
