@@ -43,7 +43,8 @@ import pytest
 import yaml
 from django.core.management import call_command
 
-from agents.node import config as agent_config
+from llmgw_agent import config as agent_config
+from llmgw_sim import echo
 from tests.gateway.conftest import Gateway, database_url, make_deployment, make_key, url_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,8 +194,6 @@ class Stack:
 
     def start_gateway(self) -> None:
         """A gateway process routing `demo` to one echo replica, and a key for it (what `make demo` leaves)."""
-        from agents.node import echo
-
         if self.gateway is not None:
             return
         srv = echo.serve(host="127.0.0.1", port=0, model="demo", load_seconds=0.0)

@@ -12,7 +12,7 @@ import pytest
 from django.db import connections, transaction
 from django.utils import timezone
 
-import wire
+import llmgw_wire as wire
 from agents import credentials
 from agents.wakeup import WAIT_PATH, DatabaseHub, Hub, WaitEndpoint, with_agent_wakeup
 from inventory import outbox, wakeups

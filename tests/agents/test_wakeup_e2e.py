@@ -42,9 +42,9 @@ RECONCILE_EVERY_S = 0.1
 
 def simulated_agent(index: int, control_plane: str, workdir, token, **changes):
     """A real agent on a recorded HGX H100, configured as `make demo` configures it (no wakeup_url)."""
-    from agents.node import config as config_mod
-    from agents.node.loop import Agent, DiscoveryProbe
-    from agents.node.simulate import prepare_node
+    from llmgw_agent import config as config_mod
+    from llmgw_agent.loop import Agent, DiscoveryProbe
+    from llmgw_sim.simulate import prepare_node
 
     node = prepare_node(
         index=index,
