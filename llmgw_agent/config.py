@@ -41,6 +41,7 @@ TOP_KEYS = (
     "metrics_token",
     "metrics_open",
     "wakeup_url",
+    "wakeup",
 )
 FABRIC_KEYS = ("name", "hcas", "rate_gbps")
 
@@ -83,8 +84,11 @@ class Config:
     metrics_listen: str = ""
     metrics_token: str = field(default="", repr=False)
     metrics_open: bool = False
-    # Where GET /api/v1/agent/wait is served ("" = the control_plane URL); llmgw_agent/wakeup.py.
+    # Where GET /api/v1/agent/wait is served ("": where the control plane's answers say, else the
+    # control_plane URL); llmgw_agent/wakeup.py.
     wakeup_url: str = ""
+    # The wakeup long-poll at all: false keeps the agent to its heartbeat interval.
+    wakeup: bool = True
     source: str = ""
 
     def token(self) -> str:
@@ -243,13 +247,14 @@ def parse(data: Any, *, source: str = "<agent.yaml>") -> Config:
         metrics_token=metrics_token,
         metrics_open=metrics_open,
         wakeup_url=wakeup_url.rstrip("/"),
+        wakeup=_flag(data, "wakeup", source=source, default=True),
         source=source,
     )
 
 
-def _flag(data: dict, key: str, *, source: str) -> bool:
+def _flag(data: dict, key: str, *, source: str, default: bool = False) -> bool:
     """A yes/no key: YAML's true or false, nothing else."""
-    value = data.get(key, False)
+    value = data.get(key, default)
     if not isinstance(value, bool):
         raise ConfigError(f"{source}: {key} must be true or false, not {value!r}")
     return value

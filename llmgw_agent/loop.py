@@ -120,6 +120,8 @@ class Agent:
         # Set by the wakeup long-poll (llmgw_agent/wakeup.py): work is waiting, heartbeat now.
         self.woken = threading.Event()
         self.listener: Listener | None = None
+        # The gateway the control plane's answers name for the long-poll ("" until one does).
+        self.advertised_wakeup = ""
         self.metrics = Latest(clock)
         self.metrics_server = (
             MetricsServer(
@@ -137,6 +139,10 @@ class Agent:
     def credential(self) -> str:
         """This node's own credential, '' before the first registration."""
         return self.credential_file.read()
+
+    def wakeup_gateway(self) -> str:
+        """Where the long-poll is held: agent.yaml's wakeup_url, else the control plane's; "" when neither names one."""
+        return self.config.wakeup_url or self.advertised_wakeup
 
     def _answer(
         self, r: httpx.Response, model: type[_Answer], what: str, *, reregister_on: tuple[int, ...] = ()
@@ -242,6 +248,7 @@ class Agent:
         if resp.adopted:
             log.info("the control plane adopted shards %s", ", ".join(resp.adopted))
         self.interval = max(self.config.heartbeat_interval, min(600.0, resp.heartbeat_interval_s or 0))
+        self.advertised_wakeup = resp.wakeup_url or ""
         self.registered = True
         self.status.reset()
         self._last_fabrics = self.clock()  # the registration carried them
@@ -299,6 +306,8 @@ class Agent:
         r = self.control_plane.post(path, sent, self.credential())
         resp = self._answer(r, model, "heartbeat", reregister_on=(401, 403, 404))
         self.status.answered(sent, resp, now=self.clock())
+        if isinstance(resp, wire.HeartbeatResponse):
+            self.advertised_wakeup = resp.wakeup_url or ""
         self.commands.acknowledged(body.acks)
         self.commands.apply_all(resp.commands)
         if resp.rotate_credential:
@@ -340,10 +349,20 @@ class Agent:
         log.info(
             "llmgw-agent %s: node %s, control plane %s", AGENT_VERSION, self.config.node_id, self.config.control_plane
         )
-        if self.listener is None and max_steps is None:
-            base = self.config.wakeup_url or self.config.control_plane
+        if self.listener is None and max_steps is None and not self.config.wakeup:
+            log.info(
+                "wakeup long-poll off (agent.yaml: wakeup: false): commands arrive with heartbeats, every %g s",
+                self.interval,
+            )
+        elif self.listener is None and max_steps is None:
             self.listener = Listener(
-                base, self.config.node_id, self.credential, woken=self.woken, stop=self.stop_event
+                self.config.control_plane,
+                self.config.node_id,
+                # Only once registered: the registration's answer names the gateway to poll.
+                lambda: self.credential() if self.registered else "",
+                gateway=self.wakeup_gateway,
+                woken=self.woken,
+                stop=self.stop_event,
             ).start()
         while not self.stop_event.is_set() and (max_steps is None or steps < max_steps):
             steps += 1

@@ -7,15 +7,23 @@ moment a command is queued for this node, or with 204 after ~25 s) and, on
 work, sets the Event the loop's sleep waits on, so the next heartbeat goes
 out now. One poll at a time per agent, always: the thread is the only caller.
 
+Where it polls: agent.yaml's `wakeup_url`, else the gateway the control
+plane names in its register and heartbeat answers (`wakeup_url`, from its
+LLMGW_WAKEUP_URL or LLMGW_GATEWAY_LISTEN), else the control plane's own URL
+(a reverse proxy in front of it may send the path to a gateway). So an agent
+configured with nothing but `control_plane` uses the long-poll whenever a
+gateway runs; `wakeup: false` in agent.yaml turns it off.
+
 It is an optimisation, never a dependency: errors back off (with jitter, up
-to a minute), a control plane that does not serve the wakeup (404, or 501
-without Redis) is asked again only every few minutes, and throughout the
-heartbeat interval keeps working as before.
+to a minute), a URL that does not serve the wakeup (404, or 501) is asked
+again only every few minutes (at once when the control plane names another),
+and throughout the heartbeat interval keeps working as before.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 from collections.abc import Callable
@@ -60,18 +68,25 @@ class Listener:
         *,
         woken: threading.Event,
         stop: threading.Event,
+        gateway: Callable[[], str] | None = None,
         rng: random.Random | None = None,
         http: httpx.Client | None = None,
     ) -> None:
+        # `base_url` is where to poll when `gateway` names none (the control plane's own URL).
         self.base_url = base_url.rstrip("/")
+        self.gateway = gateway or (lambda: "")
         self.node_id = node_id
         self.credential = credential
         self.woken = woken
         self.stop = stop
         self.rng = rng or random.Random()
-        self.http = http or httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(READ_TIMEOUT_S, connect=5.0))
+        self.http = http or httpx.Client(timeout=httpx.Timeout(READ_TIMEOUT_S, connect=5.0))
         self.wakeups = 0
         self._thread: threading.Thread | None = None
+
+    def url(self) -> str:
+        """The base URL polled now: the gateway named, else `base_url`."""
+        return (self.gateway() or self.base_url).rstrip("/")
 
     def start(self) -> Listener:
         """Start the thread (once)."""
@@ -86,7 +101,9 @@ class Listener:
         if not token:
             return 401
         try:
-            r = self.http.get(WAIT_PATH, params={"node": self.node_id}, headers={"Authorization": f"Bearer {token}"})
+            r = self.http.get(
+                self.url() + WAIT_PATH, params={"node": self.node_id}, headers={"Authorization": f"Bearer {token}"}
+            )
         except httpx.HTTPError as e:
             log.debug("wakeup: %s", e)
             return 0
@@ -98,31 +115,45 @@ class Listener:
     def run(self) -> None:
         """Poll until stopped."""
         failures = 0
-        told = False
+        told: set[str] = set()
         while not self.stop.is_set():
             if not self.credential():
                 # Not joined yet: no backoff to grow, the first credential is moments away.
                 self.stop.wait(1.0)
                 continue
+            url = self.url()
             status = self.poll()
             if status in (200, 204):
+                if url not in told:
+                    told.add(url)
+                    log.info("wakeup: long-poll held at %s%s; commands are heard at once", url, WAIT_PATH)
                 failures = 0
                 self.stop.wait(MIN_GAP_S)
             elif status in (404, 405, 501):
-                if not told:
-                    log.info(
-                        "wakeup: %s does not serve %s (%d); commands arrive with heartbeats",
-                        self.base_url,
-                        WAIT_PATH,
-                        status,
-                    )
-                    told = True
-                self.stop.wait(NOT_SERVED_RETRY_S)
+                if url not in told:
+                    told.add(url)
+                    log.info("%s", self.not_served(url, status))
+                self._wait_for_another_url(url, NOT_SERVED_RETRY_S)
             else:
                 # 401 too: the credential is being rotated or was reset, and
                 # the heartbeat loop is sorting that out.
                 failures += 1
                 self.stop.wait(backoff(failures, self.rng))
+
+    def not_served(self, url: str, status: int) -> str:
+        """What the operator reads, once, when `url` does not serve the long-poll."""
+        if self.gateway():
+            return f"wakeup: {url} does not serve {WAIT_PATH} ({status}); commands arrive with heartbeats"
+        return (
+            f"wakeup: no gateway is configured (agent.yaml sets no wakeup_url and the control plane names none) "
+            f"and {url} does not serve {WAIT_PATH} ({status}); commands arrive with heartbeats"
+        )
+
+    def _wait_for_another_url(self, url: str, seconds: float) -> None:
+        """Wait `seconds`, or less when stopped or when the control plane names another gateway."""
+        for _ in range(math.ceil(seconds)):
+            if self.stop.wait(1.0) or self.url() != url:
+                return
 
     def close(self) -> None:
         """Stop polling (the thread ends when its current poll does)."""

@@ -58,6 +58,8 @@ MetricsAddr = Annotated[
         max_length=253, pattern=r"^([A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}$"
     ),
 ]
+# An http(s) URL with a host (the wakeup long-poll's base): nothing an agent would have to guess at.
+HttpURL = Annotated[str, StringConstraints(max_length=2048, pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")]
 SmallInt = Annotated[int, Field(ge=0, le=1_000_000)]
 GPUIndex = Annotated[int, Field(ge=0, lt=MAX_GPUS)]
 Port = Annotated[int, Field(ge=1, le=65535)]

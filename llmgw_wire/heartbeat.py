@@ -18,6 +18,7 @@ from llmgw_wire.common import (
     MAX_SHARDS,
     Count,
     GPUIndex,
+    HttpURL,
     Message,
     NodeId,
     Port,
@@ -185,3 +186,5 @@ class HeartbeatResponse(Message):
     rotate_credential: bool | None = None
     # This control plane takes lease renewals (llmgw_wire/lease.py) between full heartbeats.
     leases: bool | None = None
+    # Where this control plane serves the wakeup long-poll (its gateway); None: it names none.
+    wakeup_url: HttpURL | None = None

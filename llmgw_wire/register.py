@@ -15,6 +15,7 @@ from llmgw_wire.common import (
     MAX_SHARDS,
     Count,
     GPUIndex,
+    HttpURL,
     Labels,
     Message,
     MetricsAddr,
@@ -205,6 +206,8 @@ class RegisterResponse(Message):
     heartbeat_interval_s: float = 5.0
     adopted: Annotated[list[Short], Field(max_length=MAX_SHARDS)] = empty_list()
     commands: Annotated[list[Command], Field(max_length=MAX_COMMANDS)] = empty_list()
+    # Where this control plane serves the wakeup long-poll (its gateway); None: it names none.
+    wakeup_url: HttpURL | None = None
 
 
 class RotateCredential(Message):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -97,10 +98,43 @@ def test_backoff_is_capped():
 
 
 @pytest.mark.parametrize("status", [404, 405, 501])
-def test_a_control_plane_without_the_wakeup_is_asked_again_only_every_few_minutes(status):
+def test_a_control_plane_without_the_wakeup_is_asked_again_only_every_few_minutes(status, caplog):
     lst, seen = listener([status, status])
-    assert waits_of(lst, 2) == [wakeup_mod.NOT_SERVED_RETRY_S] * 2
+    retry = int(wakeup_mod.NOT_SERVED_RETRY_S)
+    with caplog.at_level(logging.INFO, logger="llmgw.agent.wakeup"):
+        pauses = waits_of(lst, retry + 1)
+    # One-second waits (so a gateway named meanwhile is polled at once), a poll after each few minutes.
+    assert pauses == [1.0] * (retry + 1)
     assert len(seen) == 2
+    # Said once, plainly: nobody named a gateway.
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said == (
+        "wakeup: no gateway is configured (agent.yaml sets no wakeup_url and the control plane names none) "
+        f"and http://cp does not serve {WAIT_PATH} ({status}); commands arrive with heartbeats"
+    )
+
+
+def test_the_first_answer_of_each_url_is_said_once(caplog):
+    lst, _ = listener([204, 200, 204])
+    with caplog.at_level(logging.INFO, logger="llmgw.agent.wakeup"):
+        waits_of(lst, 3)
+    assert caplog.messages == [f"wakeup: long-poll held at http://cp{WAIT_PATH}; commands are heard at once"]
+
+
+def test_a_gateway_named_meanwhile_is_polled_at_once():
+    lst, seen = listener([404, 204])
+    named = []
+    lst.gateway = lambda: named[0] if named else ""
+
+    def fake_wait(seconds: float) -> bool:
+        named.append("http://gw:8080")  # the control plane's next answer names its gateway
+        if len(seen) >= 2:
+            lst.stop.set()
+        return lst.stop.is_set()
+
+    lst.stop.wait = fake_wait  # type: ignore[method-assign]
+    lst.run()
+    assert [str(r.url.copy_with(query=None)) for r in seen] == ["http://cp" + WAIT_PATH, "http://gw:8080" + WAIT_PATH]
 
 
 def test_one_poll_at_a_time_the_thread_starts_once():
@@ -156,6 +190,10 @@ def test_the_loops_sleep_ends_when_a_shard_changes_state(agent, monkeypatch):
 def test_wakeup_url_is_checked_and_defaults_to_the_control_plane():
     base = {"control_plane": "http://cp:8000/", "join_token": "j", "node_id": "n1"}
     assert config_mod.parse(base).wakeup_url == ""
+    assert config_mod.parse(base).wakeup is True
+    assert config_mod.parse({**base, "wakeup": False}).wakeup is False
+    with pytest.raises(config_mod.ConfigError, match="wakeup must be true or false"):
+        config_mod.parse({**base, "wakeup": "no"})
     assert config_mod.parse({**base, "wakeup_url": "http://cp:8080/"}).wakeup_url == "http://cp:8080"
     with pytest.raises(config_mod.ConfigError, match="wakeup_url must be an http"):
         config_mod.parse({**base, "wakeup_url": "cp:8080"})

@@ -39,7 +39,9 @@ class Command(BaseCommand):
         parser.add_argument("--heartbeat-interval", type=float, default=5.0)
         parser.add_argument("--workdir", default=str(Path(settings.VAR_DIR) / "simulate"))
         parser.add_argument(
-            "--wakeup", default="", help="where the agents' long-poll is served (make run: the gateway's address)"
+            "--wakeup",
+            default="",
+            help="where the agents' long-poll is served; by default, where the control plane's answers say",
         )
 
     def handle(self, *args, nodes, control_plane, join_token, profiles, domain_size, heartbeat_interval, workdir, **kw):
