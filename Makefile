@@ -90,8 +90,7 @@ migrations: $(VENV)/.installed-dev
 # Simulated GPU nodes (real agent processes in fixture mode) against `make run`'s server; Ctrl-C stops them.
 demo: $(VENV)/.installed
 	DEBUG=$${DEBUG:-1} $(PY) manage.py gateway_demo --gateway http://$${LLMGW_GATEWAY_LISTEN:-127.0.0.1:8080}
-	DEBUG=$${DEBUG:-1} $(PY) manage.py simulate --nodes $${NODES:-6} --control-plane http://$${LLMGW_LISTEN:-127.0.0.1:8000} \
-		--wakeup http://$${LLMGW_GATEWAY_LISTEN:-127.0.0.1:8080}
+	DEBUG=$${DEBUG:-1} $(PY) manage.py simulate --nodes $${NODES:-6} --control-plane http://$${LLMGW_LISTEN:-127.0.0.1:8000}
 
 bench: $(VENV)/.installed-dev services
 	$(TEST_ENV) $(PY) -m bench

@@ -21,9 +21,9 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q, Subquery
 
+from llmgw_wire import shard_states
 from placement import queueing, replicas
 from placement.models import AvoidanceClear, Deployment, Replica, ReplicaState, Shard
-from wire import shard_states
 
 log = logging.getLogger(__name__)
 

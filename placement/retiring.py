@@ -18,13 +18,13 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import transaction
 from django.db.models import OuterRef, Subquery
 
-import wire
+import llmgw_wire as wire
 from inventory import allocation, changes, outbox
 from inventory.models import Allocation, Command, CommandKind, Node, NodeEvent, NodeState
 from inventory.nodes import record_event
+from llmgw_wire import shard_states
 from placement import inflight, replicas
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
-from wire import shard_states
 
 RS = ReplicaState
 SS = shard_states.S

@@ -10,7 +10,7 @@ from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-import wire
+import llmgw_wire as wire
 from placement import agent_sync, backoff
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
 from placement.reconciler import reconcile

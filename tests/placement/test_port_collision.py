@@ -33,7 +33,7 @@ def ready_ports() -> list[int]:
 
 
 def test_a_port_in_use_is_never_handed_out_and_a_collision_is_placed_again_unpenalised(live_server, tmp_path, settings):
-    pytest.importorskip("agents.node.simulate")
+    pytest.importorskip("llmgw_sim.simulate")
     settings.LLMGW_JOIN_TOKEN = JOIN
     base = settings.LLMGW_SHARD_PORT_BASE = free_port_range()
     cluster = Cluster(live_server.url, tmp_path / "fleet", 2)

@@ -14,11 +14,11 @@ import pytest
 from inventory import outbox
 from inventory.heartbeat import touch
 from inventory.models import Command
+from llmgw_wire import shard_states
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
 from placement.reconciler import reconcile
 from placement.retiring import STOP_GRACE_S, release_leftover_shards
 from tests.factories import make_node
-from wire import shard_states
 
 pytestmark = pytest.mark.django_db
 
