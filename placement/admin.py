@@ -107,6 +107,30 @@ class DeploymentAdmin(admin.ModelAdmin):
     readonly_fields = ["created_at", "updated_at"]
     inlines = [ReplicaInline]
     actions = ["pause", "resume"]
+    fieldsets = [
+        (
+            None,
+            {"fields": ["name", "served_model", "profile", "replicas", "pool", "node_selector", "policy", "paused"]},
+        ),
+        (
+            "Autoscaling",
+            {
+                "fields": [
+                    "autoscale_metric",
+                    ("autoscale_min", "autoscale_max"),
+                    "autoscale_target",
+                    ("scale_up_window_s", "scale_down_window_s"),
+                ],
+                "description": (
+                    "With a metric, the reconciler sets the replicas between the minimum (0: scale to zero "
+                    "when idle) and the maximum. The target is per replica for requests in flight and "
+                    "requests waiting, in seconds for TTFT p95. The load must stay high for the scale-up "
+                    "window before replicas are added, and low for the scale-down window before one is retired."
+                ),
+            },
+        ),
+        (None, {"fields": ["created_at", "updated_at"]}),
+    ]
 
     def get_queryset(self, request):
         return (
@@ -121,8 +145,10 @@ class DeploymentAdmin(admin.ModelAdmin):
         return f"{obj.ready_count}/{obj.replicas}"
 
     def save_model(self, request, obj, form, change):
+        before = Deployment.objects.filter(pk=obj.pk).first() if change else None
         super().save_model(request, obj, form, change)
-        deployment_actions.record(obj, "changed", "saved in the admin", now=timezone.now(), actor=request.user)
+        what = deployment_actions.changed(before, obj) or "nothing changed"
+        deployment_actions.record(obj, "changed", f"saved in the admin: {what}", now=timezone.now(), actor=request.user)
 
     def delete_model(self, request, obj):
         deployment_actions.delete(obj, now=timezone.now(), actor=request.user)

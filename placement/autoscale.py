@@ -171,9 +171,7 @@ def _streak_s(history: Sequence[Sample], now: dt.datetime, beyond) -> float:
     return (now - since).total_seconds()
 
 
-def decide(
-    policy: Policy, signals: Signals, current: int, history: Sequence[Sample], *, now: dt.datetime
-) -> Decision:
+def decide(policy: Policy, signals: Signals, current: int, history: Sequence[Sample], *, now: dt.datetime) -> Decision:
     """How many replicas now, from the policy, the signals, earlier recommendations and the current count.
 
     `current` counts the replicas that are not being retired; `history` holds

@@ -142,11 +142,11 @@ class Deployment(models.Model):
         constraints = [
             models.CheckConstraint(condition=Q(policy__in=Policy.values), name="placement_deployment_policy_valid"),
             models.CheckConstraint(
-                condition=Q(autoscale_metric__in=AutoscaleMetric.values), name="placement_deployment_autoscale_metric_valid"
+                condition=Q(autoscale_metric__in=AutoscaleMetric.values),
+                name="placement_deployment_autoscale_metric_valid",
             ),
             models.CheckConstraint(
-                condition=Q(autoscale_metric="")
-                | (Q(autoscale_max__gte=F("autoscale_min")) & Q(autoscale_max__gte=1)),
+                condition=Q(autoscale_metric="") | (Q(autoscale_max__gte=F("autoscale_min")) & Q(autoscale_max__gte=1)),
                 name="placement_deployment_autoscale_bounds",
             ),
             models.CheckConstraint(

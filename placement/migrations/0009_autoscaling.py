@@ -5,77 +5,102 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('placement', '0008_shard_ports'),
+        ("placement", "0008_shard_ports"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='AutoscaleSample',
+            name="AutoscaleSample",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('at', models.DateTimeField()),
-                ('replicas', models.PositiveIntegerField()),
-                ('desired', models.PositiveIntegerField()),
-                ('recommended', models.PositiveIntegerField()),
-                ('signal', models.FloatField(blank=True, null=True)),
-                ('inflight', models.PositiveIntegerField(default=0)),
-                ('held', models.PositiveIntegerField(default=0)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("at", models.DateTimeField()),
+                ("replicas", models.PositiveIntegerField()),
+                ("desired", models.PositiveIntegerField()),
+                ("recommended", models.PositiveIntegerField()),
+                ("signal", models.FloatField(blank=True, null=True)),
+                ("inflight", models.PositiveIntegerField(default=0)),
+                ("held", models.PositiveIntegerField(default=0)),
             ],
             options={
-                'ordering': ['deployment_id', 'at'],
+                "ordering": ["deployment_id", "at"],
             },
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='autoscale_max',
-            field=models.PositiveIntegerField(default=1, verbose_name='maximum replicas'),
+            model_name="deployment",
+            name="autoscale_max",
+            field=models.PositiveIntegerField(default=1, verbose_name="maximum replicas"),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='autoscale_metric',
-            field=models.CharField(blank=True, choices=[('', 'off (a fixed number of replicas)'), ('inflight', 'requests in flight per replica'), ('queue', 'requests waiting at the engine per replica'), ('ttft_p95', 'time to first token, p95 (seconds)')], default='', max_length=16, verbose_name='autoscaling metric'),
+            model_name="deployment",
+            name="autoscale_metric",
+            field=models.CharField(
+                blank=True,
+                choices=[
+                    ("", "off (a fixed number of replicas)"),
+                    ("inflight", "requests in flight per replica"),
+                    ("queue", "requests waiting at the engine per replica"),
+                    ("ttft_p95", "time to first token, p95 (seconds)"),
+                ],
+                default="",
+                max_length=16,
+                verbose_name="autoscaling metric",
+            ),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='autoscale_min',
-            field=models.PositiveIntegerField(default=1, verbose_name='minimum replicas'),
+            model_name="deployment",
+            name="autoscale_min",
+            field=models.PositiveIntegerField(default=1, verbose_name="minimum replicas"),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='autoscale_target',
-            field=models.FloatField(default=0.0, verbose_name='target value'),
+            model_name="deployment",
+            name="autoscale_target",
+            field=models.FloatField(default=0.0, verbose_name="target value"),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='scale_down_window_s',
-            field=models.PositiveIntegerField(default=300, verbose_name='scale-down window (s)'),
+            model_name="deployment",
+            name="scale_down_window_s",
+            field=models.PositiveIntegerField(default=300, verbose_name="scale-down window (s)"),
         ),
         migrations.AddField(
-            model_name='deployment',
-            name='scale_up_window_s',
-            field=models.PositiveIntegerField(default=0, verbose_name='scale-up window (s)'),
+            model_name="deployment",
+            name="scale_up_window_s",
+            field=models.PositiveIntegerField(default=0, verbose_name="scale-up window (s)"),
         ),
         migrations.AddConstraint(
-            model_name='deployment',
-            constraint=models.CheckConstraint(condition=models.Q(('autoscale_metric__in', ['', 'inflight', 'queue', 'ttft_p95'])), name='placement_deployment_autoscale_metric_valid'),
+            model_name="deployment",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("autoscale_metric__in", ["", "inflight", "queue", "ttft_p95"])),
+                name="placement_deployment_autoscale_metric_valid",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='deployment',
-            constraint=models.CheckConstraint(condition=models.Q(('autoscale_metric', ''), models.Q(('autoscale_max__gte', models.F('autoscale_min')), ('autoscale_max__gte', 1)), _connector='OR'), name='placement_deployment_autoscale_bounds'),
+            model_name="deployment",
+            constraint=models.CheckConstraint(
+                condition=models.Q(
+                    ("autoscale_metric", ""),
+                    models.Q(("autoscale_max__gte", models.F("autoscale_min")), ("autoscale_max__gte", 1)),
+                    _connector="OR",
+                ),
+                name="placement_deployment_autoscale_bounds",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='deployment',
-            constraint=models.CheckConstraint(condition=models.Q(('autoscale_metric', ''), ('autoscale_target__gt', 0), _connector='OR'), name='placement_deployment_autoscale_target_positive'),
+            model_name="deployment",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("autoscale_metric", ""), ("autoscale_target__gt", 0), _connector="OR"),
+                name="placement_deployment_autoscale_target_positive",
+            ),
         ),
         migrations.AddField(
-            model_name='autoscalesample',
-            name='deployment',
-            field=models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='autoscale_samples', to='placement.deployment'),
+            model_name="autoscalesample",
+            name="deployment",
+            field=models.ForeignKey(
+                on_delete=django.db.models.deletion.CASCADE, related_name="autoscale_samples", to="placement.deployment"
+            ),
         ),
         migrations.AddIndex(
-            model_name='autoscalesample',
-            index=models.Index(fields=['deployment', 'at'], name='placement_autoscale_dep_at'),
+            model_name="autoscalesample",
+            index=models.Index(fields=["deployment", "at"], name="placement_autoscale_dep_at"),
         ),
     ]
