@@ -171,11 +171,22 @@ def _streak_s(history: Sequence[Sample], now: dt.datetime, beyond) -> float:
     return (now - since).total_seconds()
 
 
-def decide(policy: Policy, signals: Signals, current: int, history: Sequence[Sample], *, now: dt.datetime) -> Decision:
+def decide(
+    policy: Policy,
+    signals: Signals,
+    current: int,
+    history: Sequence[Sample],
+    *,
+    now: dt.datetime,
+    starting: int = 0,
+) -> Decision:
     """How many replicas now, from the policy, the signals, earlier recommendations and the current count.
 
-    `current` counts the replicas that are not being retired; `history` holds
-    earlier passes' recommendations (any order; older than the windows is ignored).
+    `current` is the count last set; `history` holds earlier passes'
+    recommendations (any order; older than the windows is ignored);
+    `starting` counts replicas not serving yet (pending, placing, starting).
+    While one is, no further scale-up is made: its capacity is not in the
+    signal yet, and a replica no node can take must not breed more of itself.
     """
     rec = recommend(policy, signals, current)
     value = signal_value(policy, signals, current)
@@ -192,7 +203,7 @@ def decide(policy: Policy, signals: Signals, current: int, history: Sequence[Sam
             waiting = signals.held + signals.inflight
             return moved(rec, f"{waiting} requests waiting at zero replicas")
         recs = _in_effect(history, now, policy.up_window_s)
-        if recs is None:
+        if recs is None or starting:
             return Decision(current, rec, value)
         target = min([*recs, rec])
         if target <= current:

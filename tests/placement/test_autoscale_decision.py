@@ -199,3 +199,11 @@ def test_one_request_during_the_idle_window_restarts_it():
     sim.run(Signals(inflight=1), 30)
     assert sim.run(Signals(), 270) == [1] * 9
     assert sim.run(Signals(), 60)[-1] == 0
+
+
+def test_no_further_scale_up_while_a_replica_is_still_starting():
+    d = decide(INFLIGHT, Signals(inflight=40), 2, [], now=at(0), starting=1)
+    assert (d.desired, d.recommended, d.reason) == (2, 10, "")
+    # From zero it starts one whatever is pending, and the bounds still hold.
+    assert decide(TO_ZERO, Signals(held=1), 0, [], now=at(0), starting=1).desired == 1
+    assert decide(INFLIGHT, Signals(), 0, [], now=at(0), starting=1).desired == 1
