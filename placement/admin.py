@@ -3,6 +3,7 @@ holds and power budgets, and the planner's reason node by node for a pending rep
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable
 
 from django import forms
@@ -20,9 +21,19 @@ from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
 from llmgw.admin import ReadOnlyAdmin
-from placement import audit, explain, kept, planner, queueing, replicas, retiring, secrets
+from placement import audit, autoscale_chart, explain, kept, planner, queueing, replicas, retiring, secrets
 from placement import deployments as deployment_actions
-from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, ReplicaState, Shard
+from placement.models import (
+    AutoscaleSample,
+    Deployment,
+    EngineProfile,
+    Hold,
+    PlacementEvent,
+    PowerBudget,
+    Replica,
+    ReplicaState,
+    Shard,
+)
 
 
 class AuditedAdmin(admin.ModelAdmin):
@@ -140,6 +151,13 @@ class DeploymentAdmin(admin.ModelAdmin):
             .annotate(ready_count=Count("replica_set", filter=Q(replica_set__state="ready")))
         )
 
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        extra_context = dict(extra_context or {})
+        dep = self.get_object(request, object_id)
+        if dep is not None and dep.autoscaled:
+            extra_context.update(scaling_page(dep, timezone.now()))
+        return super().change_view(request, object_id, form_url, extra_context)
+
     @admin.display(description="ready", ordering="ready_count")
     def ready(self, obj: Deployment) -> str:
         return f"{obj.ready_count}/{obj.replicas}"
@@ -182,6 +200,23 @@ class DeploymentAdmin(admin.ModelAdmin):
         for dep in queryset:
             deployment_actions.set_paused(dep, False, now=timezone.now(), actor=request.user)
         self.message_user(request, f"{queryset.count()} resumed", messages.SUCCESS)
+
+
+# The span of the deployment page's autoscaling chart, and how many scaling steps it lists.
+CHART_SPAN = dt.timedelta(hours=1)
+STEPS_SHOWN = 20
+
+
+def scaling_page(dep: Deployment, now: dt.datetime) -> dict:
+    """What an autoscaled deployment's page shows above its form: the last hour's chart and recent steps."""
+    start = now - CHART_SPAN
+    rows = list(
+        AutoscaleSample.objects.filter(deployment=dep, at__gte=start, at__lte=now)
+        .order_by("at", "id")
+        .values_list("at", "desired", "signal")
+    )
+    events = PlacementEvent.objects.filter(deployment=dep, kind="autoscaled")[:STEPS_SHOWN]
+    return {"scaling_chart": autoscale_chart.chart(rows, start=start, end=now), "scaling_events": list(events)}
 
 
 _OUTPUT_STYLE = "white-space: pre-wrap; font-family: monospace; max-height: 32em; overflow: auto; margin: 0"

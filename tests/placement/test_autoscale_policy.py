@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
 from django.db import IntegrityError, transaction
 from django.test import Client
+from django.utils import timezone
 from rest_framework.test import APIClient
 
+from placement import autoscale_chart
 from placement.models import AutoscaleSample, Deployment, EngineProfile, PlacementEvent
 
 pytestmark = pytest.mark.django_db
@@ -164,3 +168,35 @@ def test_admin_refuses_a_bad_policy_by_field_and_records_a_good_one(dep, operato
         "saved in the admin: autoscale_metric '' -> 'inflight', autoscale_min 1 -> 0, "
         "autoscale_max 1 -> 2, autoscale_target 0.0 -> 4.0"
     )
+
+
+def test_the_chart_steps_the_replicas_and_draws_the_measured_signal(now):
+    start = now - dt.timedelta(hours=1)
+    rows = [
+        (now - dt.timedelta(minutes=30), 1, 0.5),
+        (now - dt.timedelta(minutes=20), 1, None),
+        (now - dt.timedelta(minutes=15), 2, 1.0),
+    ]
+    c = autoscale_chart.chart(rows, start=start, end=now)
+    assert c.replicas.points == "300.0,60.0 400.0,60.0 400.0,60.0 450.0,60.0 450.0,0.0 600,0.0"
+    assert c.signal.points == "300.0,60.0 450.0,0.0"
+    assert (c.replicas.peak, c.replicas.last, c.signal.peak, c.signal.last, c.samples) == (2.0, 2.0, 1.0, 1.0, 3)
+    empty = autoscale_chart.chart([], start=start, end=now)
+    assert (empty.replicas.points, empty.signal.points, empty.signal.last) == ("", "", None)
+
+
+def test_the_deployment_page_shows_the_chart_and_the_recent_steps(dep, operator):
+    Deployment.objects.filter(id=dep.id).update(**{k: v for k, v in POLICY.items()})
+    now = timezone.now()
+    for i, n in enumerate([1, 2]):
+        AutoscaleSample.objects.create(
+            deployment=dep, at=now - dt.timedelta(minutes=10 - i), replicas=n, desired=n, recommended=n, signal=1.5
+        )
+    reason = "TTFT p95 1.5 s > 1.0 s for 30 s: 1 -> 2 replicas"
+    PlacementEvent.objects.create(at=now, deployment=dep, kind="autoscaled", reason=reason)
+    c = Client()
+    c.force_login(operator)
+    page = c.get(f"/admin/placement/deployment/{dep.pk}/change/").content.decode()
+    assert 'id="autoscale-chart"' in page and 'id="autoscale-replicas"' in page
+    assert f"<td>{reason}</td>" in page
+    assert "2 passes" in page
