@@ -8,6 +8,7 @@ import pytest
 from django.db import IntegrityError, transaction
 from django.test import Client
 from django.utils import timezone
+from django.utils.html import escape
 from rest_framework.test import APIClient
 
 from placement import autoscale_chart
@@ -198,5 +199,5 @@ def test_the_deployment_page_shows_the_chart_and_the_recent_steps(dep, operator)
     c.force_login(operator)
     page = c.get(f"/admin/placement/deployment/{dep.pk}/change/").content.decode()
     assert 'id="autoscale-chart"' in page and 'id="autoscale-replicas"' in page
-    assert f"<td>{reason}</td>" in page
+    assert f"<td>{escape(reason)}</td>" in page
     assert "2 passes" in page

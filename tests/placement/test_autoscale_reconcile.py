@@ -15,6 +15,7 @@ from placement import demand, inflight
 from placement.models import AutoscaleSample, Deployment, EngineProfile, PlacementEvent, Replica
 from placement.reconciler import reconcile
 from tests.factories import make_node, report_shard_state
+from tests.inventory.test_metrics import scrape
 
 pytestmark = pytest.mark.django_db
 
@@ -67,7 +68,7 @@ def live(dep) -> list[Replica]:
     return list(Replica.objects.filter(deployment=dep).exclude(state__in=["stopped", "failed"]))
 
 
-def test_scale_up_from_the_in_flight_of_every_gateway(now):
+def test_scale_up_from_the_in_flight_of_every_gateway(now, client):
     make_node("a", now=now)
     dep = autoscaled()
     reconcile(now=now)
@@ -86,6 +87,14 @@ def test_scale_up_from_the_in_flight_of_every_gateway(now):
     assert Command.objects.filter(kind="start_shard").count() == 3
     s = AutoscaleSample.objects.filter(deployment=dep).order_by("at").last()
     assert (s.replicas, s.desired, s.recommended, s.signal, s.inflight) == (1, 3, 3, 6.0, 6)
+    # The autoscaler's view on the control plane's /metrics.
+    m = scrape(client)
+    name = (("deployment", "chat"),)
+    assert m["llmgw_autoscale_desired_replicas"] == {name: 3.0}
+    assert m["llmgw_autoscale_recommended_replicas"] == {name: 3.0}
+    assert m["llmgw_autoscale_signal"] == {(("deployment", "chat"), ("metric", "inflight")): 6.0}
+    assert m["llmgw_autoscale_held_requests"] == {name: 0.0}
+    assert m["llmgw_autoscale_steps_total"] == {name: 1.0}
     # While the new ones start, the same load adds none.
     reconcile(now=later(now, 20))
     dep.refresh_from_db()
