@@ -26,6 +26,7 @@ deployment sized for the peak over the same time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import socket
