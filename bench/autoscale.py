@@ -92,7 +92,7 @@ def _db_url(name: str) -> str:
 
 def _echo_argv(port: int) -> list[str]:
     return [
-        sys.executable, "-m", "agents.node.echo", "--port", str(port), "--served-model-name", "chat",
+        sys.executable, "-m", "llmgw_sim.echo", "--port", str(port), "--served-model-name", "chat",
         "--prefill-tokens-per-s", str(PREFILL), "--token-seconds", str(TOKEN_S), "--max-batch", str(BATCH),
         "--load-seconds", str(LOAD_S),
     ]  # fmt: skip
@@ -103,7 +103,7 @@ def _agent(world: World, procs: Procs, env: dict[str, str]) -> None:
     from django.db import close_old_connections
     from django.utils import timezone
 
-    import wire
+    import llmgw_wire as wire
     from inventory.heartbeat import touch
     from inventory.models import Command
     from placement import agent_sync
@@ -223,7 +223,7 @@ def run() -> list[str]:
     from django.db import connection
     from django.utils import timezone
 
-    import wire
+    import llmgw_wire as wire
     from bench.common import scratch_database
     from bench.heartbeat import register_payload
     from gateway import keys

@@ -25,8 +25,8 @@ from django.conf import settings
 
 from gateway.dataplane.metrics import Metrics
 from gateway.table import ModelRoute
+from llmgw_wire.engines import EngineLoad
 from placement import demand, queueing
-from wire.engines import EngineLoad
 
 log = logging.getLogger("gateway.dataplane")
 

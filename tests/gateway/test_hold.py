@@ -7,8 +7,8 @@ from collections import deque
 
 from gateway.dataplane.app import DataPlane
 from gateway.table import Backend, ModelRoute
+from llmgw_wire.engines import EngineLoad
 from placement import demand
-from wire.engines import EngineLoad
 
 
 def backend(rid: str) -> Backend:
