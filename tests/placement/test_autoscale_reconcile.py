@@ -226,3 +226,40 @@ def test_paused_and_fixed_deployments_are_left_alone(now):
     paused.refresh_from_db()
     assert (fixed.replicas, paused.replicas) == (2, 1)
     assert not AutoscaleSample.objects.exists()
+
+
+def test_ttft_p95_over_every_gateway_scales_up_after_the_window(now):
+    make_node("a", now=now)
+    dep = autoscaled(autoscale_metric="ttft_p95", autoscale_target=1.0, scale_up_window_s=20)
+    reconcile(now=now)
+    ready_all(now)
+    (rep,) = live(dep)
+    # One gateway saw fast first tokens, the other slow ones: the p95 is over both (nearest rank of 20).
+    counts = []
+    for t in (10, 20, 30):
+        report("gw1", {str(rep.id): 2}, {"chat": demand.ModelDemand(ttft=(0.2,) * 10)})
+        report("gw2", {str(rep.id): 2}, {"chat": demand.ModelDemand(ttft=(2.5,) * 10)})
+        reconcile(now=later(now, t))
+        dep.refresh_from_db()
+        counts.append(dep.replicas)
+    # Slow since 10 s: the 20 s window is covered at 30 s.
+    assert counts == [1, 1, 3]
+    ev = PlacementEvent.objects.get(kind="autoscaled")
+    assert ev.reason == "TTFT p95 2.5 s > 1.0 s for 20 s: 1 -> 3 replicas"
+
+
+def test_the_engines_queue_scales_up(now):
+    make_node("a", now=now)
+    dep = autoscaled(autoscale_metric="queue", autoscale_target=2.0)
+    reconcile(now=now)
+    ready_all(now)
+    (rep,) = live(dep)
+    # Both gateways scrape the same engine: its queue counts once (the highest), not twice.
+    report("gw1", {str(rep.id): 4}, {"chat": demand.ModelDemand(waiting=6.0)})
+    report("gw2", {str(rep.id): 4}, {"chat": demand.ModelDemand(waiting=5.0)})
+    reconcile(now=later(now, 10))
+    dep.refresh_from_db()
+    assert dep.replicas == 3
+    assert PlacementEvent.objects.get(kind="autoscaled").reason == (
+        "6.0 requests waiting per replica > 2: 1 -> 3 replicas"
+    )
