@@ -263,3 +263,14 @@ def test_the_engines_queue_scales_up(now):
     assert PlacementEvent.objects.get(kind="autoscaled").reason == (
         "6.0 requests waiting per replica > 2: 1 -> 3 replicas"
     )
+
+
+def test_samples_older_than_a_day_are_pruned(now):
+    dep = autoscaled()
+    old = AutoscaleSample.objects.create(deployment=dep, at=later(now, -86_401), replicas=1, desired=1, recommended=1)
+    kept_one = AutoscaleSample.objects.create(
+        deployment=dep, at=later(now, -86_000), replicas=1, desired=1, recommended=1
+    )
+    reconcile(now=now)
+    left = set(AutoscaleSample.objects.filter(deployment=dep).values_list("id", flat=True))
+    assert old.id not in left and kept_one.id in left and len(left) == 2
