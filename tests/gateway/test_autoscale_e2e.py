@@ -25,7 +25,7 @@ from tests.gateway.test_drain import _agent_stops, _ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
-HOLD_S = 8
+HOLD_S = 12
 
 
 def autoscaled(name: str, profile: EngineProfile, replicas: int = 0) -> Deployment:
