@@ -12,7 +12,7 @@ import os
 import re
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,6 +25,7 @@ from gateway import usage
 from gateway.dataplane import budgets
 from gateway.dataplane.background import Background
 from gateway.dataplane.catalog import Catalog
+from gateway.dataplane.hold import Holder
 from gateway.dataplane.http import (
     ClientGone,
     Receive,
@@ -53,13 +54,17 @@ MAX_BODY = 32 * 1024 * 1024
 PROXIED = re.compile(r"/v1/[A-Za-z0-9_\-]+(/[A-Za-z0-9_\-]+)*")
 
 
-class DataPlane(Background, Catalog, Upstream, Relay):
+class DataPlane(Background, Catalog, Holder, Upstream, Relay):
     """The ASGI application. One instance per process; state is this process's own."""
 
     def __init__(self) -> None:
         self.routes: dict[str, ModelRoute] = {}
         self.keys: dict[str, KeyEntry] = {}
         self.inflight: dict[str, int] = defaultdict(int)
+        # Requests held per model at zero replicas, and each model's recent TTFTs (gateway/dataplane/hold.py).
+        self.held: dict[str, int] = {}
+        self.ttfts: dict[str, deque[tuple[float, float]]] = {}
+        self.route_changed = asyncio.Event()
         self.health: dict[str, Health] = defaultdict(Health)
         # Each replica's engine figures and when they were read (monotonic).
         self.engine: dict[str, tuple[EngineLoad, float]] = {}
@@ -312,6 +317,7 @@ class DataPlane(Background, Catalog, Upstream, Relay):
             self.metrics.tokens.labels(model, "completion").inc(out.completion_tokens)
         if out.ttft is not None:
             self.metrics.ttft.labels(model).observe(out.ttft)
+            self.saw_ttft(model, out.ttft)
         self.metrics.duration.labels(model).observe(time.monotonic() - started)
         self.usage.add(
             key.id,

@@ -183,6 +183,14 @@ METRIC_NAMES = {
     "llmgw_doctor_checks",
     "llmgw_doctor_age_seconds",
 }
+# The autoscaler's families: described always, with samples only for autoscaled deployments (none here).
+AUTOSCALE_FAMILIES = {
+    "llmgw_autoscale_desired_replicas",
+    "llmgw_autoscale_recommended_replicas",
+    "llmgw_autoscale_signal",
+    "llmgw_autoscale_held_requests",
+    "llmgw_autoscale_steps",
+}
 # Counted by each web process (inventory/telemetry.py), every op present from the start.
 PROCESS_COUNTERS = {"llmgw_telemetry_cache_errors_total"}
 
@@ -267,7 +275,7 @@ def test_collector_yields_the_same_families(cluster):
     registry = CollectorRegistry()
     registry.register(LlmgwCollector())
     names = {m.name for m in registry.collect()}
-    assert names == {n.removesuffix("_total") for n in METRIC_NAMES}
+    assert names == {n.removesuffix("_total") for n in METRIC_NAMES} | AUTOSCALE_FAMILIES
     assert registry.get_sample_value("llmgw_node_gpus_allocated", {"node": "tray-1"}) == 1.0
 
 

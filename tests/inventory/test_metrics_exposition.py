@@ -85,6 +85,16 @@ llmgw_imex_up{{node="{E}"}} 1.0
 llmgw_imex_up{{node="tray-1"}} 0.0
 # HELP llmgw_replicas Replicas of each deployment by state.
 # TYPE llmgw_replicas gauge
+# HELP llmgw_autoscale_desired_replicas Replicas the autoscaler set for each autoscaled deployment.
+# TYPE llmgw_autoscale_desired_replicas gauge
+# HELP llmgw_autoscale_recommended_replicas Replicas the load alone asked for at the last pass, before the windows.
+# TYPE llmgw_autoscale_recommended_replicas gauge
+# HELP llmgw_autoscale_signal The autoscaling metric at the last pass (per replica; seconds for TTFT).
+# TYPE llmgw_autoscale_signal gauge
+# HELP llmgw_autoscale_held_requests Requests held by the gateways at the last pass (no replica ready).
+# TYPE llmgw_autoscale_held_requests gauge
+# HELP llmgw_autoscale_steps_total Changes of the replica count the autoscaler made (its events, as kept).
+# TYPE llmgw_autoscale_steps_total counter
 # HELP llmgw_doctor_checks 1 for each doctor check's current result, 0 for the others.
 # TYPE llmgw_doctor_checks gauge
 """
