@@ -1,4 +1,8 @@
-"""Placement's metric families on /metrics: replicas of each deployment by state.
+"""Placement's metric families on /metrics: replicas of each deployment by state, desired, waiting out a backoff.
+
+Also the shards of replicas that span several nodes, by node: an InfiniBand
+port of such a node carries the replica's collectives, so an alert on that
+port joins on it (deploy/prometheus/).
 
 Registered with the inventory's collector (inventory.metrics.register) from
 `PlacementConfig.ready()`.
@@ -8,28 +12,65 @@ from __future__ import annotations
 
 import datetime as dt
 
-from django.db.models import Count
+from django.db.models import Count, Q
 
 from inventory.metrics import Family, FamilySource
-from placement.models import Deployment, Replica, ReplicaState
+from placement.models import Deployment, Replica, ReplicaState, Shard
+from wire import shard_states
 
 
 def families() -> list[Family]:
     """The families, empty."""
-    return [Family("llmgw_replicas", "gauge", "Replicas of each deployment by state.", ("deployment", "state"))]
+    return [
+        Family("llmgw_replicas", "gauge", "Replicas of each deployment by state.", ("deployment", "state")),
+        Family(
+            "llmgw_deployment_replicas_desired",
+            "gauge",
+            "Replicas the reconciler keeps for the deployment (paused deployments are not written).",
+            ("deployment",),
+        ),
+        Family(
+            "llmgw_deployment_start_backoff",
+            "gauge",
+            "Pending replicas waiting out a backoff after failed starts or placements.",
+            ("deployment",),
+        ),
+        Family(
+            "llmgw_node_multinode_shards",
+            "gauge",
+            "Live shards on the node of replicas that span several nodes.",
+            ("node",),
+        ),
+    ]
 
 
 def fill(out: list[Family], now: dt.datetime) -> None:
-    """Every deployment's replicas in every state, zeros included: two queries whatever their number."""
-    (replicas,) = out
-    deployments = list(Deployment.objects.values_list("id", "name"))
-    counts = {
-        (d, s): c
-        for d, s, c in Replica.objects.values_list("deployment_id", "state").annotate(n=Count("id")).order_by()
-    }
-    for dep_id, name in deployments:
+    """Every deployment's replicas in every state, zeros included, and the rest: three queries whatever their number."""
+    replicas, desired, backoff, multinode = out
+    deployments = list(Deployment.objects.order_by("name").values_list("id", "name", "replicas", "paused"))
+    counts: dict[tuple[int, str], int] = {}
+    waiting: dict[int, int] = {}
+    for d, s, c, w in (
+        Replica.objects.values_list("deployment_id", "state")
+        .annotate(n=Count("id"), waiting=Count("id", filter=Q(state=ReplicaState.PENDING, not_before__gt=now)))
+        .order_by()
+    ):
+        counts[(d, s)] = c
+        waiting[d] = waiting.get(d, 0) + w
+    for dep_id, name, want, paused in deployments:
         for s in ReplicaState.values:
             replicas.rows.append(((name, s), float(counts.get((dep_id, s), 0))))
+        if not paused:
+            desired.rows.append(((name,), float(want)))
+        backoff.rows.append(((name,), float(waiting.get(dep_id, 0))))
+    for node_id, n in (
+        Shard.objects.filter(replica__deployment__profile__nodes__gt=1)
+        .exclude(state__in=shard_states.TERMINAL)
+        .values_list("node_id")
+        .annotate(n=Count("id"))
+        .order_by("node_id")
+    ):
+        multinode.rows.append(((node_id,), float(n)))
 
 
 SOURCE = FamilySource(families, fill)

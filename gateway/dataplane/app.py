@@ -43,6 +43,7 @@ from gateway.dataplane.pool import Pool
 from gateway.dataplane.streaming import Outcome, Relay
 from gateway.dataplane.upstream import Health, Upstream
 from gateway.table import KeyEntry, ModelRoute
+from inventory.metrics import may_scrape
 from wire.engines import EngineLoad
 
 log = logging.getLogger("gateway.dataplane")
@@ -140,7 +141,7 @@ class DataPlane(Background, Catalog, Upstream, Relay):
             await send_json(send, 200, {"status": "ok", "models": len(self.routes)})
             return
         if path == "/metrics" and method == "GET":
-            await self._metrics(send)
+            await self._metrics(scope, send)
             return
         key = self._authenticate(scope)
         if isinstance(key, bytes):
@@ -191,7 +192,21 @@ class DataPlane(Background, Catalog, Upstream, Relay):
             return error_body(401, f"API key {entry.name!r} has expired", "authentication_error", "expired_api_key")
         return entry
 
-    async def _metrics(self, send: Send) -> None:
+    async def _metrics(self, scope: Scope, send: Send) -> None:
+        # It names every model and replica and counts their traffic, on the port every client reaches:
+        # guarded as the control plane's /metrics is (its token or an allowed address; no user here).
+        authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        client = scope.get("client")
+        if not may_scrape(authorization=authorization, remote_addr=client[0] if client else None):
+            await send_raw(
+                send,
+                401,
+                error_body(
+                    401, "metrics need a bearer token or an allowed address", "authentication_error", "metrics_refused"
+                ),
+                [(b"www-authenticate", b'Bearer realm="llmgw-metrics"')],
+            )
+            return
         # Every routed replica, so one whose requests all finished reads 0, not its last count.
         routed = {b.id for route in self.routes.values() for b in route.backends}
         for rid in routed | set(self.inflight):
