@@ -15,7 +15,8 @@ import datetime as dt
 from django.db.models import Count, Q
 
 from inventory.metrics import Family, FamilySource
-from placement.models import Deployment, Replica, ReplicaState, Shard
+from inventory.models import Node
+from placement.models import Deployment, Replica, ReplicaState
 from wire import shard_states
 
 
@@ -38,7 +39,7 @@ def families() -> list[Family]:
         Family(
             "llmgw_node_multinode_shards",
             "gauge",
-            "Live shards on the node of replicas that span several nodes.",
+            "Live shards on the node of replicas that span several nodes (0 for every other node).",
             ("node",),
         ),
     ]
@@ -63,14 +64,9 @@ def fill(out: list[Family], now: dt.datetime) -> None:
         if not paused:
             desired.rows.append(((name,), float(want)))
         backoff.rows.append(((name,), float(waiting.get(dep_id, 0))))
-    for node_id, n in (
-        Shard.objects.filter(replica__deployment__profile__nodes__gt=1)
-        .exclude(state__in=shard_states.TERMINAL)
-        .values_list("node_id")
-        .annotate(n=Count("id"))
-        .order_by("node_id")
-    ):
+    # Every node, 0 when it holds none: an alert joins on it, a panel sums it.
+    live_wide = Q(shards__replica__deployment__profile__nodes__gt=1) & ~Q(shards__state__in=shard_states.TERMINAL)
+    for node_id, n in Node.objects.order_by("id").annotate(n=Count("shards", filter=live_wide)).values_list("id", "n"):
         multinode.rows.append(((node_id,), float(n)))
-
 
 SOURCE = FamilySource(families, fill)

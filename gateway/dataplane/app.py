@@ -212,8 +212,10 @@ class DataPlane(Background, Catalog, Upstream, Relay):
         for rid in routed | set(self.inflight):
             self.metrics.inflight.labels(rid).set(self.inflight.get(rid, 0))
         now = time.monotonic()
-        for rid, h in list(self.health.items()):
-            self.metrics.ejected.labels(rid).set(1 if h.ejected_until > now else 0)
+        # Every routed replica too, 0 until it is ejected: a panel of them is never empty.
+        for rid in routed | set(self.health):
+            h = self.health.get(rid)
+            self.metrics.ejected.labels(rid).set(1 if h is not None and h.ejected_until > now else 0)
         body = generate_latest(self.metrics.registry)
         await send(
             {

@@ -52,3 +52,14 @@ def metric_names(expr: str) -> set[str]:
     text = re.sub(r'"[^"]*"', "", text)
     names = {m.group(1) for m in _NAME.finditer(text)}
     return {n for n in names if n.lower() not in _KEYWORDS and not re.fullmatch(r"\d+[smhdwy]?", n)}
+
+
+def expanded(expr: str) -> str:
+    """The expression with each recorded name it reads replaced by the recording rule's own expression."""
+    rules_ = recorded()
+    for _ in range(len(rules_)):
+        new = re.sub(r"llmgw:[a-z0-9_:]+", lambda m: f"({rules_.get(m.group(0), m.group(0))})", expr)
+        if new == expr:
+            break
+        expr = new
+    return expr

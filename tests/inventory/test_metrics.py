@@ -115,7 +115,7 @@ def test_what_the_alert_rules_read(client, cluster):
         lbl(deployment="llama"): 0.0,
     }
     # The failed shard on pcie-1 no longer holds anything.
-    assert m["llmgw_node_multinode_shards"] == {lbl(node="tray-1"): 1.0}
+    assert m["llmgw_node_multinode_shards"] == {lbl(node="tray-1"): 1.0, lbl(node="pcie-1"): 0.0}
     assert 12.0 <= m["llmgw_liveness_sweep_age_seconds"][lbl()] < 22.0
     assert m["llmgw_liveness_mass_silence"] == {lbl(): 0.0}
     LivenessClock.objects.filter(id=1).update(disruption_since=cluster)
@@ -199,11 +199,12 @@ def test_scrape_query_count_at_1000_nodes(client, django_assert_num_queries):
         m = scrape(client)
     assert len(m["llmgw_node_state"]) == 1000
     assert m["llmgw_node_gpus"][lbl(node="node-0999")] == 8.0
-    # Six samples a node (state, heartbeat age, cards, held, joined, IMEX), whatever its cards and ports;
+    # Seven samples a node (state, heartbeat age, cards, held, joined, IMEX, multi-node shards),
+    # whatever its cards and ports;
     # then the doctor's, its age, the one class's cards and held cards, and the mass-silence flag.
     # (The process's own counters, such as cache errors, depend on what this process met before.)
     ours = {name: samples for name, samples in m.items() if name not in PROCESS_COUNTERS}
-    assert sum(len(samples) for samples in ours.values()) == 6 * 1000 + 3 * len(doctor.check_names()) + 1 + 3
+    assert sum(len(samples) for samples in ours.values()) == 7 * 1000 + 3 * len(doctor.check_names()) + 1 + 3
 
 
 METRIC_NAMES = {
@@ -258,8 +259,11 @@ def test_grafana_dashboard_uses_every_metric_and_no_other():
 
     from django.conf import settings
 
+    from tests.deploy.prometheus import expanded
+
     dash = json.loads((Path(settings.BASE_DIR) / "deploy" / "grafana" / "llmgw.json").read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    # Recording rules (deploy/prometheus/llmgw.rules.yml) stand for what they read.
+    exprs = [expanded(t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
     used = {name for e in exprs for name in re.findall(r"llmgw_[a-z_]+", e)}
     # The gateway's own families are the data plane's (tests/gateway/test_dataplane_metrics.py); every
     # control-plane metric is on it; the rest are ones the agents really serve.

@@ -102,8 +102,12 @@ llmgw_liveness_mass_silence 0.0
 # TYPE llmgw_deployment_replicas_desired gauge
 # HELP llmgw_deployment_start_backoff Pending replicas waiting out a backoff after failed starts or placements.
 # TYPE llmgw_deployment_start_backoff gauge
-# HELP llmgw_node_multinode_shards Live shards on the node of replicas that span several nodes.
+# HELP llmgw_node_multinode_shards Live shards on the node of replicas that span several nodes \
+(0 for every other node).
 # TYPE llmgw_node_multinode_shards gauge
+llmgw_node_multinode_shards{{node="{E}"}} 0.0
+llmgw_node_multinode_shards{{node="silent"}} 0.0
+llmgw_node_multinode_shards{{node="tray-1"}} 0.0
 # HELP llmgw_doctor_checks 1 for each doctor check's current result, 0 for the others.
 # TYPE llmgw_doctor_checks gauge
 """
