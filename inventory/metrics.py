@@ -178,7 +178,7 @@ def _families() -> dict[str, Family]:
         "mass_silence": Family(
             "llmgw_liveness_mass_silence",
             "gauge",
-            "1 while most of the fleet is silent at once and no node is judged (read as the control plane's outage).",
+            "1 while most of the fleet is silent at once: no node is judged meanwhile.",
             (),
         ),
         "doctor": Family(

@@ -27,7 +27,7 @@ def families() -> list[Family]:
         Family(
             "llmgw_deployment_replicas_desired",
             "gauge",
-            "Replicas the reconciler keeps for the deployment (paused deployments are not written).",
+            "Replicas the reconciler keeps (paused deployments are not written).",
             ("deployment",),
         ),
         Family(
@@ -68,5 +68,6 @@ def fill(out: list[Family], now: dt.datetime) -> None:
     live_wide = Q(shards__replica__deployment__profile__nodes__gt=1) & ~Q(shards__state__in=shard_states.TERMINAL)
     for node_id, n in Node.objects.order_by("id").annotate(n=Count("shards", filter=live_wide)).values_list("id", "n"):
         multinode.rows.append(((node_id,), float(n)))
+
 
 SOURCE = FamilySource(families, fill)

@@ -1,4 +1,4 @@
-"""The shipped Prometheus rules: promtool checks and unit-tests them, each alert has its runbook, Alertmanager routes them.
+"""The shipped rules: promtool checks and unit-tests them, each alert has its runbook, Alertmanager routes them.
 
 promtool's own cases (deploy/prometheus/llmgw.rules.test.yml) put input series through
 every alert, once quiet and once firing; tests/test_prometheus.py runs the same rules
@@ -12,7 +12,7 @@ import subprocess
 
 import yaml
 
-from tests.deploy.prometheus import RULE_TESTS, RULES, RULES_DIR, ROOT, binary, recorded, rules
+from tests.deploy.prometheus import ROOT, RULE_TESTS, RULES, RULES_DIR, binary, recorded, rules
 
 ALERTS_DOC = ROOT / "docs" / "alerts.md"
 ALERTMANAGER = RULES_DIR / "alertmanager.example.yml"

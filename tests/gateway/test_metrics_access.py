@@ -30,7 +30,8 @@ def _error(r: httpx.Response) -> dict:
 def test_a_scrape_without_the_token_is_refused_with_an_openai_shaped_401(closed, user):
     url = f"{closed.url}/metrics"
     key = make_key(user)
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {key}"}, {"Authorization": TOKEN}):
+    refused = ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {key}"}, {"Authorization": TOKEN})
+    for headers in refused:
         r = httpx.get(url, headers=headers, timeout=5)
         assert (r.status_code, r.headers["www-authenticate"]) == (401, 'Bearer realm="llmgw-metrics"'), headers
         assert _error(r) == {

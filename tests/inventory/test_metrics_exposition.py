@@ -93,12 +93,12 @@ llmgw_gpus_allocated{{class="NVIDIA GB200"}} 1.0
 llmgw_gpus_allocated{{class="NVIDIA H100 80GB HBM3"}} 0.0
 # HELP llmgw_liveness_sweep_age_seconds Seconds since the last liveness sweep (not written before the first).
 # TYPE llmgw_liveness_sweep_age_seconds gauge
-# HELP llmgw_liveness_mass_silence 1 while most of the fleet is silent at once and no node is judged (read as the control plane's outage).
+# HELP llmgw_liveness_mass_silence 1 while most of the fleet is silent at once: no node is judged meanwhile.
 # TYPE llmgw_liveness_mass_silence gauge
 llmgw_liveness_mass_silence 0.0
 # HELP llmgw_replicas Replicas of each deployment by state.
 # TYPE llmgw_replicas gauge
-# HELP llmgw_deployment_replicas_desired Replicas the reconciler keeps for the deployment (paused deployments are not written).
+# HELP llmgw_deployment_replicas_desired Replicas the reconciler keeps (paused deployments are not written).
 # TYPE llmgw_deployment_replicas_desired gauge
 # HELP llmgw_deployment_start_backoff Pending replicas waiting out a backoff after failed starts or placements.
 # TYPE llmgw_deployment_start_backoff gauge
