@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-import wire
+import llmgw_wire as wire
 from agents import credentials
 from agents.credentials import JoinAuth, NodeAuth
 from inventory import changes, outbox, telemetry

@@ -4,7 +4,7 @@ Only what the control plane alone knows: node state and heartbeat age, the
 cards each node has, holds and has joined to NVLink, the doctor, and the
 families other apps register (`register`: placement's replicas).
 Each card's sensors and each port's counters are served by the node's own
-agent (agents.node.metrics), which Prometheus finds through the service
+agent (llmgw_agent.metrics), which Prometheus finds through the service
 discovery (placement.prometheus_sd): at ten thousand nodes the control plane
 exporting every sensor was 117 MB and seconds a scrape.
 
@@ -197,7 +197,7 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     """Fill every family from what only the control plane knows; the doctor's results from its cache when recent.
 
     A card's sensors and a port's counters are the agents' to serve (see
-    agents.node.metrics): here each node is a handful of samples, so a scrape
+    llmgw_agent.metrics): here each node is a handful of samples, so a scrape
     stays a few MB at ten thousand nodes. No telemetry is read unless the
     doctor's results are stale and its checks must run.
     """

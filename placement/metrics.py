@@ -16,8 +16,8 @@ from django.db.models import Count, Q
 
 from inventory.metrics import Family, FamilySource
 from inventory.models import Node
+from llmgw_wire import shard_states
 from placement.models import Deployment, Replica, ReplicaState
-from wire import shard_states
 
 
 def families() -> list[Family]:

@@ -13,9 +13,9 @@ from django.core.validators import MinValueValidator
 from django.db import models
 from django.db.models import Q
 
-from wire import ShardState as WireShardState
-from wire import engines as wire_engines
-from wire import shard_states
+from llmgw_wire import ShardState as WireShardState
+from llmgw_wire import engines as wire_engines
+from llmgw_wire import shard_states
 
 
 class Engine(models.TextChoices):

@@ -30,10 +30,10 @@ from django.db import transaction
 
 from inventory import allocation, changes
 from inventory.models import Allocation, NodeState
+from llmgw_wire import shard_states
 from placement import backoff, batch_writes, inflight, kept, placing, planner, replicas, retiring
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
 from placement.retiring import SERVING, LiveReplica, retire
-from wire import shard_states
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Placement's API shapes: input validators apart from output serializers.
 
-Every bound an input enforces is read from the wire schema (wire/),
+Every bound an input enforces is read from the wire schema (llmgw_wire/),
 the one place the protocol's limits live: a profile, a deployment, a hold or
 a budget the API accepts always becomes a StartShard the agent accepts, and
 a value the database's checks would refuse is a 400 naming its field
@@ -15,13 +15,13 @@ from typing import Any
 
 from rest_framework import serializers
 
-import wire
+import llmgw_wire as wire
 from llmgw.schema import field_errors
+from llmgw_wire import engines as wire_engines
 from placement import secrets
 from placement.explain import EVERY_NODE, FITS_SHOWN, SUMMARY
 from placement.models import Deployment, Engine, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.planner import BINPACK, SPREAD
-from wire import engines as wire_engines
 
 # A profile's power claim, per shard (W): more than any rack draws, less than a float's surprises.
 MAX_POWER_W = 1_000_000.0

@@ -37,11 +37,11 @@ import pytest
 import yaml
 from django.utils import timezone
 
-from agents.node import config as agent_config
-from agents.node.loop import Agent, DiscoveryProbe
-from agents.node.simulate import prepare_node
 from inventory import liveness
 from inventory.models import GPU, Node
+from llmgw_agent import config as agent_config
+from llmgw_agent.loop import Agent, DiscoveryProbe
+from llmgw_sim.simulate import prepare_node
 from placement import prometheus_sd
 from placement.models import Deployment, EngineProfile, Replica
 from placement.reconciler import reconcile

@@ -44,7 +44,7 @@ from gateway.dataplane.streaming import Outcome, Relay
 from gateway.dataplane.upstream import Health, Upstream
 from gateway.table import KeyEntry, ModelRoute
 from inventory.metrics import may_scrape
-from wire.engines import EngineLoad
+from llmgw_wire.engines import EngineLoad
 
 log = logging.getLogger("gateway.dataplane")
 

@@ -16,8 +16,8 @@ from django.db import close_old_connections
 from gateway import figures, notify, usage
 from gateway.dataplane.upstream import Health
 from gateway.table import Backend, KeyEntry, ModelRoute, load_keys, load_routes
+from llmgw_wire.engines import EngineLoad, engine_load
 from placement import inflight as placement_inflight
-from wire.engines import EngineLoad, engine_load
 
 log = logging.getLogger("gateway.dataplane")
 

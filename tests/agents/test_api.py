@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
-import wire
+import llmgw_wire as wire
 from agents import credentials
 from agents.api import MAX_HEARTBEAT_BODY
 from agents.models import JoinToken, NodeCredential

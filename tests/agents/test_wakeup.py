@@ -11,7 +11,7 @@ import pytest
 from django.db import transaction
 from django.utils import timezone
 
-import wire
+import llmgw_wire as wire
 from agents import credentials
 from agents.wakeup import WAIT_PATH, Hub, WaitEndpoint, with_agent_wakeup
 from inventory import outbox, wakeups

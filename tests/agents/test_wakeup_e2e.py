@@ -37,9 +37,9 @@ RECONCILE_EVERY_S = 0.1
 
 @pytest.fixture
 def fleet(live_server, tmp_path, settings):
-    from agents.node import config as config_mod
-    from agents.node.loop import Agent, DiscoveryProbe
-    from agents.node.simulate import prepare_node
+    from llmgw_agent import config as config_mod
+    from llmgw_agent.loop import Agent, DiscoveryProbe
+    from llmgw_sim.simulate import prepare_node
 
     settings.LLMGW_JOIN_TOKEN = JOIN
     settings.LLMGW_SHARD_PORT_BASE = free_port_range()

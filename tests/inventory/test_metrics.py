@@ -235,8 +235,8 @@ def test_collector_exports_exactly_the_documented_names(client, cluster):
 
 def agent_metric_names() -> set[str]:
     """The families an agent serves for a node with every sensor, wear counter and port counter."""
-    import wire
-    from agents.node.metrics import render
+    import llmgw_wire as wire
+    from llmgw_agent.metrics import render
 
     hb = wire.Heartbeat(
         node_id="n",
