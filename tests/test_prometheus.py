@@ -68,7 +68,7 @@ def documented_config() -> str:
     return blocks[0]
 
 
-def test_configuration(*, control_plane: str, gateway: str, alertmanager: str, files: Path) -> dict[str, Any]:
+def scrape_configuration(*, control_plane: str, gateway: str, alertmanager: str, files: Path) -> dict[str, Any]:
     """The documented configuration with this test's addresses, files and intervals: nothing else changes."""
     text = documented_config()
     swaps = {
@@ -84,11 +84,9 @@ def test_configuration(*, control_plane: str, gateway: str, alertmanager: str, f
         text = text.replace(old, new)
     cfg = yaml.safe_load(text)
     # Seconds, so that the test sees scrapes and rule evaluations within seconds.
-    cfg["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    assert {"scrape_interval", "evaluation_interval"} <= set(cfg["global"])
+    cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
     return cfg
-
-
-test_configuration.__test__ = False  # a helper, not a test
 
 
 class Prometheus:
@@ -241,7 +239,7 @@ def stack(live_server, tmp_path, settings, django_user_model):
         files.mkdir()
         (files / "llmgw-metrics-token").write_text(SCRAPE_TOKEN)
         (files / "llmgw-agent-token").write_text(AGENT_TOKEN)
-        cfg = test_configuration(
+        cfg = scrape_configuration(
             control_plane=urlsplit(live_server.url).netloc,
             gateway=f"127.0.0.1:{gateway.port}",
             alertmanager=f"127.0.0.1:{free_port()}",
