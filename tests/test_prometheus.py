@@ -83,9 +83,10 @@ def scrape_configuration(*, control_plane: str, gateway: str, alertmanager: str,
         assert old in text, f"docs/prometheus.md no longer says {old}"
         text = text.replace(old, new)
     cfg = yaml.safe_load(text)
-    # Seconds, so that the test sees scrapes and rule evaluations within seconds.
+    # Seconds, so that the test sees scrapes and rule evaluations within seconds (a scrape's
+    # timeout is its interval: two seconds leave a loaded machine's control plane time to answer).
     assert {"scrape_interval", "evaluation_interval"} <= set(cfg["global"])
-    cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
+    cfg["global"].update(scrape_interval="2s", evaluation_interval="1s")
     return cfg
 
 
@@ -271,10 +272,22 @@ def test_a_real_prometheus_scrapes_the_documented_configuration(stack):
 
     fleet.until(all_up, timeout=30, what=lambda: json.dumps(prom.api("targets", state="active"))[:3000])
 
+    def by(label: str, expr: str) -> dict[str, Any]:
+        return {s["labels"][label]: s["value"] for s in prom.query(expr)}
+
+    def settled(label: str, expr: str, want: dict[str, Any]) -> None:
+        """Wait until the query reads `want` by `label` (a scrape of a loaded machine may time out once)."""
+        fleet.until(lambda: by(label, expr) == want, timeout=20, what=lambda: f"{expr}: {by(label, expr)} != {want}")
+
     # The agents' series carry where each node sits, as the control plane knows it.
     nodes = {n.id: n for n in Node.objects.prefetch_related("fabrics")}
-    up = {s["labels"]["node"]: s["labels"] for s in prom.query('llmgw_node_up{job="llmgw-agents"}')}
-    assert set(up) == set(nodes)
+    labels_of = 'llmgw_node_up{job="llmgw-agents"}'
+
+    def agents_labelled() -> dict[str, dict[str, str]] | None:
+        got = {s["labels"]["node"]: s["labels"] for s in prom.query(labels_of)}
+        return got if set(got) == set(nodes) else None
+
+    up = fleet.until(agents_labelled, timeout=20, what=lambda: f"{labels_of}: {prom.query(labels_of)}")
     for node_id, labels in up.items():
         n = nodes[node_id]
         fabrics = ",".join(sorted(f.name for f in n.fabrics.all()))
@@ -286,23 +299,26 @@ def test_a_real_prometheus_scrapes_the_documented_configuration(stack):
     assert all(labels.get("fabrics") for node_id, labels in up.items() if "hgx" in node_id)
 
     # Cards per node: the control plane's count, and the agents' own sensors of them, agree with the database.
-    cards = {n: GPU.objects.filter(node_id=n).count() for n in nodes}
+    cards = {n: float(GPU.objects.filter(node_id=n).count()) for n in nodes}
     assert sorted(cards.values()) == [4, 8, 8]
-    assert {s["labels"]["node"]: s["value"] for s in prom.query('llmgw_node_gpus{job="llmgw"}')} == cards
-    sensed = prom.query('count by (node) (llmgw_node_gpu_memory_total_bytes{job="llmgw-agents"})')
-    assert {s["labels"]["node"]: s["value"] for s in sensed} == cards
+    settled("node", 'llmgw_node_gpus{job="llmgw"}', cards)
+    settled("node", 'count by (node) (llmgw_node_gpu_memory_total_bytes{job="llmgw-agents"})', cards)
 
     # The engines' series carry their deployment and replica; replicas desired and ready are exact.
     ready = {str(r.id): r for r in Replica.objects.filter(state="ready").prefetch_related("shards")}
-    engines = prom.query('vllm:num_requests_running{job="llmgw-engines"}')
-    assert {s["labels"]["replica"]: (s["labels"]["deployment"], s["labels"]["engine"]) for s in engines} == {
-        rid: ("chat", "echo") for rid in ready
-    }
-    for s in engines:
-        leader = next(sh for sh in ready[s["labels"]["replica"]].shards.all() if sh.rank == 0)
-        assert s["labels"]["node"] == leader.node_id
-    assert prom.query('llmgw_replicas{job="llmgw",deployment="chat",state="ready"}')[0]["value"] == 2.0
-    assert prom.query('llmgw_deployment_replicas_desired{job="llmgw",deployment="chat"}')[0]["value"] == 2.0
+    leaders = {rid: next(sh.node_id for sh in r.shards.all() if sh.rank == 0) for rid, r in ready.items()}
+    running = 'vllm:num_requests_running{job="llmgw-engines"}'
+
+    def engines_listed() -> list[dict[str, Any]] | None:
+        got = prom.query(running)
+        return got if {s["labels"]["replica"] for s in got} == set(ready) else None
+
+    engines = fleet.until(engines_listed, timeout=20, what=lambda: f"{running}: {prom.query(running)}")
+    assert {
+        s["labels"]["replica"]: (s["labels"]["deployment"], s["labels"]["engine"], s["labels"]["node"]) for s in engines
+    } == {rid: ("chat", "echo", node) for rid, node in leaders.items()}
+    settled("deployment", 'llmgw_replicas{job="llmgw",state="ready"}', {"chat": 2.0})
+    settled("deployment", 'llmgw_deployment_replicas_desired{job="llmgw"}', {"chat": 2.0})
 
     # Gateway requests counted exactly. Two batches, each seen by Prometheus before the next: a
     # model's histogram series appear at its first request, so the rates over them (and the
@@ -320,8 +336,7 @@ def test_a_real_prometheus_scrapes_the_documented_configuration(stack):
             what=lambda: f"{counted} = {prom.query(counted)}",
         )
     # Each routed replica reads 0 ejected, none yet having failed.
-    ejected = prom.query('llmgw_gateway_replica_ejected{job="llmgw-gateway"}')
-    assert {s["labels"]["replica"]: s["value"] for s in ejected} == dict.fromkeys(ready, 0.0)
+    settled("replica", 'llmgw_gateway_replica_ejected{job="llmgw-gateway"}', dict.fromkeys(ready, 0.0))
     # ... and seen by the engines, so the prefix-cache ratio has queries in its window.
     queries = 'sum(vllm:prefix_cache_queries_total{job="llmgw-engines"})'
     fleet.until(lambda: [s for s in prom.query(queries) if s["value"] >= 2 * REQUESTS], timeout=15, what=queries)
