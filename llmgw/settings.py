@@ -382,6 +382,10 @@ LLMGW_GATEWAY_REFRESH = env_seconds("LLMGW_GATEWAY_REFRESH", 5.0)
 LLMGW_GATEWAY_EJECT_AFTER = env_int("LLMGW_GATEWAY_EJECT_AFTER", 3, minimum=1)
 LLMGW_GATEWAY_EJECT_FOR = env_seconds("LLMGW_GATEWAY_EJECT_FOR", 30.0)
 LLMGW_GATEWAY_UPSTREAM_TIMEOUT = env_seconds("LLMGW_GATEWAY_UPSTREAM_TIMEOUT", 600.0)
+# A request for an autoscaled model with no ready replica (scaled to zero) is held
+# this long while one starts, at most this many per model and gateway process.
+LLMGW_GATEWAY_HOLD_TIMEOUT = env_seconds("LLMGW_GATEWAY_HOLD_TIMEOUT", 120.0)
+LLMGW_GATEWAY_HOLD_QUEUE = env_int("LLMGW_GATEWAY_HOLD_QUEUE", 100, minimum=1)
 # How the data plane picks a replica: "prefix" (bounded-load consistent hashing
 # over the conversation's start, gateway/routing.py) or "round-robin" (the
 # baseline the benchmark measures it against).
