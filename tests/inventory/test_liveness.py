@@ -142,15 +142,17 @@ def test_most_of_the_fleet_silent_at_once_is_the_control_planes_fault(now):
     assert liveness.sweep(now=at(now, 730)).unreachable == ["node-3"]
 
 
-def test_a_silence_trickling_in_over_sweeps_still_counts_as_one(now):
-    """Heartbeats stop staggered, so sweeps see nodes cross one by one; the early ones still count."""
+def test_a_silence_trickling_in_over_sweeps_is_seen_before_any_verdict(now):
+    """Heartbeats stop staggered; the whole fleet's silence is judged before the first node is due."""
     for i in range(3):
         make_node(f"node-{i}", now=at(now, i * 4))
-    sweeps(now, 0, 10, 20)
-    assert liveness.sweep(now=at(now, 31)).unreachable == ["node-0"]
-    result = liveness.sweep(now=at(now, 41))
+    # Ages 10, 6 and 2 s: none has missed two heartbeats yet.
+    assert not sweeps(now, 0, 10).suspended
+    # Ages 20, 16 and 12 s: all three have, ten seconds before node-0's unreachable deadline.
+    assert liveness.sweep(now=at(now, 20)).suspended
+    result = liveness.sweep(now=at(now, 31))
     assert result.suspended and result.unreachable == []
-    assert steady(now, 51, 600).lost == []
+    assert steady(now, 41, 600).lost == []
 
 
 def test_lost_nodes_are_declared_at_a_bounded_rate(now, settings):
