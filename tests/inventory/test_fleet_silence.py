@@ -48,7 +48,7 @@ def heartbeat_times(
 
 
 class Fleet:
-    """A fleet (a hundred nodes unless told) with their heartbeats laid out in advance, swept as beat and the schedule would."""
+    """Nodes (a hundred unless told) with their heartbeats laid out in advance, swept as beat and the schedule would."""
 
     def __init__(
         self, now: dt.datetime, *, nodes: int = 100, outage: tuple[float, float], dead: dict[str, float], end: float
