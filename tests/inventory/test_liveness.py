@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+from django.utils import timezone
 
 from inventory import lag, liveness
 from inventory.models import ControlPlaneEvent, LivenessClock, Node, NodeEvent, NodeState
@@ -304,3 +305,14 @@ def test_a_fleet_heard_in_full_or_too_small_to_read_judges_on_time(now, settings
     Node.objects.filter(id__in=ids[:1]).delete()
     # 99 nodes: too few to read.
     assert lag.hearing(now=at(now, 104)) == lag.Hearing(nodes=99, heard=0, stretch=1.0)
+
+
+def test_the_task_judges_and_does_not_fail_with_the_cache_gone(redis_gone):
+    """The schedule's slot is in the cache: without it the sweep still judges, and the tick is the schedule."""
+    make_node("node-a", now=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+    make_node("node-b", now=timezone.now())
+    make_node("node-c", now=timezone.now())
+    assert liveness_sweep(due="2000-01-01T00:00:00+00:00")["unreachable"] == 0  # the first sweep ever judges nothing
+    LivenessClock.objects.update(blind_from=None, blind_until=None)
+    assert liveness_sweep() == {"unreachable": 1, "lost": 1, "flagged": 0, "failed_shards": 0}
+    assert state()[0] == NodeState.LOST
