@@ -14,6 +14,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from gateway import figures, notify, usage
+from gateway.dataplane.limits import Shared
 from gateway.dataplane.upstream import Health
 from gateway.table import Backend, KeyEntry, ModelRoute, load_keys, load_routes
 from placement import inflight as placement_inflight
@@ -36,6 +37,7 @@ class Background:
     process_id: str
     client: httpx.AsyncClient | None
     redis: aioredis.Redis | None
+    shared: Shared
     usage: usage.Accumulator
     loaded: asyncio.Event
     _db: ThreadPoolExecutor
@@ -94,8 +96,9 @@ class Background:
 
     async def _report_inflight(self, counts: dict[str, int] | None) -> None:
         """Tell the reconciler this process's requests in flight: through Redis, or a file without it."""
-        if self.redis is not None:
-            await placement_inflight.report_async(self.redis, self.process_id, counts)
+        if self.shared.redis is not None:
+            # Redis down: the reconciler reads "unknown" and waits out the drain timeout; no log every half second.
+            await self.shared.call("inflight", lambda r: placement_inflight.report_async(r, self.process_id, counts))
         else:
             await asyncio.to_thread(placement_inflight.report_file, self.process_id, counts)
 
