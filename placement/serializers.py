@@ -17,14 +17,13 @@ from rest_framework import serializers
 
 import wire
 from llmgw.schema import field_errors
-from placement import secrets
+from placement import bounds, secrets
+from placement.bounds import MAX_POWER_W, MAX_REPLICAS
 from placement.explain import EVERY_NODE, FITS_SHOWN, SUMMARY
 from placement.models import Deployment, Engine, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
 from placement.planner import BINPACK, SPREAD
 from wire import engines as wire_engines
 
-# A profile's power claim, per shard (W): more than any rack draws, less than a float's surprises.
-MAX_POWER_W = 1_000_000.0
 # A budget's power (W): a whole building's.
 MAX_BUDGET_W = 1_000_000_000.0
 
@@ -163,6 +162,13 @@ class ProfileIn(serializers.ModelSerializer):
         """Any name an engine goes by ("llama-server", "llama.cpp") is stored as its canonical one."""
         if type(data) is dict and isinstance(data.get("engine"), str) and wire_engines.canonical(data["engine"]):
             data = {**data, "engine": wire_engines.canonical(data["engine"])}
+        if type(data) is dict:
+            # The admin's and the database's bounds (placement/bounds.py), on the values as sent: a number
+            # where a string belongs is refused, as the admin refuses it, not turned into one.
+            for field, problem in (("args", bounds.args_problem), ("env", bounds.env_problem)):
+                why = problem(data[field]) if field in data else None
+                if why:
+                    raise serializers.ValidationError({field: [why]})
         return super().to_internal_value(data)
 
     def validate(self, attrs: dict) -> dict:
@@ -242,13 +248,13 @@ class DeploymentIn(serializers.ModelSerializer):
     class Meta:
         model = Deployment
         fields = ["name", "served_model", "profile", "replicas", "pool", "node_selector", "policy", "paused"]
-        extra_kwargs = {"replicas": {"max_value": 10_000}}
+        extra_kwargs = {"replicas": {"max_value": MAX_REPLICAS}}
 
 
 class ScaleIn(serializers.Serializer):
     """How many replicas a deployment should have."""
 
-    replicas = serializers.IntegerField(min_value=0, max_value=10_000)
+    replicas = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS)
 
 
 class ScaleInErrors(serializers.Serializer):
