@@ -18,7 +18,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.db.models import BooleanField, F, Func
 
-from wire.common import MAX_LIST
+from llmgw_wire.common import MAX_LIST
 
 # Desired replicas of one deployment. The reconciler creates them in batches
 # (placement/reconciler.py), but each is a row and, while pending, a planning attempt.

@@ -18,7 +18,7 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from agents.node.loop import backoff_delay
+from llmgw_agent.loop import backoff_delay
 from inventory import liveness, sweep_schedule
 from inventory.models import ControlPlaneEvent, Node, NodeEvent, NodeState
 from placement.models import Shard
