@@ -18,9 +18,9 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
-from llmgw_agent.loop import backoff_delay
 from inventory import liveness, sweep_schedule
 from inventory.models import ControlPlaneEvent, Node, NodeEvent, NodeState
+from llmgw_agent.loop import backoff_delay
 from placement.models import Shard
 from tests.agents.conftest import make_shard
 from tests.factories import make_node
