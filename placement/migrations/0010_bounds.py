@@ -93,4 +93,18 @@ class Migration(migrations.Migration):
                 condition=placement.bounds.JSONShape("env", "string_map"), name="placement_profile_env_strings"
             ),
         ),
+        migrations.AlterField(
+            model_name="deployment",
+            name="autoscale_max",
+            field=models.PositiveIntegerField(
+                default=1, validators=[django.core.validators.MaxValueValidator(10000)], verbose_name="maximum replicas"
+            ),
+        ),
+        migrations.AlterField(
+            model_name="deployment",
+            name="autoscale_min",
+            field=models.PositiveIntegerField(
+                default=1, validators=[django.core.validators.MaxValueValidator(10000)], verbose_name="minimum replicas"
+            ),
+        ),
     ]
