@@ -157,17 +157,36 @@ def _blind(clock: LivenessClock, start: dt.datetime, end: dt.datetime, reason: s
     clock.blind_from, clock.blind_until, clock.blind_reason = start, end, reason
 
 
-def _mass_silence(now: dt.datetime, unreachable_cutoff: dt.datetime, since: dt.datetime | None) -> tuple[int, int]:
-    """(silent, watched): nodes that went silent together, among those not lost.
+# A node that missed this many heartbeats counts toward a mass silence (never more than the unreachable delay).
+QUIET_INTERVALS = 2.0
+
+
+def quiet_after() -> float:
+    """Seconds without a heartbeat after which a node counts toward a mass silence.
+
+    Not the unreachable delay: a fleet silenced by one fault (the web tier,
+    the network in front of it) stops within one heartbeat interval, so its
+    nodes cross the unreachable delay one by one over that interval, and a
+    sweep at the first one's deadline (inventory/sweep_schedule.py) saw only
+    the few due then: it marked them, and the next sweeps the next few,
+    until more than the threshold had crossed (18 of 40 live nodes in one
+    run). Two missed heartbeats are seen fleet-wide long before any node is
+    due, so the judgement comes before any verdict of the same silence.
+    """
+    return min(settings.LLMGW_UNREACHABLE_AFTER, QUIET_INTERVALS * settings.LLMGW_HEARTBEAT_INTERVAL)
+
+
+def _mass_silence(now: dt.datetime, quiet_cutoff: dt.datetime, since: dt.datetime | None) -> tuple[int, int]:
+    """(silent, watched): nodes not heard since `quiet_cutoff` that went silent together, among those not lost.
 
     A node already found silent before this silence began (a dead machine
     the sweep is dealing with) is not part of it; one the previous sweeps
     marked unreachable a moment ago is, since a fleet's heartbeats stop
-    staggered over one interval and sweeps see them cross one by one.
+    staggered over one interval.
     """
     watched = Node.objects.exclude(state=NodeState.LOST)
     ref = (since or now) - dt.timedelta(seconds=settings.LLMGW_UNREACHABLE_AFTER + settings.LLMGW_SWEEP_GAP)
-    silent = watched.filter(last_seen__lt=unreachable_cutoff).filter(
+    silent = watched.filter(last_seen__lt=quiet_cutoff).filter(
         Q(unreachable_since__isnull=True) | Q(unreachable_since__gte=ref)
     )
     return silent.count(), watched.count()
@@ -204,9 +223,8 @@ def check_own_health(*, now: dt.datetime) -> tuple[LivenessClock, bool]:
                 since=last.isoformat(),
             )
         clock.last_sweep_at = now
-        silent, watched = _mass_silence(
-            now, cutoff(settings.LLMGW_UNREACHABLE_AFTER, now=now, clock=clock), clock.disruption_since
-        )
+        # The whole fleet's recent silence, judged before any verdict of this sweep.
+        silent, watched = _mass_silence(now, cutoff(quiet_after(), now=now, clock=clock), clock.disruption_since)
         mass = silent >= settings.LLMGW_MASS_SILENCE_MIN_NODES and silent > settings.LLMGW_MASS_SILENCE * watched
         if mass and clock.disruption_since is None:
             clock.disruption_since = now
@@ -223,6 +241,9 @@ def check_own_health(*, now: dt.datetime) -> tuple[LivenessClock, bool]:
             since = clock.disruption_since
             # The silence began before it was seen: up to a lease earlier.
             began = since - dt.timedelta(seconds=settings.LLMGW_UNREACHABLE_AFTER + settings.LLMGW_SWEEP_GAP)
+            if clock.blind_from is not None and clock.blind_until is not None and clock.blind_until >= began:
+                # A blind window still running into this one (a gap just before): one window, not the later half.
+                began = min(began, clock.blind_from)
             _blind(clock, began, now, f"mass silence ({clock.disruption_detail})")
             clock.disruption_since, clock.disruption_detail = None, ""
             _event(

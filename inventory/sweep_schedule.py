@@ -12,6 +12,12 @@ late by a blind window or the lost budget, are still swept on the tick.
 One scheduled sweep waits at a time: a new one is queued only when none is
 waiting or when it is due earlier than the one waiting (the later one then
 runs for nothing, which a sweep allows: it is idempotent).
+
+The slot lives in the cache and the sweep is queued on the broker; neither
+is needed to judge: when either cannot answer, the schedule is skipped (the
+tick still sweeps), logged, and counted in
+llmgw_telemetry_cache_errors_total{op="sweep_schedule"}, and the sweep task
+does not fail for it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from django.conf import settings
 from django.core.cache import cache
 from django.db.models import Min, Q
 
+from inventory import telemetry
 from inventory.models import OPERATOR_STATES, Node, NodeState
 
 log = logging.getLogger(__name__)
@@ -110,7 +117,10 @@ def _pending() -> dt.datetime | None:
 
 
 def schedule_next(*, now: dt.datetime) -> dt.datetime | None:
-    """Queue a sweep for the next deadline (see module doc); returns its due time when one was queued."""
+    """Queue a sweep for the next deadline (see module doc); returns its due time when one was queued.
+
+    None, logged and counted, when the cache or the broker cannot answer: beat's tick sweeps anyway.
+    """
     ready, unreachable = oldest_deadlines(now)
     due = next_due(
         now,
@@ -120,13 +130,18 @@ def schedule_next(*, now: dt.datetime) -> dt.datetime | None:
         lost_after=settings.LLMGW_LOST_AFTER,
     )
     horizon = settings.LLMGW_LIVENESS_INTERVAL
-    if not should_schedule(due, _pending(), now=now, horizon_s=horizon):
+    try:
+        if not should_schedule(due, _pending(), now=now, horizon_s=horizon):
+            return None
+        assert due is not None
+        wait = (due - now).total_seconds()
+        cache.set(PENDING_KEY, due.isoformat(), timeout=math.ceil(wait + horizon))
+        # Dropped if a worker only gets to it a tick late: the tick's own sweep has run by then.
+        app.send_task(SWEEP_TASK, kwargs={"due": due.isoformat()}, eta=due, expires=due + dt.timedelta(seconds=horizon))
+    except Exception as exc:  # the cache or the broker is down: the tick is the safety net
+        telemetry.CACHE_ERRORS.labels(op="sweep_schedule").inc()
+        log.warning("liveness sweep not scheduled (%s: %s): beat's tick sweeps", type(exc).__name__, exc)
         return None
-    assert due is not None
-    wait = (due - now).total_seconds()
-    cache.set(PENDING_KEY, due.isoformat(), timeout=math.ceil(wait + horizon))
-    # Dropped if a worker only gets to it a tick late: the tick's own sweep has run by then.
-    app.send_task(SWEEP_TASK, kwargs={"due": due.isoformat()}, eta=due, expires=due + dt.timedelta(seconds=horizon))
     log.debug("liveness sweep scheduled in %.1f s", wait)
     return due
 
@@ -135,7 +150,10 @@ def sweep_started(due: str | None) -> None:
     """Called by the sweep task as it starts: a scheduled sweep frees the slot it held.
 
     Only the sweep the slot names frees it: a later one, replaced by an
-    earlier, must not free the earlier's slot.
+    earlier, must not free the earlier's slot. A cache that cannot answer
+    leaves the slot to expire by itself.
     """
-    if due and cache.get(PENDING_KEY) == due:
-        cache.delete(PENDING_KEY)
+    if due:
+        telemetry.best_effort(
+            "sweep_schedule", lambda: cache.get(PENDING_KEY) == due and cache.delete(PENDING_KEY), False
+        )

@@ -26,11 +26,11 @@ T = TypeVar("T")
 
 CACHE_ERRORS = Counter(
     "llmgw_telemetry_cache_errors",
-    "Telemetry cache operations that failed (the cache was down or slow) and were skipped",
+    "Cache operations that failed (the cache was down or slow) and were skipped or answered without it",
     ["op"],
 )
 # Every operation present from the start at 0, so a rate is defined before the first failure.
-for _op in ("get", "get_many", "put", "forget", "doctor", "doctor_baselines"):
+for _op in ("get", "get_many", "put", "forget", "doctor", "doctor_baselines", "inflight", "sweep_schedule"):
     CACHE_ERRORS.labels(op=_op)
 
 

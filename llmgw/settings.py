@@ -189,6 +189,8 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = os.environ.get("REDIS_URL", "")
 LLMGW_CACHE_PREFIX = os.environ.get("LLMGW_CACHE_PREFIX", "llmgw")
+# Seconds a Redis call may take (the cache, the gateway's shared counters) before it is given up.
+LLMGW_CACHE_TIMEOUT = env_seconds("LLMGW_CACHE_TIMEOUT", 1.0)
 if REDIS_URL:
     CACHES = {
         "default": {
@@ -198,8 +200,8 @@ if REDIS_URL:
             # A hung Redis must fail a cache call within a second or two, not hold a
             # heartbeat's request (and its lease transaction) open (inventory/telemetry.py).
             "OPTIONS": {
-                "socket_connect_timeout": env_seconds("LLMGW_CACHE_TIMEOUT", 1.0),
-                "socket_timeout": env_seconds("LLMGW_CACHE_TIMEOUT", 1.0),
+                "socket_connect_timeout": LLMGW_CACHE_TIMEOUT,
+                "socket_timeout": LLMGW_CACHE_TIMEOUT,
             },
         }
     }

@@ -21,7 +21,19 @@ from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
 from llmgw.admin import ReadOnlyAdmin
-from placement import audit, autoscale_chart, backoff, explain, kept, planner, queueing, replicas, retiring, secrets
+from placement import (
+    audit,
+    autoscale_chart,
+    backoff,
+    bounds,
+    explain,
+    kept,
+    planner,
+    queueing,
+    replicas,
+    retiring,
+    secrets,
+)
 from placement import deployments as deployment_actions
 from placement.models import (
     AutoscaleSample,
@@ -62,10 +74,12 @@ class EngineProfileForm(forms.ModelForm):
             if name in self.fields:
                 self.initial[name] = shown(self.initial.get(name))
 
-    def _kept(self, name: str, keep):
+    def _kept(self, name: str, keep, problem):
         value = self.cleaned_data.get(name)
-        if not isinstance(value, dict | list):
-            return value  # the model's own validation says what is wrong
+        why = problem(value)
+        if why:
+            # The same bounds as the API's and the database's, said before the secrets are looked at.
+            raise forms.ValidationError(why)
         try:
             return keep(value, getattr(self.instance, name) if self.instance.pk else None)
         except secrets.HiddenWithoutValue as e:
@@ -73,11 +87,11 @@ class EngineProfileForm(forms.ModelForm):
 
     def clean_env(self):
         """The env to store, masked secrets keeping their stored values."""
-        return self._kept("env", secrets.kept_env)
+        return self._kept("env", secrets.kept_env, bounds.env_problem)
 
     def clean_args(self):
         """The args to store, masked secret flag values keeping their stored values."""
-        return self._kept("args", secrets.kept_args)
+        return self._kept("args", secrets.kept_args, bounds.args_problem)
 
 
 @admin.register(EngineProfile)

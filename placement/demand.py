@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -27,7 +28,10 @@ from typing import Any
 import redis
 from django.conf import settings
 
+from inventory import telemetry
 from placement.inflight import REPORT_TTL_S
+
+log = logging.getLogger(__name__)
 
 # The TTFT samples a router keeps per model: the last this many seconds, at most this many.
 TTFT_WINDOW_S = 60.0
@@ -76,6 +80,8 @@ class Totals:
 
     routers: int = 0
     per_model: dict[str, ModelDemand] = field(default_factory=dict)
+    # False when the reports could not be read (Redis unreachable).
+    known: bool = True
 
     def add(self, model: str, d: ModelDemand) -> None:
         """Sum one router's report into the totals."""
@@ -152,13 +158,20 @@ def totals(*, now: float | None = None) -> Totals:
         return out
     if _client is None:
         _client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
-    keys = list(_client.scan_iter(match=_prefix() + "*", count=100))
-    if not keys:
-        return out
-    pipe = _client.pipeline(transaction=False)
-    for k in keys:
-        pipe.hgetall(k)
-    for report in pipe.execute():
+    try:
+        keys = list(_client.scan_iter(match=_prefix() + "*", count=100))
+        if not keys:
+            return out
+        pipe = _client.pipeline(transaction=False)
+        for k in keys:
+            pipe.hgetall(k)
+        reports = pipe.execute()
+    except (redis.RedisError, OSError) as exc:
+        # Redis is an accelerator: unreadable reports are "unknown", never a failed pass.
+        telemetry.CACHE_ERRORS.labels(op="inflight").inc()
+        log.warning("demand reports unreadable (%s: %s)", type(exc).__name__, exc)
+        return Totals(known=False)
+    for report in reports:
         out.routers += 1
         for model, raw in report.items():
             out.add(model.decode(), ModelDemand.from_json(raw))

@@ -12,12 +12,18 @@ file of its own under the var directory (replaced atomically), and a file not
 renewed within the TTL counts as a router gone. Without it the reconciler saw
 no router at all and stopped a drained replica at once, cutting the streams
 still running on it.
+
+Redis is an accelerator here, not a dependency: when the reports cannot be
+read, totals() says so (`known` False) instead of raising, and a retiring
+replica waits out LLMGW_DRAIN_REQUESTS_TIMEOUT (placement/retiring.py), as
+it would for requests that never end; the pass goes on with everything else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -27,6 +33,10 @@ from typing import Any
 
 import redis
 from django.conf import settings
+
+from inventory import telemetry
+
+log = logging.getLogger(__name__)
 
 # A process's report lives this long unless renewed.
 REPORT_TTL_S = 3
@@ -64,6 +74,8 @@ class Totals:
 
     routers: int
     per_replica: dict[str, int]
+    # False when the reports could not be read (Redis unreachable): nothing is known about what is in flight.
+    known: bool = True
 
 
 def _reports_dir() -> Path:
@@ -99,17 +111,35 @@ def _file_totals(now: float) -> Totals:
 
 
 def totals(*, now: float | None = None) -> Totals:
-    """Requests in flight per replica over every live router (Redis, or the embedded default's files)."""
+    """Requests in flight per replica over every live router (Redis, or the embedded default's files).
+
+    Never raises for Redis: unreadable reports are logged, counted in
+    llmgw_telemetry_cache_errors_total{op="inflight"} and answered with
+    `known` False.
+    """
     global _client
     if not settings.REDIS_URL:
         return _file_totals(time.time() if now is None else now)
     if _client is None:
         _client = redis.Redis.from_url(settings.REDIS_URL, socket_timeout=2)
+    try:
+        return _redis_totals(_client)
+    except (redis.RedisError, OSError) as exc:
+        telemetry.CACHE_ERRORS.labels(op="inflight").inc()
+        log.warning(
+            "in-flight reports unreadable (%s: %s): retiring replicas wait out the drain timeout",
+            type(exc).__name__,
+            exc,
+        )
+        return Totals(0, {}, known=False)
+
+
+def _redis_totals(client: redis.Redis) -> Totals:
     out: dict[str, int] = {}
-    keys = list(_client.scan_iter(match=_prefix() + "*", count=100))
+    keys = list(client.scan_iter(match=_prefix() + "*", count=100))
     if not keys:
         return Totals(0, out)
-    pipe = _client.pipeline(transaction=False)
+    pipe = client.pipeline(transaction=False)
     for k in keys:
         pipe.hgetall(k)
     for counts in pipe.execute():

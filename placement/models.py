@@ -9,13 +9,14 @@ import uuid
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.core.validators import MinValueValidator
+from django.core.validators import MaxValueValidator, MinValueValidator
 from django.db import models
 from django.db.models import F, Q
 
 from llmgw_wire import ShardState as WireShardState
 from llmgw_wire import engines as wire_engines
 from llmgw_wire import shard_states
+from placement.bounds import MAX_POWER_W, MAX_REPLICAS, JSONShape, validate_args, validate_env, validate_power
 
 
 class Engine(models.TextChoices):
@@ -41,9 +42,9 @@ class EngineProfile(models.Model):
     memory_gb = models.PositiveIntegerField("host memory (GB)", default=0)
     cpu_cores = models.PositiveIntegerField(default=0)
     # 0: derive from the node's cards and cores.
-    power_w = models.FloatField("power (W)", default=0.0)
-    args = models.JSONField(default=list, blank=True)
-    env = models.JSONField(default=dict, blank=True)
+    power_w = models.FloatField("power (W)", default=0.0, validators=[validate_power])
+    args = models.JSONField(default=list, blank=True, validators=[validate_args])
+    env = models.JSONField(default=dict, blank=True, validators=[validate_env])
     model_path = models.CharField(max_length=1024, blank=True)
     # Local disk a node needs to fetch the weights when they are not there (GB); 0 constrains nothing.
     disk_gb = models.PositiveIntegerField("local disk for weights (GB)", default=0)
@@ -59,7 +60,12 @@ class EngineProfile(models.Model):
             models.CheckConstraint(
                 condition=Q(tp__gte=1) & Q(pp__gte=1) & Q(nodes__gte=1), name="placement_profile_parallelism_positive"
             ),
-            models.CheckConstraint(condition=Q(power_w__gte=0), name="placement_profile_power_nonnegative"),
+            # NaN and infinities fail it too: PostgreSQL orders NaN above every number.
+            models.CheckConstraint(
+                condition=Q(power_w__gte=0) & Q(power_w__lte=MAX_POWER_W), name="placement_profile_power_bounded"
+            ),
+            models.CheckConstraint(condition=JSONShape("args", "strings"), name="placement_profile_args_strings"),
+            models.CheckConstraint(condition=JSONShape("env", "string_map"), name="placement_profile_env_strings"),
         ]
 
     def __str__(self) -> str:
@@ -118,7 +124,7 @@ class Deployment(models.Model):
     name = models.CharField(max_length=128, unique=True)
     served_model = models.CharField(max_length=128)
     profile = models.ForeignKey(EngineProfile, on_delete=models.PROTECT, related_name="deployments")
-    replicas = models.PositiveIntegerField("desired replicas", default=1)
+    replicas = models.PositiveIntegerField("desired replicas", default=1, validators=[MaxValueValidator(MAX_REPLICAS)])
     pool = models.CharField(max_length=64, blank=True)
     node_selector = models.JSONField(default=dict, blank=True)
     policy = models.CharField(max_length=16, choices=Policy.choices, default=Policy.BINPACK)
@@ -126,8 +132,12 @@ class Deployment(models.Model):
     autoscale_metric = models.CharField(
         "autoscaling metric", max_length=16, choices=AutoscaleMetric.choices, default=AutoscaleMetric.OFF, blank=True
     )
-    autoscale_min = models.PositiveIntegerField("minimum replicas", default=1)
-    autoscale_max = models.PositiveIntegerField("maximum replicas", default=1)
+    autoscale_min = models.PositiveIntegerField(
+        "minimum replicas", default=1, validators=[MaxValueValidator(MAX_REPLICAS)]
+    )
+    autoscale_max = models.PositiveIntegerField(
+        "maximum replicas", default=1, validators=[MaxValueValidator(MAX_REPLICAS)]
+    )
     # Per replica for inflight and queue; seconds for ttft_p95.
     autoscale_target = models.FloatField("target value", default=0.0)
     # The load must stay high this long before a scale-up (0: at once), and low
@@ -141,6 +151,10 @@ class Deployment(models.Model):
         ordering = ["name"]
         constraints = [
             models.CheckConstraint(condition=Q(policy__in=Policy.values), name="placement_deployment_policy_valid"),
+            models.CheckConstraint(
+                condition=Q(replicas__gte=0) & Q(replicas__lte=MAX_REPLICAS),
+                name="placement_deployment_replicas_bounded",
+            ),
             models.CheckConstraint(
                 condition=Q(autoscale_metric__in=AutoscaleMetric.values),
                 name="placement_deployment_autoscale_metric_valid",

@@ -27,6 +27,7 @@ import datetime as dt
 import logging
 import uuid
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from django.db import transaction
@@ -41,6 +42,8 @@ from placement.retiring import SERVING, LiveReplica, retire
 log = logging.getLogger(__name__)
 
 RS = ReplicaState
+# Replicas one pass creates, or stops for a scale-down, per deployment.
+BATCH_PER_PASS = 256
 SS = shard_states.S
 
 
@@ -277,12 +280,14 @@ def scale(p: Pass, fleet: Fleet) -> None:
     replicas the one with the fewest requests in flight, then the one on the
     emptiest nodes (its cards join free ones, leaving whole nodes for the
     next replica that needs many), then the newest.
+    At most BATCH_PER_PASS either way: the rest is the next passes'.
     """
     now, dep = p.now, fleet.dep
     counted = [r for r in fleet.reps if r.row.id not in fleet.replacement_of]
     active = len(counted) + sum(1 for r in p.new_rows if r.deployment_id == dep.id and r.replaces_id)
     if active < dep.replicas:
-        for _ in range(dep.replicas - active):
+        # In batches: a count of thousands costs one batch of rows a pass, not the worker's memory or the pass.
+        for _ in range(min(dep.replicas - active, BATCH_PER_PASS)):
             p.new_rows.append(
                 Replica(deployment_id=dep.id, created_at=now, updated_at=now, reason="waiting for placement")
             )
@@ -305,7 +310,7 @@ def scale(p: Pass, fleet: Fleet) -> None:
             )
 
         surplus = sorted(counted, key=cost)
-        for rep in surplus[: active - dep.replicas]:
+        for rep in surplus[: min(active - dep.replicas, BATCH_PER_PASS)]:
             if rep.row.state in (RS.PENDING, RS.PLACING) and not rep.shards:
                 if replicas.change_state(rep.row, RS.STOPPED, now=now, reason="scaled down"):
                     p.report.stopped += 1
@@ -338,17 +343,15 @@ def create_new(p: Pass) -> None:
 
 
 def place_pending(p: Pass) -> None:
-    """Step 5: place what is pending, oldest first, over one snapshot of the cluster.
+    """Step 5: place what is pending, each deployment's oldest first and the deployments in turn, over one
+    snapshot of the cluster.
 
     A conflict (another writer took some of the cards) is retried once over a
     fresh snapshot; a placement that raises is recorded on its replica and
     never holds back the others.
     """
     now, report = p.now, p.report
-    pending = sorted(
-        (rep.row for reps in p.by_dep.values() for rep in reps if rep.row.state == RS.PENDING),
-        key=lambda r: (r.created_at, str(r.id)),
-    )
+    pending = in_turn(rep.row for reps in p.by_dep.values() for rep in reps if rep.row.state == RS.PENDING)
     if not pending:
         return
     snap = kept.current(now=now)
@@ -390,6 +393,21 @@ def place_pending(p: Pass) -> None:
     if batch is not None:
         for row, exc in batch.close(report):
             backoff.placement_failed(row, exc, now=now)
+
+
+def in_turn(rows: Iterable[Replica]) -> list[Replica]:
+    """Pending replicas in the order they are placed: each deployment's first, then each one's second, ...
+
+    Within a deployment, the oldest first; between deployments, in turn, so
+    one asking for thousands cannot keep the others' first replica waiting
+    behind its own in the same pass.
+    """
+    turn: dict[int, int] = defaultdict(int)
+    keyed = []
+    for r in sorted(rows, key=lambda r: (r.created_at, str(r.id))):
+        keyed.append((turn[r.deployment_id], r.created_at, str(r.id), r))
+        turn[r.deployment_id] += 1
+    return [k[3] for k in sorted(keyed, key=lambda k: k[:3])]
 
 
 def create_replicas(rows: list[Replica], loaded: dict[int, set[uuid.UUID]], *, now: dt.datetime) -> list[Replica]:

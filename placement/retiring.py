@@ -205,15 +205,22 @@ def stop_when_idle(rep: LiveReplica, *, now: dt.datetime, routers: inflight.Tota
     are stopped only when the requests already in flight to it have finished
     (or LLMGW_DRAIN_REQUESTS_TIMEOUT passes), so a drain, a scale-down or a
     rolling update fails no request. With no router alive, nothing is in
-    flight and it stops at once.
+    flight and it stops at once; with the routers' reports unreadable, it
+    waits out the timeout.
     """
     waited = (now - rep.row.updated_at).total_seconds()
     busy = routers.per_replica.get(str(rep.row.id), 0)
-    if routers.routers:
-        timeout = settings.LLMGW_DRAIN_REQUESTS_TIMEOUT
-        if waited < min(_route_settle_s(), timeout) or (busy and waited < timeout):
+    timeout = settings.LLMGW_DRAIN_REQUESTS_TIMEOUT
+    if not routers.known:
+        # The routers' reports are unreadable (Redis down): requests may still run there, so the
+        # replica waits as long as requests that never end would, and the pass goes on meanwhile.
+        if waited < timeout:
             return False
-    why = f"{busy} requests still in flight after {waited:.0f} s" if busy else "no requests in flight"
+        why = f"in-flight requests unknown (reports unreadable) after {waited:.0f} s"
+    elif routers.routers and (waited < min(_route_settle_s(), timeout) or (busy and waited < timeout)):
+        return False
+    else:
+        why = f"{busy} requests still in flight after {waited:.0f} s" if busy else "no requests in flight"
     with transaction.atomic():
         if not _mark_stop_requested(rep, now, why):
             return False

@@ -69,6 +69,9 @@ def apply(deployments: dict[int, Deployment], by_dep: dict[int, list[LiveReplica
         return []
     routers = inflight.totals()
     wanted = demand.totals()
+    if not (routers.known and wanted.known):
+        # The routers' reports are unreadable (Redis down): no signal, so every count stays as it is.
+        return []
     history = _history(auto, now)
     samples: list[AutoscaleSample] = []
     steps: list[Step] = []

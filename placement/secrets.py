@@ -10,6 +10,7 @@ replaces a secret by sending a new value.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,8 +29,10 @@ def shown_env(env: Mapping[str, str] | Any) -> Any:
 
 
 def shown_args(args: Sequence[str] | Any) -> Any:
-    """A profile's args as anyone may see them."""
-    return wire.mask_args(args) if isinstance(args, list | tuple) else args
+    """A profile's args as anyone may see them (an item that is not a string shown as its JSON text)."""
+    if not isinstance(args, list | tuple):
+        return args
+    return wire.mask_args([a if isinstance(a, str) else json.dumps(a) for a in args])
 
 
 def kept_env(new: Mapping[str, str], stored: Mapping[str, str] | None) -> dict[str, str]:

@@ -19,7 +19,8 @@ import llmgw_wire as wire
 from inventory.models import Node
 from llmgw.schema import field_errors
 from llmgw_wire import engines as wire_engines
-from placement import secrets
+from placement import bounds, secrets
+from placement.bounds import MAX_POWER_W, MAX_REPLICAS
 from placement.explain import EVERY_NODE, FITS_SHOWN, SUMMARY
 from placement.models import (
     AutoscaleSample,
@@ -35,8 +36,6 @@ from placement.models import (
 )
 from placement.planner import BINPACK, SPREAD
 
-# A profile's power claim, per shard (W): more than any rack draws, less than a float's surprises.
-MAX_POWER_W = 1_000_000.0
 # A budget's power (W): a whole building's.
 MAX_BUDGET_W = 1_000_000_000.0
 
@@ -175,6 +174,13 @@ class ProfileIn(serializers.ModelSerializer):
         """Any name an engine goes by ("llama-server", "llama.cpp") is stored as its canonical one."""
         if type(data) is dict and isinstance(data.get("engine"), str) and wire_engines.canonical(data["engine"]):
             data = {**data, "engine": wire_engines.canonical(data["engine"])}
+        if type(data) is dict:
+            # The admin's and the database's bounds (placement/bounds.py), on the values as sent: a number
+            # where a string belongs is refused, as the admin refuses it, not turned into one.
+            for field, problem in (("args", bounds.args_problem), ("env", bounds.env_problem)):
+                why = problem(data[field]) if field in data else None
+                if why:
+                    raise serializers.ValidationError({field: [why]})
         return super().to_internal_value(data)
 
     def validate(self, attrs: dict) -> dict:
@@ -226,8 +232,8 @@ AUTOSCALE_FIELDS = (
 )
 # A day of window at most: longer is a fixed deployment in disguise, and the history is kept a day.
 AUTOSCALE_LIMITS = {
-    "autoscale_min": {"max_value": 10_000},
-    "autoscale_max": {"max_value": 10_000},
+    "autoscale_min": {"max_value": MAX_REPLICAS},
+    "autoscale_max": {"max_value": MAX_REPLICAS},
     "autoscale_target": {"min_value": 0.0, "max_value": 1e6},
     "scale_up_window_s": {"max_value": 86_400},
     "scale_down_window_s": {"max_value": 86_400},
@@ -304,7 +310,7 @@ class DeploymentIn(AutoscaleChecks, serializers.ModelSerializer):
             "paused",
             *AUTOSCALE_FIELDS,
         ]
-        extra_kwargs = {"replicas": {"max_value": 10_000}, **AUTOSCALE_LIMITS}
+        extra_kwargs = {"replicas": {"max_value": MAX_REPLICAS}, **AUTOSCALE_LIMITS}
 
 
 class AutoscaleIn(AutoscaleChecks, serializers.ModelSerializer):
@@ -334,7 +340,7 @@ class AutoscaleSampleOut(serializers.ModelSerializer):
 class ScaleIn(serializers.Serializer):
     """How many replicas a deployment should have."""
 
-    replicas = serializers.IntegerField(min_value=0, max_value=10_000)
+    replicas = serializers.IntegerField(min_value=0, max_value=MAX_REPLICAS)
 
 
 class ScaleInErrors(serializers.Serializer):

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 import redis.asyncio as aioredis
@@ -38,7 +39,7 @@ from gateway.dataplane.http import (
     send_raw,
     stamped,
 )
-from gateway.dataplane.limits import Limiter
+from gateway.dataplane.limits import Limiter, Shared
 from gateway.dataplane.metrics import Metrics
 from gateway.dataplane.pool import Pool
 from gateway.dataplane.streaming import Outcome, Relay
@@ -53,6 +54,34 @@ MAX_BODY = 32 * 1024 * 1024
 # Every JSON POST under /v1/ that names a model is routed by it (chat, completions, embeddings, responses,
 # rerank, score, tokenize, ...): whether the engine serves the route is the engine's to say. No dots, so no "..".
 PROXIED = re.compile(r"/v1/[A-Za-z0-9_\-]+(/[A-Za-z0-9_\-]+)*")
+
+
+@dataclass
+class Answer:
+    """What one request was answered: its status once sent, the model it named once known, whether it is counted."""
+
+    status: int | None = None
+    # Only a routed model's name: a client's arbitrary one would be a label of its own in /metrics.
+    model: str = ""
+    counted: bool = False
+
+    def watch(self, send: Send) -> Send:
+        """`send`, noting the status it starts the answer with."""
+
+        async def watched(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.status = message["status"]
+            await send(message)
+
+        return watched
+
+
+# The gateway's own failure, whatever its cause: still OpenAI's shape, never the server's plain text.
+INTERNAL_ERROR = error_body(
+    500, "the gateway failed on this request; its log names the x-request-id", "server_error", "internal_error"
+)
+# Probes, not API requests: not counted in llmgw_gateway_requests_total.
+PROBES = ("/health", "/metrics")
 
 
 class DataPlane(Background, Catalog, Holder, Upstream, Relay):
@@ -80,9 +109,12 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
             keepalive_expiry=4.0,
             max_idle=500,
         )
+        # Pub/sub: its reads block until a message comes, so no timeout.
         self.redis: aioredis.Redis | None = None
-        self.limiter = Limiter(None, settings.LLMGW_CACHE_PREFIX)
-        self.budgets = budgets.Budgets(None, settings.LLMGW_CACHE_PREFIX)
+        # Limits, budgets and in-flight reports: short timeouts, and memory when Redis does not answer.
+        self.shared = Shared(None, self.metrics)
+        self.limiter = Limiter(self.shared, settings.LLMGW_CACHE_PREFIX)
+        self.budgets = budgets.Budgets(self.shared, settings.LLMGW_CACHE_PREFIX)
         self.usage = usage.Accumulator()
         self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-db")
         self._tasks: list[asyncio.Task] = []
@@ -96,8 +128,8 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.LLMGW_GATEWAY_UPSTREAM_TIMEOUT, connect=5.0))
         if settings.REDIS_URL:
             self.redis = aioredis.Redis.from_url(settings.REDIS_URL)
-            self.limiter.redis = self.redis
-            self.budgets.redis = self.redis
+            t = settings.LLMGW_CACHE_TIMEOUT
+            self.shared.redis = aioredis.Redis.from_url(settings.REDIS_URL, socket_timeout=t, socket_connect_timeout=t)
         try:
             await self.reload("all")
         except Exception:
@@ -127,8 +159,9 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         await self.pool.aclose()
         with contextlib.suppress(Exception):
             await self._report_inflight(None)
-        if self.redis is not None:
-            await self.redis.aclose()
+        for client in (self.redis, self.shared.redis):
+            if client is not None:
+                await client.aclose()
         self._db.shutdown(wait=False)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -141,7 +174,34 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         rid = request_id(scope)
         # Every answer carries the request's id; the rate-limit headers join them once the key is counted.
         extra = [(b"x-request-id", rid)]
-        send = stamped(send, extra)
+        answer = Answer()
+        send = answer.watch(stamped(send, extra))
+        failed = False
+        try:
+            await self._answer(scope, receive, send, path, method, rid, extra, answer)
+        except Exception:
+            failed = True
+            log.exception("gateway: %s %s failed (x-request-id %s)", method, path, rid.decode("latin-1"))
+            if answer.status is None:
+                with contextlib.suppress(Exception):
+                    await send_raw(send, 500, INTERNAL_ERROR)
+        finally:
+            # Every answer but the probes' is counted once: the forwarded ones where they are relayed, the rest here.
+            # A client that left before any answer is not counted.
+            if not answer.counted and (failed or answer.status) and not (method == "GET" and path in PROBES):
+                self.metrics.requests.labels(answer.model, "500" if failed else str(answer.status)).inc()
+
+    async def _answer(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        path: str,
+        method: str,
+        rid: bytes,
+        extra: list[tuple[bytes, bytes]],
+        answer: Answer,
+    ) -> None:
         if path == "/health" and method == "GET":
             await send_json(send, 200, {"status": "ok", "models": len(self.routes)})
             return
@@ -159,7 +219,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
             await self._model(send, key, path.removeprefix("/v1/models/"))
             return
         if method == "POST" and PROXIED.fullmatch(path):
-            await self._proxy(receive, send, key, path, rid, extra)
+            await self._proxy(receive, send, key, path, rid, extra, answer)
             return
         await send_raw(send, 404, error_body(404, f"no route {method} {path}", "invalid_request_error", "not_found"))
 
@@ -247,7 +307,14 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
                 return b"".join(chunks)
 
     async def _proxy(
-        self, receive: Receive, send: Send, key: KeyEntry, path: str, rid: bytes, extra: list[tuple[bytes, bytes]]
+        self,
+        receive: Receive,
+        send: Send,
+        key: KeyEntry,
+        path: str,
+        rid: bytes,
+        extra: list[tuple[bytes, bytes]],
+        answer: Answer,
     ) -> None:
         started = time.monotonic()
         try:
@@ -286,6 +353,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
                 ),
             )
             return
+        answer.model = model
         if not key.allows(model):
             await send_raw(
                 send,
@@ -297,6 +365,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
             return
         spent = await self.budgets.admit(key, time.time())
         if spent is not None:
+            answer.counted = True
             self.metrics.requests.labels(model, "429").inc()
             self.usage.add(key.id, model, time.time(), error=True)
             await send_raw(send, 429, spent.body, spent.headers)
@@ -306,6 +375,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         if window is not None:
             extra += window.headers()
         if window is not None and window.retry_after is not None:
+            answer.counted = True
             self.metrics.requests.labels(model, "429").inc()
             self.usage.add(key.id, model, wall, error=True)
             await send_raw(
@@ -327,6 +397,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
 
         out = await self._forward(receive, send, route, body, raw, path, started, spend, rid)
         await out.settle_once()
+        answer.counted = True
         self.metrics.requests.labels(model, str(out.code)).inc()
         if out.prompt_tokens:
             self.metrics.tokens.labels(model, "prompt").inc(out.prompt_tokens)

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from gateway import figures, notify, usage
+from gateway.dataplane.limits import Shared
 from gateway.dataplane.upstream import Health
 from gateway.table import Backend, KeyEntry, ModelRoute, load_keys, load_routes
 from llmgw_wire.engines import EngineLoad, engine_load
@@ -38,6 +39,7 @@ class Background:
     process_id: str
     client: httpx.AsyncClient | None
     redis: aioredis.Redis | None
+    shared: Shared
     usage: usage.Accumulator
     loaded: asyncio.Event
     # Holder's (gateway/dataplane/hold.py): wake held requests after a reload; this process's demand per model.
@@ -101,12 +103,13 @@ class Background:
     async def _report_inflight(self, counts: dict[str, int] | None) -> None:
         """Tell the reconciler this process's requests in flight and demand per model (None: withdraw both).
 
-        Through Redis, or files without it.
+        Through Redis, or files without it. Redis down: the reconciler reads "unknown" and waits out the
+        drain timeout; nothing is logged every half second (limits.Shared logs the change once).
         """
         wanted = None if counts is None else self.demand()
-        if self.redis is not None:
-            await placement_inflight.report_async(self.redis, self.process_id, counts)
-            await placement_demand.report_async(self.redis, self.process_id, wanted)
+        if self.shared.redis is not None:
+            await self.shared.call("inflight", lambda r: placement_inflight.report_async(r, self.process_id, counts))
+            await self.shared.call("inflight", lambda r: placement_demand.report_async(r, self.process_id, wanted))
         else:
             await asyncio.to_thread(placement_inflight.report_file, self.process_id, counts)
             await asyncio.to_thread(placement_demand.report_file, self.process_id, wanted)

@@ -3,7 +3,7 @@
 Spend is counted as the per-minute limits count (limits.py): Redis counters
 shared by every gateway process, one per key and period (the UTC day, the
 UTC month), each expiring an hour after its period ends; this process's
-memory when there is no Redis. A finished request adds its prompt and
+memory when there is no Redis or it does not answer (limits.py: Shared). A finished request adds its prompt and
 completion tokens; a request is refused once the spend has reached the
 budget, so the request that crosses it finishes, and the next one is refused.
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 
 from gateway.dataplane.http import error_body
+from gateway.dataplane.limits import Shared
 from gateway.table import KeyEntry
 
 # A counter outlives its period by this much, so a request at the boundary still reads it.
@@ -72,9 +73,9 @@ def refusal(key: KeyEntry, period: str, budget: int, spent: int, resets_at: floa
 
 @dataclass
 class Budgets:
-    """Per-key day and month spend: Redis when there is one (shared), this process's memory otherwise."""
+    """Per-key day and month spend: Redis when there is one and it answers (shared), this process's memory otherwise."""
 
-    redis: aioredis.Redis | None
+    shared: Shared
     prefix: str
     # Without Redis: (kind, key id) -> (period id, tokens), so a new period starts from zero.
     local: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
@@ -83,8 +84,9 @@ class Budgets:
         return f"{self.prefix}:gw:budget:{kind}:{key_id}:{period}"
 
     async def _counted(self, key_id: int, day: int, month: int) -> tuple[int, int]:
-        if self.redis is not None:
-            got = await self.redis.mget(self._k("day", key_id, day), self._k("month", key_id, month))
+        keys = (self._k("day", key_id, day), self._k("month", key_id, month))
+        got = await self.shared.call("budgets", lambda r: r.mget(*keys))
+        if got is not None:
             return int(got[0] or 0), int(got[1] or 0)
         d = self.local.get(("day", key_id))
         m = self.local.get(("month", key_id))
@@ -115,15 +117,18 @@ class Budgets:
         if tokens <= 0 or (not key.tokens_per_day and not key.tokens_per_month):
             return
         day, day_end, month, month_end = period_ends(now)
-        if self.redis is not None:
-            dk, mk = self._k("day", key.id, day), self._k("month", key.id, month)
-            pipe = self.redis.pipeline(transaction=False)
+        dk, mk = self._k("day", key.id, day), self._k("month", key.id, month)
+
+        async def add(r: aioredis.Redis) -> list:
+            pipe = r.pipeline(transaction=False)
             # Relative expiries: the period's end is this gateway's clock, and Redis's may differ.
             pipe.incrby(dk, tokens)
             pipe.expire(dk, math.ceil(day_end - now) + EXPIRY_MARGIN_S)
             pipe.incrby(mk, tokens)
             pipe.expire(mk, math.ceil(month_end - now) + EXPIRY_MARGIN_S)
-            await pipe.execute()
+            return await pipe.execute()
+
+        if await self.shared.call("budgets", add) is not None:
             return
         for kind, period in (("day", day), ("month", month)):
             was = self.local.get((kind, key.id))

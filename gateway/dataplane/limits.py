@@ -1,14 +1,76 @@
-"""API keys' per-minute limits (requests, tokens), counted in Redis so that every gateway process agrees."""
+"""API keys' per-minute limits (requests, tokens), counted in Redis so that every gateway process agrees.
+
+Redis is an accelerator, not a dependency: while it does not answer, each
+process counts the limits (and the budgets, budgets.py) in its own memory,
+so a key may get up to its limit from each process instead of one between
+them all, rather than a 500 for every request. The degradation is visible:
+`llmgw_gateway_counters_local` is 1 meanwhile, every failed call is counted
+in `llmgw_gateway_redis_errors_total{op}`, and the change both ways is
+logged. Redis is asked again after RETRY_S, not on every request, so a hung
+one costs a request at most the client's timeout once in that while.
+"""
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
+from gateway.dataplane.metrics import Metrics
 from gateway.table import KeyEntry
+
+log = logging.getLogger("gateway.dataplane")
+
+# Seconds between attempts at a Redis that failed.
+RETRY_S = 5.0
+
+
+@dataclass
+class Shared:
+    """Whether the shared counters (Redis) answer; calls through it fall back to None when they do not."""
+
+    redis: aioredis.Redis | None
+    metrics: Metrics | None = None
+    # monotonic time before which Redis is not asked again; 0.0 while it answers.
+    down_until: float = 0.0
+    down: bool = False
+
+    async def call(self, op: str, run: Callable[[aioredis.Redis], Awaitable[Any]]) -> Any | None:
+        """run(redis)'s result; None when there is no Redis or it failed (then counted, and logged once)."""
+        if self.redis is None or (self.down and time.monotonic() < self.down_until):
+            return None
+        try:
+            result = await run(self.redis)
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._failed(op, exc)
+            return None
+        if self.down:
+            self.down = False
+            log.warning("gateway: Redis answers again: limits and budgets are shared by every gateway process")
+            if self.metrics is not None:
+                self.metrics.counters_local.set(0)
+        return result
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self.down_until = time.monotonic() + RETRY_S
+        if self.metrics is not None:
+            self.metrics.redis_errors.labels(op).inc()
+            self.metrics.counters_local.set(1)
+        if not self.down:
+            self.down = True
+            log.warning(
+                "gateway: Redis unreachable (%s: %s): limits and budgets are counted by this process alone "
+                "until it answers",
+                type(exc).__name__,
+                exc,
+            )
 
 
 def duration(seconds: float) -> str:
@@ -52,9 +114,9 @@ class Window:
 
 @dataclass
 class Limiter:
-    """Per-key, per-minute counters: Redis when there is one (shared), this process's memory otherwise."""
+    """Per-key, per-minute counters: Redis while it answers (shared), this process's memory otherwise."""
 
-    redis: aioredis.Redis | None
+    shared: Shared
     prefix: str
     local: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
@@ -68,12 +130,17 @@ class Limiter:
         minute = int(now // 60)
         reset = 60 - (now % 60)
         rpm_k, tpm_k = self._k("rpm", key.id, minute), self._k("tpm", key.id, minute)
-        if self.redis is not None:
-            pipe = self.redis.pipeline(transaction=False)
+
+        async def counted(r: aioredis.Redis) -> list:
+            pipe = r.pipeline(transaction=False)
             pipe.incr(rpm_k)
             pipe.expire(rpm_k, 120)
             pipe.get(tpm_k)
-            requests, _, tokens = await pipe.execute()
+            return await pipe.execute()
+
+        got = await self.shared.call("limits", counted)
+        if got is not None:
+            requests, _, tokens = got
             tokens = int(tokens or 0)
         else:
             self.local[rpm_k] += 1
@@ -86,10 +153,12 @@ class Limiter:
         if not key.tpm_limit or tokens <= 0:
             return
         k = self._k("tpm", key.id, int(now // 60))
-        if self.redis is not None:
-            pipe = self.redis.pipeline(transaction=False)
+
+        async def add(r: aioredis.Redis) -> list:
+            pipe = r.pipeline(transaction=False)
             pipe.incrby(k, tokens)
             pipe.expire(k, 120)
-            await pipe.execute()
-        else:
+            return await pipe.execute()
+
+        if await self.shared.call("limits", add) is None:
             self.local[k] += tokens

@@ -45,6 +45,19 @@ class Metrics:
             ["replica"],
             registry=self.registry,
         )
+        self.redis_errors = Counter(
+            "llmgw_gateway_redis_errors",
+            "Calls to Redis that failed and were answered without it, by what they were for (limits, budgets)",
+            ["op"],
+            registry=self.registry,
+        )
+        for op in ("limits", "budgets", "inflight"):
+            self.redis_errors.labels(op)
+        self.counters_local = Gauge(
+            "llmgw_gateway_counters_local",
+            "1 while Redis does not answer and this process counts limits and budgets on its own",
+            registry=self.registry,
+        )
         self.retries = Counter(
             "llmgw_gateway_retries", "Requests retried on another replica before the first byte", registry=self.registry
         )

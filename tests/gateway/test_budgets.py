@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from gateway import keys, notify, usage
 from gateway.dataplane.budgets import EXPIRY_MARGIN_S, Budgets, period_ends
+from gateway.dataplane.limits import Shared
 from gateway.table import KeyEntry
 from tests.gateway.conftest import chat, make_deployment, make_key, url_of, wait_for
 
@@ -38,7 +39,7 @@ def shared():
 
     async def make(prefix: str) -> tuple[Budgets, Budgets, aioredis.Redis]:
         r = aioredis.Redis.from_url(settings.REDIS_URL)
-        return Budgets(r, prefix), Budgets(r, prefix), r
+        return Budgets(Shared(r), prefix), Budgets(Shared(r), prefix), r
 
     return make
 
@@ -56,7 +57,7 @@ def test_period_ends():
 
 def test_a_key_without_budgets_is_never_counted():
     async def go():
-        b = Budgets(None, "x")
+        b = Budgets(Shared(None), "x")
         key = entry()
         await b.spend(key, 10**9, T)
         assert b.local == {}
@@ -104,7 +105,7 @@ def test_a_day_budget_spent_across_two_processes_refuses_until_midnight(shared):
 
 def test_the_month_refuses_with_its_own_later_reset():
     async def go():
-        b = Budgets(None, "x")
+        b = Budgets(Shared(None), "x")
         key = entry(tokens_per_day=50, tokens_per_month=100)
         await b.spend(key, 60, T - 86400)  # yesterday
         await b.spend(key, 50, T)  # today: day and month both spent
@@ -116,7 +117,7 @@ def test_the_month_refuses_with_its_own_later_reset():
         # On 1 December both have reset.
         assert await b.admit(key, T + 3 * 3600) is None
         key = entry(tokens_per_day=50, tokens_per_month=1000)
-        refused = await Budgets(None, "x", dict(b.local)).admit(key, T)
+        refused = await Budgets(Shared(None), "x", dict(b.local)).admit(key, T)
         assert "for this UTC day (50 spent)" in error(refused)["message"]
 
     asyncio.run(go())
@@ -126,7 +127,7 @@ def test_the_recorded_spend_counts_when_the_counters_lost_it():
     today = dt.datetime.fromtimestamp(T, tz=dt.UTC).date()
 
     async def go():
-        b = Budgets(None, "x")  # a process that has counted nothing (Redis restarted, or none)
+        b = Budgets(Shared(None), "x")  # a process that has counted nothing (Redis restarted, or none)
         seen = usage.Spent(day=10, month=40)
         refused = await b.admit(entry(tokens_per_day=10, recorded=seen, recorded_on=today), T)
         assert "for this UTC day (10 spent)" in error(refused)["message"]

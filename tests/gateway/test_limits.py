@@ -7,7 +7,7 @@ import datetime as dt
 import pytest
 from asgiref.sync import async_to_sync
 
-from gateway.dataplane.limits import Limiter, Window, duration
+from gateway.dataplane.limits import Limiter, Shared, Window, duration
 from gateway.table import KeyEntry
 
 
@@ -42,7 +42,7 @@ def _key(rpm: int, tpm: int) -> KeyEntry:
 
 
 def test_admission_counts_the_minute_in_this_processes_memory():
-    limiter = Limiter(None, "t")
+    limiter = Limiter(Shared(None), "t")
     now = dt.datetime(2026, 1, 1, 12, 0, 15, tzinfo=dt.UTC).timestamp()
     assert async_to_sync(limiter.admit)(_key(0, 0), now) is None
     key = _key(2, 10)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 
 import pytest
+from django.utils import timezone
 
 from inventory import lag, liveness
 from inventory.models import ControlPlaneEvent, LivenessClock, Node, NodeEvent, NodeState
@@ -142,15 +143,17 @@ def test_most_of_the_fleet_silent_at_once_is_the_control_planes_fault(now):
     assert liveness.sweep(now=at(now, 730)).unreachable == ["node-3"]
 
 
-def test_a_silence_trickling_in_over_sweeps_still_counts_as_one(now):
-    """Heartbeats stop staggered, so sweeps see nodes cross one by one; the early ones still count."""
+def test_a_silence_trickling_in_over_sweeps_is_seen_before_any_verdict(now):
+    """Heartbeats stop staggered; the whole fleet's silence is judged before the first node is due."""
     for i in range(3):
         make_node(f"node-{i}", now=at(now, i * 4))
-    sweeps(now, 0, 10, 20)
-    assert liveness.sweep(now=at(now, 31)).unreachable == ["node-0"]
-    result = liveness.sweep(now=at(now, 41))
+    # Ages 10, 6 and 2 s: none has missed two heartbeats yet.
+    assert not sweeps(now, 0, 10).suspended
+    # Ages 20, 16 and 12 s: all three have, ten seconds before node-0's unreachable deadline.
+    assert liveness.sweep(now=at(now, 20)).suspended
+    result = liveness.sweep(now=at(now, 31))
     assert result.suspended and result.unreachable == []
-    assert steady(now, 51, 600).lost == []
+    assert steady(now, 41, 600).lost == []
 
 
 def test_lost_nodes_are_declared_at_a_bounded_rate(now, settings):
@@ -302,3 +305,14 @@ def test_a_fleet_heard_in_full_or_too_small_to_read_judges_on_time(now, settings
     Node.objects.filter(id__in=ids[:1]).delete()
     # 99 nodes: too few to read.
     assert lag.hearing(now=at(now, 104)) == lag.Hearing(nodes=99, heard=0, stretch=1.0)
+
+
+def test_the_task_judges_and_does_not_fail_with_the_cache_gone(redis_gone):
+    """The schedule's slot is in the cache: without it the sweep still judges, and the tick is the schedule."""
+    make_node("node-a", now=dt.datetime(2000, 1, 1, tzinfo=dt.UTC))
+    make_node("node-b", now=timezone.now())
+    make_node("node-c", now=timezone.now())
+    assert liveness_sweep(due="2000-01-01T00:00:00+00:00")["unreachable"] == 0  # the first sweep ever judges nothing
+    LivenessClock.objects.update(blind_from=None, blind_until=None)
+    assert liveness_sweep() == {"unreachable": 1, "lost": 1, "flagged": 0, "failed_shards": 0}
+    assert state()[0] == NodeState.LOST

@@ -274,3 +274,15 @@ def test_samples_older_than_a_day_are_pruned(now):
     reconcile(now=now)
     left = set(AutoscaleSample.objects.filter(deployment=dep).values_list("id", flat=True))
     assert old.id not in left and kept_one.id in left and len(left) == 2
+
+
+def test_redis_gone_counts_stay_and_the_pass_goes_on(now, redis_gone):
+    """No report can be read: no signal, so no step either way, and the rest of the pass is done."""
+    make_node("a", now=now)
+    dep = autoscaled()
+    fixed = Deployment.objects.create(name="fixed", served_model="fixed", profile=dep.profile, replicas=1)
+    report_ = reconcile(now=now)
+    dep.refresh_from_db()
+    assert (dep.replicas, report_.autoscaled, report_.placed) == (1, [], 2)
+    assert len(live(fixed)) == 1
+    assert not AutoscaleSample.objects.exists()

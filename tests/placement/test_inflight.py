@@ -128,3 +128,30 @@ def test_no_router_alive_stops_at_once(now, serving):
     reconcile(now=now)
     rep.refresh_from_db()
     assert (rep.state, rep.stop_requested_at, _stops()) == ("draining", now, 1)
+
+
+def test_redis_gone_the_totals_say_unknown(redis_gone):
+    assert inflight.totals() == inflight.Totals(0, {}, known=False)
+
+
+def test_redis_gone_a_retiring_replica_waits_out_the_drain_timeout_and_the_pass_goes_on(
+    now, serving, redis_gone, settings
+):
+    """A scale-down and a scale-up in one pass: the retiring replica waits, the new one is placed meanwhile."""
+    settings.LLMGW_DRAIN_REQUESTS_TIMEOUT = 120.0
+    dep, rep = serving
+    other = Deployment.objects.create(name="other", served_model="other", profile=dep.profile, replicas=1)
+    dep.replicas = 0
+    dep.save()
+    report_ = reconcile(now=now)
+    rep.refresh_from_db()
+    assert (rep.state, rep.stop_requested_at, _stops()) == ("draining", None, 0)
+    assert report_.placed == 1 and Replica.objects.filter(deployment=other).count() == 1
+    # Settled, idle as far as anyone knows: nobody knows, so the stop waits for the timeout.
+    reconcile(now=now + dt.timedelta(seconds=SETTLE + 1))
+    reconcile(now=now + dt.timedelta(seconds=119))
+    assert _stops() == 0
+    reconcile(now=now + dt.timedelta(seconds=121))
+    assert _stops() == 1
+    ev = PlacementEvent.objects.get(replica=rep, kind="stopping")
+    assert ev.reason == "in-flight requests unknown (reports unreadable) after 121 s"

@@ -474,9 +474,10 @@ def test_two_live_shards_never_share_a_node_and_port(now, profile):
 
 
 def test_a_poison_profile_is_recorded_on_its_replica_and_the_pass_goes_on(now, profile):
-    """300 engine args (the wire allows 256) written straight to the database: only that deployment waits."""
+    """An engine arg of 5,000 characters (the wire allows 4,096; the database's check counts the args, not their
+    length) written straight to the database: only that deployment waits."""
     make_node("a", now=now, gpus=8)
-    poison = EngineProfile.objects.create(name="poison", engine="echo", gpus_per_node=4, args=["--x"] * 300)
+    poison = EngineProfile.objects.create(name="poison", engine="echo", gpus_per_node=4, args=["x" * 5000])
     bad = deploy(poison, name="bad")
     good = deploy(profile, name="good")
     report = reconcile(now=now)
