@@ -112,11 +112,9 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
                 if credentials.has_credential(reg.node_id):
                     secret = credentials.rejoin(reg.node_id, join=caller.join, join_nonce=reg.join_nonce, now=now)
                     if secret is None:
-                        raise Refused(
-                            403,
-                            "this node id is registered with its own credential; a join token cannot take it over "
-                            "unless an operator resets the credential",
-                        )
+                        # The node's refusal, in the words every other node gets: a join
+                        # token's holder learns nothing about which node ids exist.
+                        raise NOT_YOURS
                 elif not credentials.consume_join_token(caller.join, now=now):
                     raise UNAUTHENTICATED
             upsert_node(reg, now=now)
