@@ -10,6 +10,7 @@ written only after the transaction committed.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -47,15 +48,27 @@ UNAUTHENTICATED = Refused(401, "missing or invalid credentials")
 NOT_YOURS = Refused(403, "this credential does not authorise requests about that node")
 
 
-@dataclass(frozen=True)
 class Body(Generic[M]):
-    """A request's body as its endpoint parsed it: the message, or the refusal it earns (raised by `message()`)."""
+    """A request's body: the message, or the refusal it earns (raised by `message()`).
 
-    parsed: M | None = None
-    refused: Refused | None = None
+    Given `read`, the body is read and parsed only when `message()` is first
+    called, which the protocol does once the caller is authenticated: a
+    stranger's body is never read, so a stranger trickling one holds nothing.
+    """
+
+    def __init__(self, parsed: M | None = None, refused: Refused | None = None, *, read: Callable[[], M] | None = None):
+        self.parsed = parsed
+        self.refused = refused
+        self._read = read
 
     def message(self) -> M:
         """The message; raises the body's refusal (415, 413, 400) when there is none."""
+        if self._read is not None:
+            read, self._read = self._read, None
+            try:
+                self.parsed = read()
+            except Refused as exc:
+                self.refused = exc
         if self.parsed is None:
             raise self.refused or Refused(400, "invalid request body")
         return self.parsed

@@ -126,9 +126,7 @@ class CPHandler(BaseHTTPRequestHandler):
                 wire.Register.model_validate(body)
                 if token == JOIN and body["node_id"] in cp.taken:
                     # The control plane's refusal, which names no node.
-                    return self._send(
-                        403, {"detail": "this credential does not authorise requests about that node"}
-                    )
+                    return self._send(403, {"detail": "this credential does not authorise requests about that node"})
                 if token == JOIN:
                     cp.issued += 1
                     cred = f"cred-{cp.issued}"
