@@ -43,6 +43,7 @@ from gateway.dataplane.pool import Pool
 from gateway.dataplane.streaming import Outcome, Relay
 from gateway.dataplane.upstream import Health, Upstream
 from gateway.table import KeyEntry, ModelRoute
+from llmgw import orphans
 from wire.engines import EngineLoad
 
 log = logging.getLogger("gateway.dataplane")
@@ -86,6 +87,8 @@ class DataPlane(Background, Catalog, Upstream, Relay):
 
     async def startup(self) -> None:
         """Open the pools, load the table, start the background loops."""
+        # A worker outliving its server's master would serve on beside its replacement.
+        orphans.watch_parent()
         # The engines' figures, read once a second.
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.LLMGW_GATEWAY_UPSTREAM_TIMEOUT, connect=5.0))
         if settings.REDIS_URL:
@@ -210,19 +213,26 @@ class DataPlane(Background, Catalog, Upstream, Relay):
         await send({"type": "http.response.body", "body": body})
 
     async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, None when it is over MAX_BODY; TimeoutError past LLMGW_BODY_TIMEOUT.
+
+        A client trickling its body a byte at a time would otherwise hold its
+        connection, its buffers and its place in the in-flight counts for as
+        long as it likes.
+        """
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > MAX_BODY:
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        async with asyncio.timeout(settings.LLMGW_BODY_TIMEOUT):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > MAX_BODY:
+                    return None
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
 
     async def _proxy(
         self, receive: Receive, send: Send, key: KeyEntry, path: str, rid: bytes, extra: list[tuple[bytes, bytes]]
@@ -231,6 +241,15 @@ class DataPlane(Background, Catalog, Upstream, Relay):
         try:
             raw = await self._read_body(receive)
         except ClientGone:
+            return
+        except TimeoutError:
+            message = f"the body did not arrive within {settings.LLMGW_BODY_TIMEOUT:g} s"
+            await send_raw(
+                send,
+                408,
+                error_body(408, message, "invalid_request_error", "body_timeout"),
+                [(b"connection", b"close")],
+            )
             return
         if raw is None:
             await send_raw(
@@ -241,6 +260,11 @@ class DataPlane(Background, Catalog, Upstream, Relay):
             body = json.loads(raw or b"{}")
         except (ValueError, UnicodeDecodeError):
             await send_raw(send, 400, error_body(400, "body is not JSON", "invalid_request_error", "invalid_json"))
+            return
+        except RecursionError:
+            # Arrays nested thousands deep: the parser's own recursion ran out, which is the client's doing.
+            message = "the body nests arrays or objects too deeply"
+            await send_raw(send, 400, error_body(400, message, "invalid_request_error", "invalid_json"))
             return
         if not isinstance(body, dict):
             message = f"the body must be a JSON object, not {json_kind(body)}"
