@@ -10,12 +10,13 @@ written only after the transaction committed.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, transaction
 
 import wire
 from agents import credentials
@@ -24,9 +25,14 @@ from inventory import changes, outbox, telemetry
 from inventory import fabric as fabric_rules
 from inventory import heartbeat as hb_rules
 from inventory.nodes import upsert_node
+from llmgw import db
 from placement import agent_sync, queueing
 
 M = TypeVar("M", bound=wire.Message)
+
+log = logging.getLogger(__name__)
+# A heartbeat that lost a deadlock runs again, this many times in all.
+DEADLOCK_ATTEMPTS = 3
 
 
 class Refused(Exception):
@@ -187,15 +193,25 @@ def heartbeat_request(token: str | None, body: Body[wire.Heartbeat], *, now: dt.
     """
     if token is None:
         raise UNAUTHENTICATED
-    with transaction.atomic():
-        found = credentials.authenticate_and_touch(token, now=now, durable=False)
-        if found is None:
-            raise UNAUTHENTICATED
-        auth, touched = found
-        hb = body.message()
-        _own(Caller(node=auth), hb.node_id)
-        previous = telemetry.get(hb.node_id)
-        pending, applied = _record(hb, touched, previous, now=now)
+    for attempt in range(1, DEADLOCK_ATTEMPTS + 1):
+        try:
+            with transaction.atomic():
+                found = credentials.authenticate_and_touch(token, now=now, durable=False)
+                if found is None:
+                    raise UNAUTHENTICATED
+                auth, touched = found
+                hb = body.message()
+                _own(Caller(node=auth), hb.node_id)
+                previous = telemetry.get(hb.node_id)
+                pending, applied = _record(hb, touched, previous, now=now)
+            break
+        except OperationalError as exc:
+            # The node's row, then its shards' replicas (their events' keys, checked at the commit),
+            # against a writer that locked a replica and then the node: PostgreSQL aborts one of
+            # the two, and the heartbeat, all of whose work is in this transaction, runs again.
+            if attempt == DEADLOCK_ATTEMPTS or not db.is_deadlock(exc):
+                raise
+            log.info("a heartbeat deadlocked (attempt %d); running it again", attempt)
     return _answer(auth, hb, previous, applied, pending, now=now)
 
 
