@@ -51,7 +51,7 @@ def test_a_heartbeat_that_loses_a_deadlock_is_run_again(client, joined):
                     raise AssertionError("the heartbeat never waited on the replica")
                 # ...then the node the heartbeat holds: a cycle, which the heartbeat's wait finds first.
                 Node.objects.filter(id="node-a").update(hostname="renamed-by-the-writer")
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
+        except BaseException as exc:  # reported to the test
             errors.append(exc)
         finally:
             connections.close_all()
