@@ -11,6 +11,7 @@ would stop it (SIGTERM), then, if that has not ended it, exits.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -31,7 +32,10 @@ def watch_parent(*, check_s: float = CHECK_S, grace_s: float = GRACE_S) -> None:
     if _started:
         return
     _started = True
-    parent = os.getppid()
+    # The master that started this worker, as multiprocessing recorded it at the start: by
+    # the time this runs (the application's start-up, seconds later) it may be dead already.
+    spawner = multiprocessing.parent_process()
+    parent = spawner.pid if spawner is not None and spawner.pid else os.getppid()
     threading.Thread(target=_watch, args=(parent, check_s, grace_s), name="orphan-watch", daemon=True).start()
 
 

@@ -9,7 +9,9 @@ refused from its headers, its body never waited for, whatever the server.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -77,8 +79,13 @@ class Server:
         wait_until(answers, timeout=60, what="the web server answering", context=lambda: self.log.read_text())
 
     def stop(self) -> None:
-        os.killpg(self.proc.pid, 15)
-        self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
 
 
 @pytest.fixture
