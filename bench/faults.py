@@ -35,9 +35,9 @@ from pathlib import Path
 import httpx
 import psycopg
 
-from agents.node.simulate import Fleet
 from bench import procs
 from bench.hostile import Trickle, request_head
+from llmgw_sim.simulate import Fleet
 
 REPO = Path(__file__).resolve().parents[1]
 JOIN = "llmgw-join-fault-suite"
