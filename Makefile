@@ -20,7 +20,7 @@ LLAMA_SERVER := $(shell ./scripts/llama-server.sh --path 2>/dev/null)
 OPENAI_JS := 7.59.0
 JS_SDK := var/js-sdk
 
-.PHONY: run test lint bench bench-peers demo services migrations clean browser prometheus js-sdk llama-server record-llama-server
+.PHONY: run test lint bench bench-peers faults demo services migrations clean browser prometheus js-sdk llama-server record-llama-server
 
 # The install is quiet unless something fails: no recipe echoed, nothing printed on success.
 $(PY):
@@ -106,6 +106,12 @@ bench: $(VENV)/.installed-dev services
 # installed from PyPI into a venv of its own under var/peers/ (never the project's). Not needed by make test.
 bench-peers: $(VENV)/.installed-dev services
 	$(TEST_ENV) $(PY) -m bench peers
+
+# The fault suite (bench/faults.py): a throwaway stack of its own (PostgreSQL, two Redis, make run's
+# four processes, simulated nodes) broken in each way docs/operations.md lists, one line each: what
+# was done, what was lost. Minutes; not part of make test.
+faults: $(VENV)/.installed-dev
+	$(TEST_ENV) $(PY) -m bench faults
 
 clean:
 	rm -rf $(VENV) var test-artifacts

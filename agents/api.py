@@ -4,7 +4,8 @@ Thin: authenticate, check the body's type and size, validate it against the
 wire schema, and hand it to agents/protocol.py. The checks come in an order
 that tells a stranger nothing: credentials first (401), then the envelope
 (415, 413), then the body (400 naming each field), then whether the
-credential may speak for the node the body names (403).
+credential may speak for the node the body names (403). The body is read
+only after the credential's check, so a stranger's is never read at all.
 
 A heartbeat arrives every few seconds from every node, so these are plain
 Django views: the DRF classes below only describe the endpoints for the
@@ -162,11 +163,12 @@ class AgentEndpoint(APIView):
         return self.handle(caller, body.message(), now=now)
 
     def parse(self, django_request: HttpRequest) -> protocol.Body:
-        """The request's message, or the refusal (415, 413, 400 naming each field) of a body that cannot be one."""
-        try:
-            return protocol.Body(parsed=self.read(django_request))
-        except protocol.Refused as exc:
-            return protocol.Body(refused=exc)
+        """The request's message, or the refusal (415, 413, 400 naming each field) of a body that cannot be one.
+
+        Read when the protocol first asks for it, after the credential's check: a request
+        without one is refused from its headers, its body never read.
+        """
+        return protocol.Body(read=lambda: self.read(django_request))
 
     def read(self, django_request: HttpRequest) -> wire.Message:
         """The request's message; raises Refused (415, 413, 400 naming each field) for a body it cannot be."""

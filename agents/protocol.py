@@ -10,11 +10,13 @@ written only after the transaction committed.
 from __future__ import annotations
 
 import datetime as dt
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, OperationalError, transaction
 
 import llmgw_wire as wire
 from agents import credentials
@@ -23,9 +25,14 @@ from inventory import changes, outbox, telemetry
 from inventory import fabric as fabric_rules
 from inventory import heartbeat as hb_rules
 from inventory.nodes import upsert_node
+from llmgw import db
 from placement import agent_sync, queueing
 
 M = TypeVar("M", bound=wire.Message)
+
+log = logging.getLogger(__name__)
+# A heartbeat that lost a deadlock runs again, this many times in all.
+DEADLOCK_ATTEMPTS = 3
 
 
 class Refused(Exception):
@@ -47,15 +54,27 @@ UNAUTHENTICATED = Refused(401, "missing or invalid credentials")
 NOT_YOURS = Refused(403, "this credential does not authorise requests about that node")
 
 
-@dataclass(frozen=True)
 class Body(Generic[M]):
-    """A request's body as its endpoint parsed it: the message, or the refusal it earns (raised by `message()`)."""
+    """A request's body: the message, or the refusal it earns (raised by `message()`).
 
-    parsed: M | None = None
-    refused: Refused | None = None
+    Given `read`, the body is read and parsed only when `message()` is first
+    called, which the protocol does once the caller is authenticated: a
+    stranger's body is never read, so a stranger trickling one holds nothing.
+    """
+
+    def __init__(self, parsed: M | None = None, refused: Refused | None = None, *, read: Callable[[], M] | None = None):
+        self.parsed = parsed
+        self.refused = refused
+        self._read = read
 
     def message(self) -> M:
         """The message; raises the body's refusal (415, 413, 400) when there is none."""
+        if self._read is not None:
+            read, self._read = self._read, None
+            try:
+                self.parsed = read()
+            except Refused as exc:
+                self.refused = exc
         if self.parsed is None:
             raise self.refused or Refused(400, "invalid request body")
         return self.parsed
@@ -112,11 +131,9 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
                 if credentials.has_credential(reg.node_id):
                     secret = credentials.rejoin(reg.node_id, join=caller.join, join_nonce=reg.join_nonce, now=now)
                     if secret is None:
-                        raise Refused(
-                            403,
-                            "this node id is registered with its own credential; a join token cannot take it over "
-                            "unless an operator resets the credential",
-                        )
+                        # The node's refusal, in the words every other node gets: a join
+                        # token's holder learns nothing about which node ids exist.
+                        raise NOT_YOURS
                 elif not credentials.consume_join_token(caller.join, now=now):
                     raise UNAUTHENTICATED
             upsert_node(reg, now=now)
@@ -177,15 +194,25 @@ def heartbeat_request(token: str | None, body: Body[wire.Heartbeat], *, now: dt.
     """
     if token is None:
         raise UNAUTHENTICATED
-    with transaction.atomic():
-        found = credentials.authenticate_and_touch(token, now=now, durable=False)
-        if found is None:
-            raise UNAUTHENTICATED
-        auth, touched = found
-        hb = body.message()
-        _own(Caller(node=auth), hb.node_id)
-        previous = telemetry.get(hb.node_id)
-        pending, applied = _record(hb, touched, previous, now=now)
+    for attempt in range(1, DEADLOCK_ATTEMPTS + 1):
+        try:
+            with transaction.atomic():
+                found = credentials.authenticate_and_touch(token, now=now, durable=False)
+                if found is None:
+                    raise UNAUTHENTICATED
+                auth, touched = found
+                hb = body.message()
+                _own(Caller(node=auth), hb.node_id)
+                previous = telemetry.get(hb.node_id)
+                pending, applied = _record(hb, touched, previous, now=now)
+            break
+        except OperationalError as exc:
+            # The node's row, then its shards' replicas (their events' keys, checked at the commit),
+            # against a writer that locked a replica and then the node: PostgreSQL aborts one of
+            # the two, and the heartbeat, all of whose work is in this transaction, runs again.
+            if attempt == DEADLOCK_ATTEMPTS or not db.is_deadlock(exc):
+                raise
+            log.info("a heartbeat deadlocked (attempt %d); running it again", attempt)
     return _answer(auth, hb, previous, applied, pending, now=now)
 
 

@@ -15,11 +15,14 @@ BENCHES: list[str] = ["heartbeat", "lease", "planner", "reconcile", "kept", "met
 # Run only when named: the whole loop with a simulated fleet takes minutes, and
 # the gateway's peers are installed from PyPI (make bench-peers); autoscale runs a
 # load of minutes.
-ON_REQUEST: list[str] = ["fleet", "peers", "autoscale"]
+ON_REQUEST: list[str] = ["fleet", "peers", "autoscale", "faults"]
 
 
 def main(argv: list[str]) -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "llmgw.settings_test")
+    if argv[:1] == ["faults"]:
+        # Scenario names follow (bench/faults.py), each line printed as its scenario ends.
+        return importlib.import_module("bench.faults").main(argv[1:])
     names = argv or BENCHES
     unknown = [n for n in names if n not in BENCHES + ON_REQUEST]
     if unknown:

@@ -91,3 +91,13 @@ def trust_idle_connection(alias: str = DEFAULT_DB_ALIAS, *, conn: BaseDatabaseWr
         return False
     conn.health_check_done = True
     return True
+
+
+# PostgreSQL's SQLSTATE for a transaction it chose to abort to break a deadlock.
+DEADLOCK = "40P01"
+
+
+def is_deadlock(exc: BaseException) -> bool:
+    """Whether a database error is PostgreSQL's deadlock verdict: the transaction was aborted and may run again."""
+    cause = exc.__cause__ or exc
+    return getattr(cause, "sqlstate", None) == DEADLOCK

@@ -400,6 +400,10 @@ LLMGW_GATEWAY_SCRAPE = env_seconds("LLMGW_GATEWAY_SCRAPE", 1.0)
 LLMGW_DRAIN_REQUESTS_TIMEOUT = env_seconds("LLMGW_DRAIN_REQUESTS_TIMEOUT", 300.0)
 # How often each data plane writes its usage counts (one upsert per flush).
 LLMGW_GATEWAY_USAGE_FLUSH = env_seconds("LLMGW_GATEWAY_USAGE_FLUSH", 5.0)
+# Seconds a client has to send a request's whole body, at the web server's front
+# (llmgw/front.py) and at the gateway alike: a body trickled a byte at a time is
+# cut off with a 408 then, and until then it holds a coroutine, never a thread.
+LLMGW_BODY_TIMEOUT = env_seconds("LLMGW_BODY_TIMEOUT", 10.0)
 # How long the agents' wakeup long-poll (agents/wakeup.py) is held before a 204:
 # under the 30-60 s idle timeouts of the usual proxies and load balancers, so a
 # quiet wait is never cut by one in the middle and read as an error.

@@ -239,9 +239,15 @@ class Agent:
                     " revoked, expired or used up; ask an operator for a new one"
                 )
             if r.status_code == 403:
-                # A valid token, but this node id already holds a credential
-                # (its state directory was lost): the control plane says so.
-                raise Refused(f"the join token was refused: {self.control_plane.why(r)}")
+                # A valid token, but this node id already holds a credential (its state
+                # directory was lost). The control plane's words name no node, so that a
+                # token's holder cannot probe which ids exist: the agent, which knows its
+                # own id, says what is meant.
+                raise Refused(
+                    f"the join token was refused (403): node id {c.node_id!r} already holds a credential"
+                    f" (was {self.credential_file.path} lost?); an operator must reset it before a join token"
+                    f" can take it ({self.control_plane.why(r)})"
+                )
         resp = self._answer(r, wire.RegisterResponse, "registration")
         if resp.credential:
             self.credential_file.save(resp.credential)

@@ -135,9 +135,15 @@ def empty_dict() -> Any:
 
 
 class Message(BaseModel):
-    """Base of every wire message: fields a newer peer adds are ignored."""
+    """Base of every wire message: fields a newer peer adds are ignored; numbers are finite.
 
-    model_config = ConfigDict(extra="ignore", frozen=False)
+    JSON has no NaN or infinity, but Python's parsers read `NaN`, `Infinity`
+    and an overflowing `1e400` as such: a timestamp of NaN compares false with
+    everything and one of infinity cannot become a datetime, so either would
+    pass the bounds and fail far from the wire. Refused here, naming the field.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=False, allow_inf_nan=False)
 
 
 class ShardState(StrEnum):

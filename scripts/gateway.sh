@@ -3,6 +3,7 @@
 # It also answers the agents' wakeup long-poll, GET /api/v1/agent/wait (agents/wakeup.py).
 #   LLMGW_GATEWAY_WORKERS  data plane processes (default 1; they agree through Redis)
 #   LLMGW_ACCESS_LOG       1: log every request (off by default)
+# A worker that dies is started again; one whose master died stops itself (llmgw/orphans.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ADDR="${1:?usage: scripts/gateway.sh HOST:PORT}"
@@ -18,4 +19,4 @@ case "${LLMGW_ACCESS_LOG:-}" in
 *) access_log=--no-access-log ;;
 esac
 exec "$PY" -m granian --interface asgi gateway.asgi:app --host "$HOST" --port "$PORT" \
-    --workers "${LLMGW_GATEWAY_WORKERS:-1}" --no-ws --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
+    --workers "${LLMGW_GATEWAY_WORKERS:-1}" --no-ws --respawn-failed-workers --respawn-interval 1 --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"

@@ -3,6 +3,7 @@
 #   LLMGW_WEB_SERVER   granian (default) or gunicorn (with gunicorn.conf.py)
 #   WEB_CONCURRENCY    worker processes (default: one per core)
 #   LLMGW_WEB_THREADS  threads per worker running the WSGI application (default 4)
+#   LLMGW_BODY_TIMEOUT seconds a client has to send a body (default 10; then 408)
 #   LLMGW_ACCESS_LOG   1: log every request (off by default)
 #   DATABASE_POOL_MAX  default 0 here: persistent connections, one per thread
 # Both servers run a fixed number of threads, so persistent connections are
@@ -31,8 +32,11 @@ export DATABASE_POOL_MAX="${DATABASE_POOL_MAX:-0}"
 export DATABASE_CONN_MAX_AGE="${DATABASE_CONN_MAX_AGE:-600}"
 case "${LLMGW_WEB_SERVER:-granian}" in
 granian)
-    exec "$PY" -m granian --interface wsgi llmgw.wsgi:application --host "$HOST" --port "$PORT" \
-        --workers "$WEB_CONCURRENCY" --blocking-threads "$LLMGW_WEB_THREADS" --no-ws \
+    # ASGI in front of the WSGI application (llmgw/front.py): a body is read whole, within
+    # LLMGW_BODY_TIMEOUT, before one of the LLMGW_WEB_THREADS threads is given to it. A worker
+    # that dies is started again; one whose master died stops itself (llmgw/orphans.py).
+    exec "$PY" -m granian --interface asgi llmgw.web:app --host "$HOST" --port "$PORT" \
+        --workers "$WEB_CONCURRENCY" --no-ws --respawn-failed-workers --respawn-interval 1 \
         --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
     ;;
 gunicorn)

@@ -43,6 +43,8 @@ WIRING = frozenset(
         "llmgw.urls",
         "llmgw.api_urls",
         "llmgw.wsgi",
+        # The web server's entry point: the front (llmgw/front.py) and the agents' refusal in it.
+        "llmgw.web",
         "llmgw.asgi",
         "llmgw.celery",
         # The gateway's process entry point: the data plane, and the agents'

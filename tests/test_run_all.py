@@ -1,14 +1,18 @@
 """scripts/run-all.sh (what `make run` ends in) says "llmgw is up" only when it is, with the new admin
-password right after it, and logs requests only when LLMGW_ACCESS_LOG asks."""
+password right after it, logs requests only when LLMGW_ACCESS_LOG asks, and starts again a child that
+dies once all four are up."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import uuid
 
 import httpx
 import pytest
 
+from bench import procs
 from tests.cleanenv import REPO, Background, clean_env, free_port, wait_until
 
 pytestmark = pytest.mark.slow
@@ -131,3 +135,39 @@ def test_requests_are_logged_only_with_the_access_log_and_a_new_password_comes_l
     else:
         # Stopped, every process has written all it would: neither request left a line.
         assert logged == [], out
+
+
+def test_a_child_that_dies_once_up_is_started_again_and_the_rest_keep_running(tmp_path):
+    port, gateway = free_port(), f"127.0.0.1:{free_port()}"
+    proc = run_all(tmp_path, f"127.0.0.1:{port}", LLMGW_GATEWAY_LISTEN=gateway)
+    try:
+        wait_until(lambda: "llmgw is up" in proc.output() or not proc.alive(), timeout=180, what="llmgw is up",
+                   context=proc.output)  # fmt: skip
+        assert proc.alive(), proc.output()
+        for name, needle, answers in [
+            ("web server", "runserver", lambda: httpx.get(f"http://127.0.0.1:{port}/admin/login/", timeout=5)),
+            ("gateway", "gateway.asgi", lambda: httpx.get(f"http://{gateway}/health", timeout=5)),
+            ("Celery worker", "worker --loglevel", None),
+        ]:
+            before = procs.find(proc.proc.pid, needle)
+            assert before, procs.descendants(proc.proc.pid)
+            for pid in before:
+                os.kill(pid, signal.SIGKILL)
+            said = f"llmgw: the {name} exited (status 137); starting it again"
+            wait_until(lambda: said in proc.output(), timeout=30, what=said, context=proc.output)  # noqa: B023
+            wait_until(
+                lambda: (now := procs.find(proc.proc.pid, needle)) and not set(now) & set(before),  # noqa: B023
+                timeout=60, what=f"a new {name}", context=proc.output,
+            )  # fmt: skip
+            if answers is not None:
+                wait_until(lambda: _answers(answers), timeout=120, what=f"the {name} answering", context=proc.output)  # noqa: B023
+            assert proc.alive(), proc.output()
+    finally:
+        proc.stop()
+
+
+def _answers(get) -> bool:
+    try:
+        return get().status_code == 200
+    except httpx.HTTPError:
+        return False

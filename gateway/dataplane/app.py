@@ -46,6 +46,7 @@ from gateway.dataplane.streaming import Outcome, Relay
 from gateway.dataplane.upstream import Health, Upstream
 from gateway.table import KeyEntry, ModelRoute
 from inventory.metrics import may_scrape
+from llmgw import orphans
 from llmgw_wire.engines import EngineLoad
 
 log = logging.getLogger("gateway.dataplane")
@@ -124,6 +125,8 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
 
     async def startup(self) -> None:
         """Open the pools, load the table, start the background loops."""
+        # A worker outliving its server's master would serve on beside its replacement.
+        orphans.watch_parent()
         # The engines' figures, read once a second.
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(settings.LLMGW_GATEWAY_UPSTREAM_TIMEOUT, connect=5.0))
         if settings.REDIS_URL:
@@ -292,19 +295,26 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         await send({"type": "http.response.body", "body": body})
 
     async def _read_body(self, receive: Receive) -> bytes | None:
+        """The whole body, None when it is over MAX_BODY; TimeoutError past LLMGW_BODY_TIMEOUT.
+
+        A client trickling its body a byte at a time would otherwise hold its
+        connection, its buffers and its place in the in-flight counts for as
+        long as it likes.
+        """
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > MAX_BODY:
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        async with asyncio.timeout(settings.LLMGW_BODY_TIMEOUT):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > MAX_BODY:
+                    return None
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
 
     async def _proxy(
         self,
@@ -321,6 +331,15 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
             raw = await self._read_body(receive)
         except ClientGone:
             return
+        except TimeoutError:
+            message = f"the body did not arrive within {settings.LLMGW_BODY_TIMEOUT:g} s"
+            await send_raw(
+                send,
+                408,
+                error_body(408, message, "invalid_request_error", "body_timeout"),
+                [(b"connection", b"close")],
+            )
+            return
         if raw is None:
             await send_raw(
                 send, 413, error_body(413, f"body over {MAX_BODY} bytes", "invalid_request_error", "too_large")
@@ -330,6 +349,11 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
             body = json.loads(raw or b"{}")
         except (ValueError, UnicodeDecodeError):
             await send_raw(send, 400, error_body(400, "body is not JSON", "invalid_request_error", "invalid_json"))
+            return
+        except RecursionError:
+            # Arrays nested thousands deep: the parser's own recursion ran out, which is the client's doing.
+            message = "the body nests arrays or objects too deeply"
+            await send_raw(send, 400, error_body(400, message, "invalid_request_error", "invalid_json"))
             return
         if not isinstance(body, dict):
             message = f"the body must be a JSON object, not {json_kind(body)}"

@@ -125,7 +125,8 @@ class CPHandler(BaseHTTPRequestHandler):
             if self.path == "/api/v1/agent/register":
                 wire.Register.model_validate(body)
                 if token == JOIN and body["node_id"] in cp.taken:
-                    return self._send(403, {"detail": "this node id is registered with its own credential"})
+                    # The control plane's refusal, which names no node.
+                    return self._send(403, {"detail": "this credential does not authorise requests about that node"})
                 if token == JOIN:
                     cp.issued += 1
                     cred = f"cred-{cp.issued}"
@@ -315,10 +316,13 @@ def test_join_token_refusals_name_the_key_and_the_file(make_agent, cp, tmp_path)
 
 def test_join_refused_for_a_node_with_a_credential_says_why(make_agent, cp):
     cp.taken.add("gpu-01")
+    agent = make_agent()
     with pytest.raises(Refused) as exc:
-        make_agent().register()
+        agent.register()
     assert str(exc.value) == (
-        "the join token was refused: HTTP 403: this node id is registered with its own credential"
+        f"the join token was refused (403): node id 'gpu-01' already holds a credential"
+        f" (was {agent.credential_file.path} lost?); an operator must reset it before a join token can take it"
+        " (HTTP 403: this credential does not authorise requests about that node)"
     )
 
 

@@ -1,0 +1,47 @@
+"""The processes a command started, read from /proc: for the fault suite and the tests that kill them."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+
+def _table() -> dict[int, tuple[int, str]]:
+    # pid -> (parent pid, command line), for every live process (zombies left out).
+    out = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] == "Z":
+                continue
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            out[int(proc.name)] = (int(fields[1]), cmdline)
+    return out
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """{pid: command line} of every live process below `pid` (children, their children, ...)."""
+    table = _table()
+    found: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, cmdline) in table.items():
+            if ppid == parent and child not in found:
+                found[child] = cmdline
+                frontier.append(child)
+    return found
+
+
+def find(pid: int, needle: str, *, leaf: bool = False) -> list[int]:
+    """The processes below `pid` whose command line holds `needle`, oldest first.
+
+    With `leaf`, only those none of whose children also hold it (a server's
+    workers, not its master).
+    """
+    below = descendants(pid)
+    hits = sorted(p for p, cmd in below.items() if needle in cmd)
+    if not leaf:
+        return hits
+    table = _table()
+    return [p for p in hits if not any(table.get(c, (0, ""))[0] == p for c in hits)]
