@@ -48,7 +48,7 @@ BLOCK_BYTES = 128
 # shared start changes no routing decision worth its hashing.
 MAX_BLOCKS = 1024
 # Blocks remembered per replica by default (512 KiB of prompt text, about
-# 128,000 tokens: a small GPU's KV cache); about 200 bytes each in memory.
+# 128,000 tokens: a small GPU's KV cache); about 120 bytes each in memory.
 DEFAULT_CAPACITY = 4096
 # Bytes of the conversation's start that break ties between replicas holding nothing of it.
 START_BYTES = 1024
@@ -92,13 +92,17 @@ def conversation_start(body: Mapping[str, Any]) -> bytes:
     return "".join(parts).encode("utf-8", "surrogatepass")[:START_BYTES]
 
 
-def block_hashes(body: Mapping[str, Any]) -> tuple[bytes, ...]:
-    """The chained hashes of the request's full blocks and its last partial one (empty if it has no prompt)."""
+def block_hashes(body: Mapping[str, Any]) -> tuple[int, ...]:
+    """The chained hashes of the request's full blocks and its last partial one (empty if it has no prompt).
+
+    Python's own hash: the index is this process's, so its hashes need agree with no
+    other process, and it costs a tenth of a cryptographic one per block.
+    """
     data = rendered(body)
-    out: list[bytes] = []
-    prev = b""
+    out: list[int] = []
+    prev = 0
     for i in range(0, min(len(data), BLOCK_BYTES * MAX_BLOCKS), BLOCK_BYTES):
-        prev = hashlib.blake2b(data[i : i + BLOCK_BYTES], digest_size=8, key=prev).digest()
+        prev = hash((prev, data[i : i + BLOCK_BYTES]))
         out.append(prev)
     return tuple(out)
 
@@ -108,21 +112,29 @@ class PrefixIndex:
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = max(1, capacity)
-        self.replicas: dict[str, OrderedDict[bytes, None]] = {}
+        self.replicas: dict[str, OrderedDict[int, None]] = {}
 
-    def matched(self, replica: str, hashes: Sequence[bytes]) -> int:
-        """How many of the request's leading blocks the replica holds."""
+    def matched(self, replica: str, hashes: Sequence[int]) -> int:
+        """How many of the request's leading blocks the replica holds.
+
+        A binary search: a replica's blocks are nearly closed under prefixes (a
+        prompt's blocks are sent together and its start is refreshed last, and
+        a shared start by every prompt that shares it), so the longest held
+        prefix is found in a few lookups instead of one per block.
+        """
         blocks = self.replicas.get(replica)
         if not blocks:
             return 0
-        n = 0
-        for h in hashes:
-            if h not in blocks:
-                break
-            n += 1
-        return n
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
-    def admit(self, replica: str, hashes: Sequence[bytes]) -> None:
+    def admit(self, replica: str, hashes: Sequence[int]) -> None:
         """Record that the request was sent to the replica: its blocks are now the most recent there."""
         if not hashes:
             return
@@ -151,7 +163,7 @@ def _score(start: bytes, backend_id: str) -> bytes:
 def choose(
     backends: Sequence[Backend],
     *,
-    hashes: Sequence[bytes],
+    hashes: Sequence[int],
     load: Mapping[str, float],
     start: bytes = b"",
     index: PrefixIndex | None = None,
@@ -165,14 +177,26 @@ def choose(
         return None
     total = sum(load.get(b.id, 0) for b in candidates)
     cap = balance * (total + 1) / len(candidates) + slack
-    within = [b for b in candidates if load.get(b.id, 0) + 1 <= cap] or candidates
-
-    def rank(b: Backend) -> tuple:
-        held = index.matched(b.id, hashes) if index is not None else 0
-        # Longest prefix first; then the least loaded; then a stable order per conversation.
-        return (-held, load.get(b.id, 0), _score(start, b.id))
-
-    return min(within, key=rank)
+    best: tuple[int, float] | None = None
+    tied: list[Backend] = []
+    for b in candidates:
+        busy = load.get(b.id, 0)
+        if busy + 1 > cap:
+            continue
+        # Longest prefix first, then the least loaded.
+        rank = (-index.matched(b.id, hashes) if index is not None and hashes else 0, busy)
+        if best is None or rank < best:
+            best, tied = rank, [b]
+        elif rank == best:
+            tied.append(b)
+    if not tied:
+        # Every replica over the bound (a bound of no slack): the least loaded.
+        low = min(load.get(b.id, 0) for b in candidates)
+        tied = [b for b in candidates if load.get(b.id, 0) == low]
+    if len(tied) == 1:
+        return tied[0]
+    # Then a stable order per conversation, computed only when it decides.
+    return min(tied, key=lambda b: _score(start, b.id))
 
 
 def round_robin(

@@ -131,7 +131,7 @@ def test_memory_stays_bounded():
     # A replica leaving the table leaves the index.
     index.retain(["r0", "r1"])
     assert sorted(index.replicas) == ["r0", "r1"] and index.size() == 200
-    # About 200 bytes a block: a full default index (2,048 blocks) of one replica stays under half a megabyte.
+    # At most 250 bytes a block (about 120 in a full index): a full default index of one replica stays under 1 MB.
     held = sum(sys.getsizeof(h) for blocks in index.replicas.values() for h in blocks)
     assert held + sum(sys.getsizeof(b) for b in index.replicas.values()) < 200 * 250
 
