@@ -10,7 +10,7 @@ as processes of their own, and drives them from this process.
    then the highest offered rate (stepping up) the gateway holds with p99
    under 50 ms and no errors.
 2. Routing quality: multi-turn chat workloads (WORKLOADS, chosen with
-   BENCH_GW_WORKLOADS, default all three) over 4 echo replicas with the small-GPU
+   BENCH_GW_WORKLOADS, default all four) over 4 echo replicas with the small-GPU
    defaults: prefix-cache hit ratio (the replicas' own counters) and mean
    time to first token, round-robin against the prefix policy.
 Each part runs BENCH_GW_RUNS times (default 3) and prints min/median/max.
@@ -266,7 +266,12 @@ SESSIONS = Workload("sessions", 192, 8, 8, (100, 300), (20, 60), 64, 32, 2048)
 # the history the replica it picks last saw; following the conversation finds
 # all of it but the newest turn.
 LONG_CHATS = Workload("long chats", 64, 6, 4, (20, 40), (80, 120), 120, 16, 2048)
-WORKLOADS = {"short": SHORT_CHATS, "sessions": SESSIONS, "long": LONG_CHATS}
+# Many new sessions over a few long shared system prompts: 64 four-turn chats
+# behind 8 system prompts of about 300 words, 16 at a time. What decides the
+# hit ratio here is where a session's first turn goes: to the replica that
+# already holds its system prompt, or to one that prefills it cold.
+SHARED_PROMPTS = Workload("shared prompts", 64, 4, 8, (280, 320), (20, 60), 32, 16, 2048)
+WORKLOADS = {"short": SHORT_CHATS, "sessions": SESSIONS, "long": LONG_CHATS, "shared": SHARED_PROMPTS}
 
 
 async def _conversations(url: str, key: str, w: Workload, seed: int, model: str = "chat") -> tuple[list[float], int]:
@@ -393,7 +398,7 @@ def run() -> list[str]:
             if "overhead" in parts:
                 _merge(figures, _overhead(env, procs))
             if "routing" in parts:
-                for name in os.environ.get("BENCH_GW_WORKLOADS", "short,sessions,long").split(","):
+                for name in os.environ.get("BENCH_GW_WORKLOADS", "short,sessions,long,shared").split(","):
                     _merge(figures, _routing(env, procs, WORKLOADS[name], seed=i))
     finally:
         procs.stop()

@@ -13,10 +13,16 @@ such and left out, and the others still run. Everything listens on loopback.
    added latency p50/p99 (front minus direct, measured just before). Then
    each front's highest offered rate (stepping up) held with p99 under 50 ms
    and no errors, streamed, and its throughput with BENCH_PEERS_CLIENTS (64)
-   clients streaming back to back.
+   clients streaming back to back. Each front's CPU per request (its
+   processes' user + system time over the requests it answered) in the
+   offered-rate phases.
 2. Routing quality: bench.gateway's workloads (BENCH_PEERS_WORKLOADS, default
-   "short,sessions,long") over 4 fresh echo replicas per front: prefix-cache hit
-   ratio from the replicas' own counters, mean time to first token.
+   "short,sessions,long,shared") over 4 fresh echo replicas per front:
+   prefix-cache hit ratio from the replicas' own counters, mean time to first
+   token, each replica's share of the requests, the front's CPU per request.
+   vLLM's router runs twice: with the replicas answering vLLM's /tokenize and
+   render routes as vLLM does (its policy at full strength), and with them
+   answering 404 (its fallback, as in front of an engine without them).
 Each part runs BENCH_PEERS_RUNS times (default 3): min / median / max, and
 llmgw's ratio to each peer. BENCH_PEERS (default "vllm-router,litellm") picks the peers ("none": llmgw alone).
 Every failed request is reported with its status and body, or its exception,
@@ -124,29 +130,51 @@ def _start_litellm(procs: Procs, exe: Path, urls: list[str], workdir: Path, mode
     return f"http://127.0.0.1:{port}"
 
 
+def cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in the process group (a front and its workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command: state, ppid, pgrp, ... utime and stime are the 12th and 13th.
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
 def _fronts(
     env: dict[str, str], procs: Procs, peers: dict[str, Path], urls: list[str], model: str, workdir: Path,
     policies: tuple[str, ...] = ("prefix",),
-) -> dict[str, tuple[str, str]]:  # fmt: skip
-    """Start llmgw's gateway (one per policy) and every installed peer in front of `urls`; name -> (URL, key)."""
+) -> dict[str, tuple[str, str, int]]:  # fmt: skip
+    """Start llmgw's gateway (one per policy) and every installed peer in front of `urls`; name -> (URL, key, pid)."""
     out: dict[str, tuple[str, str]] = {}
+    pids: dict[str, int] = {}
     key = subprocess.run([sys.executable, "-c", _SETUP], cwd=ROOT, env=env, input=json.dumps({model: urls}),
                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     for policy in policies:
         port = _free_port()
-        procs.start(["bash", "scripts/gateway.sh", f"127.0.0.1:{port}"], {**env, "LLMGW_GATEWAY_POLICY": policy},
-                    f"llmgw-{policy}-{port}")  # fmt: skip
-        out["llmgw" if policy == "prefix" else f"llmgw {policy}"] = (f"http://127.0.0.1:{port}", key)
+        name = "llmgw" if policy == "prefix" else f"llmgw {policy}"
+        pids[name] = procs.start(["bash", "scripts/gateway.sh", f"127.0.0.1:{port}"],
+                                 {**env, "LLMGW_GATEWAY_POLICY": policy}, f"llmgw-{policy}-{port}").pid  # fmt: skip
+        out[name] = (f"http://127.0.0.1:{port}", key)
     if "vllm-router" in peers:
         out["vllm-router"] = (_start_vllm_router(procs, peers["vllm-router"], urls, workdir), key)
+        pids["vllm-router"] = procs.procs[-1].pid
     if "litellm" in peers:
         master = f"sk-{secrets.token_hex(16)}"
         out["litellm"] = (_start_litellm(procs, peers["litellm"], urls, workdir, model, master), master)
-    ready: dict[str, tuple[str, str]] = {}
+        pids["litellm"] = procs.procs[-1].pid
+    ready: dict[str, tuple[str, str, int]] = {}
     for name, (url, k) in out.items():
         try:
             _wait(_answers(url, k, model), timeout=180)
-            ready[name] = (url, k)
+            ready[name] = (url, k, pids[name])
         except RuntimeError:
             print(f"   {name}: did not answer a request within 180 s; left out of this run", flush=True)
     return ready
@@ -213,18 +241,22 @@ def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir
     out: dict[str, list[float]] = {}
     for stream in (False, True):
         kind = "streamed" if stream else "not streamed"
-        for name, (url, key) in fronts.items():
+        for name, (url, key, pid) in fronts.items():
             _bounded(_steady(url, key, "bench", 100, 1, stream), 30, ([], 0))  # warm the pools
             offered = ([], int(rate * seconds))
             direct, e1 = _bounded(_steady(echo, key, "bench", rate, seconds, stream), seconds + 30, offered)
+            cpu = cpu_seconds(pid)
             through, e2 = _bounded(_steady(url, key, "bench", rate, seconds, stream), seconds + 30, offered)
+            cpu = cpu_seconds(pid) - cpu
+            if through:
+                out[f"{name}: CPU ms per request, {kind}, {rate:g}/s offered"] = [cpu * 1000 / len(through)]
             out[f"{name}: added p50 ms, {kind}"] = [(_pct(through, 50) - _pct(direct, 50)) * 1000]
             out[f"{name}: added p99 ms, {kind}"] = [(_pct(through, 99) - _pct(direct, 99)) * 1000]
             out[f"{name}: errors, {kind}"] = [float(e2)]
             out[f"direct: errors, {kind}"] = out.get(f"direct: errors, {kind}", [0.0])
             out[f"direct: errors, {kind}"][0] += e1
             _note(f"{name} and direct, {kind} at {rate:g}/s")
-    for name, (url, key) in fronts.items():
+    for name, (url, key, _pid) in fronts.items():
         held = 0.0
         for step in STEPS:
             lat, errors = _bounded(_steady(url, key, "bench", step, min(seconds, 3), True), seconds + 30, ([], 1))
@@ -247,20 +279,33 @@ def _routing(
 ) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     names = ["llmgw", "llmgw round-robin", *peers]
-    for name in names:
+    if "vllm-router" in peers:
+        names.insert(names.index("vllm-router") + 1, NO_TOKENIZER)
+    for label in names:
+        name = "vllm-router" if label == NO_TOKENIZER else label
         # Fresh replicas for each front, so that no front finds another's cache.
-        urls = [procs.echo(env, "chat", "--cache-blocks", str(w.cache_blocks)) for _ in range(4)]
+        flags = ("--no-tokenizer",) if label == NO_TOKENIZER else ()
+        urls = [procs.echo(env, "chat", "--cache-blocks", str(w.cache_blocks), *flags) for _ in range(4)]
         wanted = {k: v for k, v in peers.items() if k == name}
         policy = "round-robin" if name == "llmgw round-robin" else "prefix"
         fronts = _fronts(env, procs, wanted, urls, "chat", workdir, (policy,) if name.startswith("llmgw") else ())
         if name not in fronts:
             procs.stop()
             continue
+        url, key, pid = fronts[name]
+        name = label
         h0, q0 = _cache_counters(urls)  # the readiness probes' own lookups are not the workload's
-        ttft, errors = asyncio.run(_conversations(*fronts[name], w, seed))
+        s0 = _served(urls)
+        cpu = cpu_seconds(pid)
+        ttft, errors = asyncio.run(_conversations(url, key, w, seed))
+        cpu = cpu_seconds(pid) - cpu
         hits, queries = _cache_counters(urls)
         hits, queries = hits - h0, queries - q0
+        shares = sorted((b - a for a, b in zip(s0, _served(urls), strict=True)), reverse=True)
         out[f"{w.name}, {name}: prefix-cache hit ratio"] = [hits / queries if queries else 0.0]
+        SHARES.setdefault(f"{w.name}, {name}", []).append(shares)
+        if ttft:
+            out[f"{w.name}, {name}: CPU ms per request"] = [cpu * 1000 / len(ttft)]
         out[f"{w.name}, {name}: mean time to first token ms"] = [
             statistics.fmean(ttft) * 1000 if ttft else float("nan")
         ]
@@ -268,6 +313,24 @@ def _routing(
         _note(f"{w.name}, {name}")
         procs.stop()
     out[f"{w.name}, ceiling (one replica, unbounded cache): prefix-cache hit ratio"] = [ceiling(w, seed)]
+    return out
+
+
+# The label of vLLM's router in front of replicas without vLLM's tokenizer routes.
+NO_TOKENIZER = "vllm-router (no tokenizer API)"
+# Each routing run's requests per replica, busiest first, by workload and front.
+SHARES: dict[str, list[list[float]]] = {}
+
+
+def _served(urls: list[str]) -> list[float]:
+    """Each replica's requests answered so far (vLLM's request_success_total)."""
+    out = []
+    for u in urls:
+        n = 0.0
+        for line in httpx.get(f"{u}/metrics", timeout=5).text.splitlines():
+            if line.startswith("vllm:request_success_total"):
+                n = float(line.split()[-1])
+        out.append(n)
     return out
 
 
@@ -340,6 +403,9 @@ def run() -> list[str]:
     lines.append(f"{runs} runs; load average (1 min) at each run's start: {', '.join(f'{x:.2f}' for x in loads)}")
     for k, v in figures.items():
         lines.append(f"{k}: min {min(v):.3f} / median {statistics.median(v):.3f} / max {max(v):.3f}")
+    for k, runs_shares in SHARES.items():
+        by_run = " | ".join("/".join(f"{x:.0f}" for x in r) for r in runs_shares)
+        lines.append(f"{k}: requests per replica, busiest first, by run: {by_run}")
     lines.extend(_ratios(figures, list(peers)))
     lines.extend(f"failed: {n}" for n in NOTES)
     lines.append(f"every process's output: {LOGS}")

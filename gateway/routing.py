@@ -1,28 +1,57 @@
-"""Which replica takes a request: bounded-load consistent hashing over the conversation's first block.
+"""Which replica takes a request: the one holding the longest cached prefix of it, within a load bound.
 
-Requests that start alike (the same system prompt and first user turn: every
-turn of one conversation, or one-shot prompts sharing a long preamble) hash
-to the same replica, whose KV cache most likely holds that prefix. Replicas
-are ranked for a key by rendezvous hashing, so a replica joining or leaving
-moves only its own share of keys. The first replica in that order whose load
-(with this request) stays within `balance` times the mean plus `slack`
-requests takes it: a replica markedly busier than the others is passed over
-(a few requests more cost less than a cold cache, since engines batch), and the key spills to its next choice
-in a stable order, where the spill's prefix will in turn be cached.
-Requests with nothing to hash go to the least-loaded replica.
+Engines cache a prompt's KV in fixed-size blocks identified by everything up
+to them (vLLM's automatic prefix caching, SGLang's radix tree), so a replica
+helps a request exactly as far as it has seen the same start. The gateway
+keeps, per replica, an approximate index of the prompt blocks it recently
+sent there: the prompt rendered as text (each message's role and content),
+split into BLOCK_BYTES-byte blocks, each named by a hash chained over every
+block before it, so that only a shared start matches. The text is the
+gateway's own, not the engine's tokens: a block boundary falls elsewhere than
+the engine's, but a shared start is a shared start in both, which is all a
+router needs, and it works on any engine (no tokenizer endpoint).
+
+A request goes to the replica holding the longest prefix of it, unless that
+replica's load (with this request) would exceed `balance` times the mean plus
+`slack`; then to the next longest within the bound. So a conversation's later
+turns go where its history is, and a new conversation sharing a system prompt
+with earlier ones goes where that prompt already is. With nothing cached
+anywhere it goes to the least-loaded replica, ties broken by rendezvous
+hashing over the conversation's start (its system messages and first user
+turn): several gateway processes place a new conversation alike, and a
+conversation too short to fill a block still keeps to one replica.
+
+The index is bounded: each replica's holds at most `capacity` blocks and
+forgets the least recently sent first, as the engine's LRU evicts, and a
+prompt's blocks are refreshed tail first so that its start is the last to go
+(vLLM frees a request's blocks in reverse for the same reason). It is kept per
+process, not shared: a lookup on every request in Redis would cost a round
+trip and the CPU the data plane is built to save, and each process learns from
+its own traffic; several processes each place a new prompt once (on the same
+replica while loads are even), and see one another's load through the engines'
+own figures.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from gateway.table import Backend
 
-# Characters of the conversation's start that make its key: enough to tell
-# conversations apart, bounded so hashing a long prompt costs little.
-PREFIX_CHARS = 4096
+# Bytes of the rendered prompt in one block: about 32 tokens of English (an
+# engine's blocks are 16), so a few-hundred-word system prompt makes a dozen.
+BLOCK_BYTES = 128
+# Blocks hashed per request at most (128 KiB of prompt): beyond that a longer
+# shared start changes no routing decision worth its hashing.
+MAX_BLOCKS = 1024
+# Blocks remembered per replica by default (512 KiB of prompt text, about
+# 128,000 tokens: a small GPU's KV cache); about 120 bytes each in memory.
+DEFAULT_CAPACITY = 4096
+# Bytes of the conversation's start that break ties between replicas holding nothing of it.
+START_BYTES = 1024
 DEFAULT_BALANCE = 1.25
 DEFAULT_SLACK = 4
 
@@ -35,54 +64,139 @@ def _text(content: Any) -> str:
     return ""
 
 
-def prefix_key(body: Mapping[str, Any]) -> bytes | None:
-    """The routing key of a request body: its system messages and first user turn, or its prompt's start."""
+def rendered(body: Mapping[str, Any]) -> bytes:
+    """The prompt of a request body as the engine caches it: every message's role and text, or the prompt."""
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
-        parts: list[str] = []
-        for m in messages:
-            if not isinstance(m, dict):
-                continue
-            parts.append(f"{m.get('role')}:{_text(m.get('content'))}\n")
-            if m.get("role") == "user":
-                break
-        text = "".join(parts)
+        text = "".join(f"{m.get('role')}\n{_text(m.get('content'))}\n" for m in messages if isinstance(m, dict))
     else:
         prompt = body.get("prompt", body.get("input"))
         if isinstance(prompt, list):
             prompt = prompt[0] if prompt else ""
         text = prompt if isinstance(prompt, str) else ""
-    if not text:
-        return None
-    return text[:PREFIX_CHARS].encode("utf-8", "surrogatepass")
+    return text.encode("utf-8", "surrogatepass")
 
 
-def _score(key: bytes, backend_id: str) -> bytes:
-    return hashlib.blake2b(key + backend_id.encode(), digest_size=8).digest()
+def conversation_start(body: Mapping[str, Any]) -> bytes:
+    """The start every turn of a conversation shares: its system messages and first user turn, or the prompt's."""
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages):
+        return rendered(body)[:START_BYTES]
+    parts: list[str] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        parts.append(f"{m.get('role')}\n{_text(m.get('content'))}\n")
+        if m.get("role") == "user":
+            break
+    return "".join(parts).encode("utf-8", "surrogatepass")[:START_BYTES]
+
+
+def block_hashes(body: Mapping[str, Any]) -> tuple[int, ...]:
+    """The chained hashes of the request's full blocks and its last partial one (empty if it has no prompt).
+
+    Python's own hash: the index is this process's, so its hashes need agree with no
+    other process, and it costs a tenth of a cryptographic one per block.
+    """
+    data = rendered(body)
+    out: list[int] = []
+    prev = 0
+    for i in range(0, min(len(data), BLOCK_BYTES * MAX_BLOCKS), BLOCK_BYTES):
+        prev = hash((prev, data[i : i + BLOCK_BYTES]))
+        out.append(prev)
+    return tuple(out)
+
+
+class PrefixIndex:
+    """Per replica, the blocks recently sent to it, least recently sent forgotten first beyond `capacity`."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        self.capacity = max(1, capacity)
+        self.replicas: dict[str, OrderedDict[int, None]] = {}
+
+    def matched(self, replica: str, hashes: Sequence[int]) -> int:
+        """How many of the request's leading blocks the replica holds.
+
+        A binary search: a replica's blocks are nearly closed under prefixes (a
+        prompt's blocks are sent together and its start is refreshed last, and
+        a shared start by every prompt that shares it), so the longest held
+        prefix is found in a few lookups instead of one per block.
+        """
+        blocks = self.replicas.get(replica)
+        if not blocks:
+            return 0
+        lo, hi = 0, len(hashes)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if hashes[mid - 1] in blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def admit(self, replica: str, hashes: Sequence[int]) -> None:
+        """Record that the request was sent to the replica: its blocks are now the most recent there."""
+        if not hashes:
+            return
+        blocks = self.replicas.setdefault(replica, OrderedDict())
+        for h in reversed(hashes):
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+    def retain(self, replicas: Iterable[str]) -> None:
+        """Forget the replicas that are gone (the routing table no longer lists them)."""
+        keep = set(replicas)
+        for r in [r for r in self.replicas if r not in keep]:
+            del self.replicas[r]
+
+    def size(self) -> int:
+        """Blocks held, over every replica."""
+        return sum(len(b) for b in self.replicas.values())
+
+
+def _score(start: bytes, backend_id: str) -> bytes:
+    return hashlib.blake2b(start + backend_id.encode(), digest_size=8).digest()
 
 
 def choose(
     backends: Sequence[Backend],
     *,
-    key: bytes | None,
-    load: Mapping[str, int],
+    hashes: Sequence[int],
+    load: Mapping[str, float],
+    start: bytes = b"",
+    index: PrefixIndex | None = None,
     exclude: frozenset[str] | set[str] = frozenset(),
     balance: float = DEFAULT_BALANCE,
     slack: int = DEFAULT_SLACK,
 ) -> Backend | None:
-    """The replica for a request with routing key `key`, given each replica's current load; None if none is left."""
+    """The replica for a request with block hashes `hashes` and conversation start `start`; None if none is left."""
     candidates = [b for b in backends if b.id not in exclude]
     if not candidates:
         return None
-    if key is None:
-        return min(candidates, key=lambda b: (load.get(b.id, 0), b.id))
     total = sum(load.get(b.id, 0) for b in candidates)
     cap = balance * (total + 1) / len(candidates) + slack
-    ranked = sorted(candidates, key=lambda b: _score(key, b.id), reverse=True)
-    for b in ranked:
-        if load.get(b.id, 0) + 1 <= cap:
-            return b
-    return ranked[0]
+    best: tuple[int, float] | None = None
+    tied: list[Backend] = []
+    for b in candidates:
+        busy = load.get(b.id, 0)
+        if busy + 1 > cap:
+            continue
+        # Longest prefix first, then the least loaded.
+        rank = (-index.matched(b.id, hashes) if index is not None and hashes else 0, busy)
+        if best is None or rank < best:
+            best, tied = rank, [b]
+        elif rank == best:
+            tied.append(b)
+    if not tied:
+        # Every replica over the bound (a bound of no slack): the least loaded.
+        low = min(load.get(b.id, 0) for b in candidates)
+        tied = [b for b in candidates if load.get(b.id, 0) == low]
+    if len(tied) == 1:
+        return tied[0]
+    # Then a stable order per conversation, computed only when it decides.
+    return min(tied, key=lambda b: _score(start, b.id))
 
 
 def round_robin(

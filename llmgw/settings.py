@@ -388,12 +388,15 @@ LLMGW_GATEWAY_UPSTREAM_TIMEOUT = env_seconds("LLMGW_GATEWAY_UPSTREAM_TIMEOUT", 6
 # this long while one starts, at most this many per model and gateway process.
 LLMGW_GATEWAY_HOLD_TIMEOUT = env_seconds("LLMGW_GATEWAY_HOLD_TIMEOUT", 120.0)
 LLMGW_GATEWAY_HOLD_QUEUE = env_int("LLMGW_GATEWAY_HOLD_QUEUE", 100, minimum=1)
-# How the data plane picks a replica: "prefix" (bounded-load consistent hashing
-# over the conversation's start, gateway/routing.py) or "round-robin" (the
-# baseline the benchmark measures it against).
+# How the data plane picks a replica: "prefix" (the replica holding the longest
+# cached prefix of the prompt, within a load bound, gateway/routing.py) or
+# "round-robin" (the baseline the benchmark measures it against).
 LLMGW_GATEWAY_POLICY = os.environ.get("LLMGW_GATEWAY_POLICY", "prefix")
 if LLMGW_GATEWAY_POLICY not in ("prefix", "round-robin"):
     raise ImproperlyConfigured(f"LLMGW_GATEWAY_POLICY={LLMGW_GATEWAY_POLICY!r}: use prefix or round-robin")
+# Prompt blocks (128 bytes of text each) the prefix index remembers per replica:
+# about what the replica's KV cache holds; the least recently sent go first.
+LLMGW_GATEWAY_PREFIX_BLOCKS = env_int("LLMGW_GATEWAY_PREFIX_BLOCKS", 4096, minimum=1)
 # How often each data plane reads every replica's engine /metrics (load and cache figures).
 LLMGW_GATEWAY_SCRAPE = env_seconds("LLMGW_GATEWAY_SCRAPE", 1.0)
 # How long a retiring replica's requests may run before its shards are stopped anyway.

@@ -8,7 +8,9 @@ the real engines do), lists its model, and answers chat and text completions
 (`/v1/responses`, not streamed), in vLLM's shapes. It reflects what a client
 asks of the answer's form, so that a router can be shown to pass it through:
 `n` choices, a call of the first of `tools`, and with `response_format` a
-JSON object `{"text": ...}`. Any other route is a 404.
+JSON object `{"text": ...}`. It tokenizes as vLLM's `/tokenize` and renders
+as its `/v1/chat/completions/render` (routers ask these to route by tokens),
+unless started with `--no-tokenizer`. Any other route is a 404.
 
 So that routing can be measured without GPUs it simulates what matters to a
 router: a prefix cache over fixed-size token blocks with an LRU capacity, a
@@ -33,11 +35,14 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from collections import OrderedDict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 MAX_BODY = 4 * 1024 * 1024
+# What /tokenize reports as the model's context length (vLLM's max_model_len).
+MAX_MODEL_LEN = 32768
 
 
 class PrefixCache:
@@ -104,8 +109,11 @@ class EchoServer(ThreadingHTTPServer):
         max_batch: int = 0,
         drop_first: int = 0,
         fail_status: int = 0,
+        tokenizer: bool = True,
     ) -> None:
         super().__init__(addr, Handler)
+        # Whether /tokenize and the render routes answer (a real vLLM's do; other engines 404).
+        self.tokenizer = tokenizer
         self.cache = PrefixCache(block_tokens, cache_blocks)
         self.cache_lock = threading.Lock()
         # Seconds of prefill per prompt token not found in the cache (0: instant).
@@ -150,6 +158,8 @@ class EchoServer(ThreadingHTTPServer):
             f"vllm:prefix_cache_queries_total{label} {float(queries)}",
             "# TYPE vllm:prefix_cache_hits counter",
             f"vllm:prefix_cache_hits_total{label} {float(hits)}",
+            "# TYPE vllm:request_success counter",
+            f"vllm:request_success_total{label} {float(self.served)}",
         ]
         return "\n".join(lines) + "\n"
 
@@ -202,6 +212,19 @@ def _context_tokens(body: dict, *, chat: bool) -> list[str]:
     if isinstance(prompt, list):
         prompt = prompt[0] if prompt else ""
     return prompt.split() if isinstance(prompt, str) else []
+
+
+def token_ids(tokens: list[str]) -> list[int]:
+    """The ids of the echo engine's tokens (whitespace-separated words): a stable 32-bit hash of each."""
+    return [zlib.crc32(t.encode("utf-8", "surrogatepass")) for t in tokens]
+
+
+def _chat_tokens(body: dict) -> list[str]:
+    # The prompt the engine caches, then the assistant's turn opened when a generation prompt is asked.
+    out = _context_tokens(body, chat=True)
+    if body.get("add_generation_prompt", True) and not body.get("continue_final_message"):
+        out.append("<assistant>")
+    return out
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -354,7 +377,72 @@ class Handler(BaseHTTPRequestHandler):
         )
         return None
 
+    def _tokenize(self, body: dict) -> None:
+        # vLLM's TokenizeCompletionRequest / TokenizeChatRequest and TokenizeResponse
+        # (vllm/entrypoints/serve/tokenize/protocol.py, vLLM main of 2026, as in 0.11 and later).
+        if isinstance(body.get("messages"), list):
+            tokens = _chat_tokens(body)
+        elif isinstance(body.get("prompt"), str):
+            tokens = body["prompt"].split()
+        else:
+            return self._error(400, "give prompt (a string) or messages (a list)", param="prompt")
+        out: dict[str, Any] = {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": token_ids(tokens)}
+        out["token_strs"] = tokens if body.get("return_token_strs") else None
+        self._json(200, out)
+        return None
+
+    def _render(self, body: dict) -> None:
+        # vLLM's render routes answer a GenerateRequest (vllm/entrypoints/serve/disagg/protocol.py,
+        # vLLM main of 2026): the prompt's token ids and the sampling parameters, not run.
+        # /v1/completions/render answers a list of them, one per prompt.
+        chat = self.path == "/v1/chat/completions/render"
+        if chat:
+            if not isinstance(body.get("messages"), list) or not body["messages"]:
+                return self._error(400, "messages must be a non-empty list", param="messages")
+            prompts = [_chat_tokens(body)]
+        else:
+            prompt = body.get("prompt")
+            texts = prompt if isinstance(prompt, list) else [prompt]
+            if not texts or not all(isinstance(p, str) for p in texts):
+                return self._error(400, "prompt must be a string or a list of strings", param="prompt")
+            prompts = [p.split() for p in texts]
+        sampling = {"max_tokens": body.get("max_tokens"), "temperature": body.get("temperature"), "n": 1}
+        rendered = [
+            {
+                "request_id": uuid.uuid4().hex,
+                "token_ids": token_ids(tokens),
+                "features": None,
+                "sampling_params": sampling,
+                "model": body.get("model", self.server.model),
+                "stream": bool(body.get("stream")),
+                "stream_options": body.get("stream_options"),
+                "cache_salt": None,
+                "priority": 0,
+                "kv_transfer_params": None,
+            }
+            for tokens in prompts
+        ]
+        data = json.dumps(rendered[0] if chat else rendered).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        return None
+
     def _post(self) -> None:
+        if self.server.tokenizer and self.path in (
+            "/tokenize",
+            "/v1/chat/completions/render",
+            "/v1/completions/render",
+        ):
+            body = self._body()
+            if body is None:
+                return None
+            model = body.get("model") or self.server.model
+            if model != self.server.model:
+                return self._error(404, f"the model {model!r} does not exist", kind="not_found", param="model")
+            return self._tokenize(body) if self.path == "/tokenize" else self._render(body)
         if self.path not in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"):
             # Read the refused body all the same: left unread on a kept-alive
             # connection it would be parsed as the next request (routers that
@@ -510,7 +598,7 @@ def serve(*, host: str, port: int, model: str, load_seconds: float, **options: A
     """Start an echo server in a background thread (for tests); stop it with .shutdown().
 
     `options`: token_seconds, break_after_tokens, drop_first, fail_status, prefill_tokens_per_s,
-    block_tokens, cache_blocks, max_batch (see EchoServer). Unlike the command line, the
+    block_tokens, cache_blocks, max_batch, tokenizer (see EchoServer). Unlike the command line, the
     defaults here cost no time.
     """
     server = EchoServer((host, port), model=model, load_seconds=load_seconds, **options)
@@ -531,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-tokens", type=int, default=16, help="tokens in a prefix-cache block")
     ap.add_argument("--cache-blocks", type=int, default=2048, help="prefix-cache capacity in blocks (LRU)")
     ap.add_argument("--max-batch", type=int, default=32, help="requests running at once; the rest wait")
+    ap.add_argument("--no-tokenizer", action="store_true", help="answer 404 to /tokenize and the render routes")
     ap.add_argument(
         "--ignore-sigterm",
         action="store_true",
@@ -546,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         block_tokens=args.block_tokens,
         cache_blocks=args.cache_blocks,
         max_batch=args.max_batch,
+        tokenizer=not args.no_tokenizer,
     )
 
     def stop(signum, frame):

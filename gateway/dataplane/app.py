@@ -22,7 +22,7 @@ from django.conf import settings
 from prometheus_client import generate_latest
 
 from gateway import keys as gwkeys
-from gateway import usage
+from gateway import routing, usage
 from gateway.dataplane import budgets
 from gateway.dataplane.background import Background
 from gateway.dataplane.catalog import Catalog
@@ -122,6 +122,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         self.loaded = asyncio.Event()
         self.round_robin = settings.LLMGW_GATEWAY_POLICY == "round-robin"
         self.turn = 0
+        self.prefixes = routing.PrefixIndex(settings.LLMGW_GATEWAY_PREFIX_BLOCKS)
 
     async def startup(self) -> None:
         """Open the pools, load the table, start the background loops."""

@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from django.conf import settings
 from django.db import close_old_connections
 
-from gateway import figures, notify, usage
+from gateway import figures, notify, routing, usage
 from gateway.dataplane.limits import Shared
 from gateway.dataplane.upstream import Health
 from gateway.table import Backend, KeyEntry, ModelRoute, load_keys, load_routes
@@ -46,6 +46,7 @@ class Background:
     routes_reloaded: Callable[[], None]
     demand: Callable[[], dict[str, placement_demand.ModelDemand]]
     _db: ThreadPoolExecutor
+    prefixes: routing.PrefixIndex
 
     def _load(self, kind: str) -> tuple[dict[str, ModelRoute] | None, dict[str, KeyEntry] | None]:
         close_old_connections()
@@ -62,6 +63,7 @@ class Background:
         routes, keys = await loop.run_in_executor(self._db, self._load, kind)
         if routes is not None:
             self.routes = routes
+            self.prefixes.retain(b.id for r in routes.values() for b in r.backends)
             self.routes_reloaded()
         if keys is not None:
             self.keys = keys

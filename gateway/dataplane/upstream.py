@@ -54,6 +54,7 @@ class Upstream:
     inflight: dict[str, int]
     metrics: Metrics
     round_robin: bool
+    prefixes: routing.PrefixIndex
     turn: int
     # Holder's: wait for a replica of a model at zero (gateway/dataplane/hold.py).
     hold: Callable[[ModelRoute], Awaitable[tuple[ModelRoute | None, str]]]
@@ -115,7 +116,8 @@ class Upstream:
                 raw = json.dumps(body).encode()
                 ask = Ask(route.name, path, strip_usage=True)
         headers = HEADERS + b"X-Request-Id: " + rid + b"\r\n"
-        rkey = routing.prefix_key(body)
+        hashes = () if self.round_robin else routing.block_hashes(body)
+        start = b"" if self.round_robin else routing.conversation_start(body)
         tried: set[str] = set()
         # The last failure: its metric kind and its words for the client; each one's detail for the log.
         last = ("", "")
@@ -129,8 +131,17 @@ class Upstream:
                 backend = routing.round_robin(route.backends, self.turn, exclude=tried | self._ejected(now))
             else:
                 backend = routing.choose(
-                    route.backends, key=rkey, load=self.loads(route.backends), exclude=tried | self._ejected(now)
+                    route.backends,
+                    hashes=hashes,
+                    start=start,
+                    load=self.loads(route.backends),
+                    index=self.prefixes,
+                    exclude=tried | self._ejected(now),
                 )
+                if backend is not None:
+                    # Recorded as sent at once, so that the sessions arriving next with the same
+                    # system prompt follow this one rather than each warm a replica of its own.
+                    self.prefixes.admit(backend.id, hashes)
             # A connection that failed before any answer is most often the connection's fault (a
             # kept-alive one the engine closed, a full accept queue), not the replica's: with one
             # replica, not asking it again made every such blip a 502 under load.

@@ -90,12 +90,51 @@ def test_a_refused_path_leaves_the_kept_alive_connection_usable(server):
     srv, url = server
     srv.ready_at = 0
     with httpx.Client(base_url=url) as client:
-        r = client.post("/tokenize", json={"model": "demo", "prompt": "a long prompt " * 50})
+        r = client.post("/v1/rerank", json={"model": "demo", "query": "a long prompt " * 50})
         assert (r.status_code, r.json()["error"]["type"]) == (404, "not_found")
         # The same connection: the refused body must not be read as this request.
         r = client.post("/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200
         assert r.json()["object"] == "text_completion"
+
+
+def test_tokenize_and_render_in_vllms_shapes(server):
+    srv, url = server
+    srv.ready_at = 0
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    with httpx.Client(base_url=url) as client:
+        r = client.post("/tokenize", json={"model": "demo", "prompt": "a b a", "return_token_strs": True})
+        assert r.status_code == 200
+        got = r.json()
+        a, b = echo.token_ids(["a", "b"])
+        assert got == {
+            "count": 3,
+            "max_model_len": echo.MAX_MODEL_LEN,
+            "tokens": [a, b, a],
+            "token_strs": ["a", "b", "a"],
+        }
+        r = client.post("/tokenize", json={"model": "demo", "messages": messages})
+        chat = ["<system>", "be", "brief", "<user>", "hi", "there", "<assistant>"]
+        assert r.json() == {
+            "count": 7,
+            "max_model_len": echo.MAX_MODEL_LEN,
+            "tokens": echo.token_ids(chat),
+            "token_strs": None,
+        }
+        r = client.post("/v1/chat/completions/render", json={"model": "demo", "messages": messages, "max_tokens": 5})
+        assert r.status_code == 200
+        rendered = r.json()
+        assert rendered["token_ids"] == echo.token_ids(chat)
+        assert (rendered["model"], rendered["sampling_params"]["max_tokens"], rendered["features"]) == ("demo", 5, None)
+        r = client.post("/v1/completions/render", json={"model": "demo", "prompt": ["x y", "z"]})
+        assert [p["token_ids"] for p in r.json()] == [echo.token_ids(["x", "y"]), echo.token_ids(["z"])]
+        r = client.post("/tokenize", json={"model": "demo", "prompt": 3})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt")
+        assert client.post("/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+        # Rendering runs nothing and caches nothing.
+        assert (srv.served, srv.cache.queries) == (0, 0)
+    srv.tokenizer = False
+    assert httpx.post(url + "/tokenize", json={"model": "demo", "prompt": "x"}).status_code == 404
 
 
 def _events(text: str) -> list[str]:
