@@ -136,8 +136,17 @@ class DataPlane(Background, Catalog, Upstream, Relay):
         # Every answer carries the request's id; the rate-limit headers join them once the key is counted.
         extra = [(b"x-request-id", rid)]
         send = stamped(send, extra)
-        if path == "/health" and method == "GET":
+        if path in ("/health", "/healthz") and method == "GET":
             await send_json(send, 200, {"status": "ok", "models": len(self.routes)})
+            return
+        if path == "/readyz" and method == "GET":
+            # Ready once the keys and routes were read at least once: before that every key is
+            # unknown and every client would get a 401. Afterwards a database outage keeps the
+            # last table serving, so it stays ready.
+            if self.loaded.is_set():
+                await send_json(send, 200, {"status": "ok", "models": len(self.routes)})
+            else:
+                await send_json(send, 503, {"status": "unavailable", "failed": ["routes"]})
             return
         if path == "/metrics" and method == "GET":
             await self._metrics(send)
