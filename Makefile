@@ -20,7 +20,8 @@ LLAMA_SERVER := $(shell ./scripts/llama-server.sh --path 2>/dev/null)
 OPENAI_JS := 7.59.0
 JS_SDK := var/js-sdk
 
-.PHONY: run test lint bench bench-peers demo services migrations clean browser js-sdk llama-server record-llama-server
+.PHONY: run test lint bench bench-peers demo services migrations clean browser js-sdk llama-server record-llama-server \
+	image image-agent test-image podman-compose
 
 # The install is quiet unless something fails: no recipe echoed, nothing printed on success.
 $(PY):
@@ -100,6 +101,22 @@ bench: $(VENV)/.installed-dev services
 # installed from PyPI into a venv of its own under var/peers/ (never the project's). Not needed by make test.
 bench-peers: $(VENV)/.installed-dev services
 	$(TEST_ENV) $(PY) -m bench peers
+
+# The control plane's image (web, gateway, worker, beat, migrate) and the node agent's, built with
+# podman from a Debian base made here by debootstrap (scripts/image.sh installs the tools when missing).
+image: | $(PY)
+	PYTHON=$(PY) ./scripts/image.sh server
+
+image-agent: | $(PY)
+	PYTHON=$(PY) ./scripts/image.sh agent
+
+podman-compose:
+	@command -v podman-compose >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y podman-compose; }
+
+# deploy/compose/compose.yaml started from the image, a simulated fleet, a request through a gateway,
+# a kill of each role, and nothing lost (scripts/compose_test.py; a few minutes: not part of make test).
+test-image: image podman-compose services $(VENV)/.installed
+	$(PY) scripts/compose_test.py
 
 clean:
 	rm -rf $(VENV) var test-artifacts

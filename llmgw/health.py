@@ -9,9 +9,11 @@ failed, never an address or an error's text.
 
 - /healthz: the process answers. A failing database is no reason to restart
   a web server (the restart cannot fix it), so liveness asks nothing else.
-- /readyz: the process can serve: PostgreSQL answers a query and, when
-  REDIS_URL is set, the cache answers a read. A process that cannot is taken
-  out of its load balancer's rotation until it can.
+- /readyz: the process can serve: PostgreSQL answers a query. A process
+  that cannot is taken out of its load balancer's rotation until it can.
+  Redis is not asked: without it heartbeats still renew their leases in the
+  database (momentary telemetry is skipped), so a Redis outage taking every
+  web server out of rotation would stop the fleet's heartbeats for nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import json
 import logging
 from collections.abc import Callable, Iterable
 
-from django.core.cache import cache
 from django.db import close_old_connections, connection
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ WSGIApp = Callable[[dict, Callable], Iterable[bytes]]
 
 
 def readiness_failures() -> list[str]:
-    """The dependencies this process cannot reach now ("database", "cache"); empty when it can serve."""
+    """The dependencies this process cannot reach now (["database"]); empty when it can serve."""
     failed: list[str] = []
     # As a request would: a connection past its age or broken is replaced, not reused.
     close_old_connections()
@@ -44,12 +45,6 @@ def readiness_failures() -> list[str]:
         failed.append("database")
     finally:
         close_old_connections()
-    try:
-        # An absent key reads None: a round trip that succeeds whatever the cache holds.
-        cache.get("llmgw-readyz")
-    except Exception:
-        log.warning("readiness: the cache does not answer", exc_info=True)
-        failed.append("cache")
     return failed
 
 

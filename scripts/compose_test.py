@@ -21,7 +21,6 @@ database. The servers listen on LLMGW_IMAGE_TEST_PORT and the three ports after 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -188,7 +187,8 @@ def scenario() -> int:
         "--control-plane", f"http://{WEB[0]}", "--wakeup", f"http://{GATEWAY[0]}", "--join-token", join,
         "--heartbeat-interval", "2",
     )  # fmt: skip
-    wait_for(f"{NODES} nodes ready", lambda: query("SELECT count(*) FROM inventory_node WHERE state = 'ready'")[0][0] == NODES, 180)
+    ready_nodes = lambda: query("SELECT count(*) FROM inventory_node WHERE state = 'ready'")[0][0]  # noqa: E731
+    wait_for(f"{NODES} nodes ready", lambda: ready_nodes() == NODES, 180)
     before = wait_for("2 ready replicas", lambda: len(ready_replicas("demo")) == 2 and ready_replicas("demo"), 180)
     for gw in GATEWAY:
         wait_for(f"{gw} routing 2 replicas", lambda g=gw: routed(g, key, "demo") == 2, 60)
@@ -210,7 +210,7 @@ def scenario() -> int:
         r = chat(GATEWAY[1], key, f"during {i}")
         assert r.status_code == 200, (r.status_code, r.text)
         answered += 1
-    say(f"while they were down: 20 requests through gateway-2, all answered")
+    say("while they were down: 20 requests through gateway-2, all answered")
 
     admin = manage("ensure_admin")
     assert "admin" in admin
@@ -224,8 +224,11 @@ def scenario() -> int:
     after = wait_for("3 ready replicas", lambda: len(ready_replicas("demo")) == 3 and ready_replicas("demo"), 180)
     say(f"scaled to 3 through web-2: replicas {after} ready (worker-2 reconciled)")
 
+    def running(service: str) -> bool:
+        return run("podman", "inspect", "--format", "{{.State.Running}}", container(service)).strip() == "true"
+
     for s in killed:
-        wait_for(f"{s} running again", lambda s=s: run("podman", "inspect", "--format", "{{.State.Running}}", container(s)).strip() == "true", 120)
+        wait_for(f"{s} running again", lambda s=s: running(s), 120)
     for addr in WEB + GATEWAY:
         wait_for(f"{addr}/readyz", lambda a=addr: ready(a), 180)
     restarts = {s: run("podman", "inspect", "--format", "{{.RestartCount}}", container(s)).strip() for s in killed}

@@ -11,7 +11,7 @@
 #   health ROLE         exit 0 when this container's ROLE is live: web and gateway ask their own
 #                       /readyz, a worker answers Celery's ping; for a probe that runs a command
 # Configuration comes from the environment alone (docs/configuration.md). A secret may come from a
-# file instead: SECRET_KEY_FILE, DATABASE_URL_FILE, REDIS_URL_FILE, CELERY_BROKER_URL_FILE,
+# file instead: SECRET_KEY_FILE, SECRET_KEY_FALLBACKS_FILE, DATABASE_URL_FILE, REDIS_URL_FILE, CELERY_BROKER_URL_FILE,
 # LLMGW_JOIN_TOKEN_FILE and LLMGW_METRICS_TOKEN_FILE name a file whose content (less a final newline)
 # is the variable's value, so secrets need not sit in the container's environment description.
 set -euo pipefail
@@ -30,6 +30,7 @@ from_file() {
     fi
 }
 from_file SECRET_KEY "${SECRET_KEY_FILE:-}"
+from_file SECRET_KEY_FALLBACKS "${SECRET_KEY_FALLBACKS_FILE:-}"
 from_file DATABASE_URL "${DATABASE_URL_FILE:-}"
 from_file REDIS_URL "${REDIS_URL_FILE:-}"
 from_file CELERY_BROKER_URL "${CELERY_BROKER_URL_FILE:-}"

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 IMAGE="${LLMGW_IMAGE:-localhost/llmgw:latest}"
 AGENT_IMAGE="${LLMGW_AGENT_IMAGE:-localhost/llmgw-agent:latest}"
 BASE="${LLMGW_BASE_IMAGE:-localhost/llmgw-base:bookworm}"
-export CONTAINERS_CONF="$PWD/deploy/image/containers.conf"
+export CONTAINERS_CONF="$(pwd)/deploy/image/containers.conf"
 PY="${PYTHON:-python3}"
 
 # podman, debootstrap and runc from Debian's packages when missing (as `make browser` installs Chromium).
@@ -31,10 +31,10 @@ mirror() {
         return
     fi
     # The mirror apt already uses for bookworm, else Debian's own.
-    local found
-    found=$(grep -rhoE '^(URIs:|deb) +https?://[^ ]+/debian/?( |$)' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null |
+    local mirror_url
+    mirror_url=$(grep -rhoE '^(URIs:|deb) +https?://[^ ]+/debian/?( |$)' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null |
         grep -oE 'https?://[^ ]+' | head -n1 || true)
-    echo "${found:-http://deb.debian.org/debian}"
+    echo "${mirror_url:-http://deb.debian.org/debian}"
 }
 
 base() {
@@ -44,11 +44,11 @@ base() {
     fi
     local root
     root=$(mktemp -d)
-    trap 'rm -rf "$root"' RETURN
     # minbase: dpkg, apt and the essential packages; Python and the CA bundle are all the images add.
     debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates bookworm "$root" "$(mirror)" >/dev/null
     rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/* "$root"/usr/share/doc/* "$root"/usr/share/man/*
     tar -C "$root" -c . | podman import --message "Debian bookworm minbase with Python 3 (llmgw)" - "$BASE" >/dev/null
+    rm -rf "$root"
 }
 
 # The run requirements as wheels for the image's Python (3.11, like Debian bookworm's), built here so

@@ -62,8 +62,9 @@ def kustomize(directory: Path) -> list[dict]:
         data = {}
         for env in gen.get("envs", []):
             # The example overlay ships its env file as *.example: the keys are what matters here.
-            text = (directory / env).read_text() if (directory / env).exists() else (directory / f"{env}.example").read_text()
-            data |= {line.split("=", 1)[0]: "" for line in text.splitlines() if "=" in line and not line.startswith("#")}
+            path = directory / env if (directory / env).exists() else directory / f"{env}.example"
+            lines = [line for line in path.read_text().splitlines() if "=" in line and not line.startswith("#")]
+            data |= {line.split("=", 1)[0]: "" for line in lines}
         objects.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": gen["name"]}, "stringData": data})
     for patch in k.get("patches", []):
         p = yaml.safe_load((directory / patch["path"]).read_text())
@@ -163,7 +164,8 @@ def test_selectors_match_the_pods_and_services_target_named_ports(example):
         names = {p["name"] for c in matched[0]["spec"]["containers"] for p in c.get("ports", [])}
         assert {p["targetPort"] for p in svc["spec"]["ports"]} <= names
     for pdb in (o for o in example if o["kind"] == "PodDisruptionBudget"):
-        assert any(pdb["spec"]["selector"]["matchLabels"].items() <= t["metadata"]["labels"].items() for t in pods.values())
+        wanted = pdb["spec"]["selector"]["matchLabels"].items()
+        assert any(wanted <= t["metadata"]["labels"].items() for t in pods.values())
     monitor = find(example, "ServiceMonitor", "llmgw")
     sel = monitor["spec"]["selector"]
     (expr,) = sel["matchExpressions"]
@@ -227,7 +229,7 @@ def _asgi_status(path: str) -> int:
     return sent[0]["status"]
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)
 def test_every_probe_is_answered_by_the_application(example):
     _, health = entrypoint_roles()
     probes = 0
@@ -252,13 +254,13 @@ def test_every_probe_is_answered_by_the_application(example):
                     assert cmd[0] == IMAGE_ENTRYPOINT
                     assert cmd[1] == "health" and cmd[2] in health and cmd[2] == c["args"][0]
     assert probes == 6  # readiness and liveness of web, gateway and worker
-    assert "ENTRYPOINT [\"" + IMAGE_ENTRYPOINT + "\"]" in (ROOT / "deploy/image/Containerfile").read_text()
+    assert 'ENTRYPOINT ["' + IMAGE_ENTRYPOINT + '"]' in (ROOT / "deploy/image/Containerfile").read_text()
 
 
 def test_the_compose_file_starts_every_role(tmp_path):
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
-    roles, health = entrypoint_roles()
+    _, health = entrypoint_roles()
     commands = sorted(s["command"][0] for s in services.values())
     assert commands == ["beat", "gateway", "gateway", "migrate", "web", "web", "worker", "worker"]
     listen = [s["environment"].get("LLMGW_LISTEN") or s["environment"].get("LLMGW_GATEWAY_LISTEN")
@@ -289,9 +291,14 @@ def run_entrypoint(*args: str, **env: str) -> subprocess.CompletedProcess:
 def test_secrets_come_from_files_and_a_missing_one_is_named(tmp_path):
     secret = tmp_path / "secret_key"
     secret.write_text("s3cret-from-a-file\n")
-    code = "from django.conf import settings; print(settings.SECRET_KEY, settings.DEBUG)"
-    r = run_entrypoint("manage", "shell", "-c", code, SECRET_KEY_FILE=str(secret), DJANGO_SETTINGS_MODULE="llmgw.settings")
-    assert (r.returncode, r.stdout) == (0, "s3cret-from-a-file False\n"), r.stderr
+    old = tmp_path / "fallbacks"
+    old.write_text("retired-1,retired-2\n")
+    code = "from django.conf import settings; print(settings.SECRET_KEY, settings.SECRET_KEY_FALLBACKS, settings.DEBUG)"
+    r = run_entrypoint(
+        "manage", "shell", "--no-imports", "-c", code, SECRET_KEY_FILE=str(secret), SECRET_KEY_FALLBACKS_FILE=str(old),
+        DJANGO_SETTINGS_MODULE="llmgw.settings",
+    )  # fmt: skip
+    assert (r.returncode, r.stdout) == (0, "s3cret-from-a-file ['retired-1', 'retired-2'] False\n"), r.stderr
     r = run_entrypoint("web", SECRET_KEY_FILE=str(tmp_path / "absent"))
     assert r.returncode == 2
     assert f"SECRET_KEY_FILE names {tmp_path / 'absent'}, which cannot be read" in r.stderr
