@@ -57,14 +57,17 @@ wheels() {
     local dir=$1
     shift
     mkdir -p "$dir"
-    "$PY" -m pip wheel --quiet --wheel-dir "$dir" "$@"
+    # (Locations a machine's pip configuration names that do not exist are warned about, once each.)
+    "$PY" -m pip wheel --quiet --wheel-dir "$dir" "$@" 2> >(grep -v "is ignored: it is neither" >&2)
 }
 
 server() {
     base
     rm -rf var/image/wheels
-    # The project's own wheel (what `pip install .` installs) and its pinned run requirements.
-    wheels var/image/wheels -r requirements.txt .
+    # The project's own wheel (what `pip install .` installs) and its pinned run requirements. pip
+    # resolves markers for the Python running it, not the image's: Debian's 3.11.2 is below redis's
+    # python_full_version < "3.11.3" and so also needs async-timeout, at the version that marker takes.
+    wheels var/image/wheels -r requirements.txt . async-timeout==5.0.1
     podman build --quiet --network=host --build-arg BASE="$BASE" -f deploy/image/Containerfile -t "$IMAGE" . >/dev/null
     podman image inspect --format '{{.Size}}' "$IMAGE" | awk -v i="$IMAGE" '{ printf "%s: %.0f MB\n", i, $1 / 1e6 }'
 }
