@@ -110,8 +110,14 @@ image: | $(PY)
 image-agent: | $(PY)
 	PYTHON=$(PY) ./scripts/image.sh agent
 
+# podman-compose from PyPI into a virtualenv of its own under var/ (Debian bookworm's 1.0.3 gives
+# services with network_mode: host a network of their own too, which podman refuses).
+PODMAN_COMPOSE := 1.6.0
 podman-compose:
-	@command -v podman-compose >/dev/null || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y podman-compose; }
+	@if [ ! -f var/tools/.installed-podman-compose-$(PODMAN_COMPOSE) ]; then \
+		$(PYTHON) -m venv var/tools && var/tools/bin/pip install --quiet podman-compose==$(PODMAN_COMPOSE) \
+			&& touch var/tools/.installed-podman-compose-$(PODMAN_COMPOSE); \
+	fi
 
 # deploy/compose/compose.yaml started from the image, a simulated fleet, a request through a gateway,
 # a kill of each role, and nothing lost (scripts/compose_test.py; a few minutes: not part of make test).

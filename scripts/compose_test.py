@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -40,7 +42,8 @@ PROJECT = "llmgw-test"
 IMAGE = os.environ.get("LLMGW_IMAGE", "localhost/llmgw:latest")
 DATABASE_URL = os.environ.get("LLMGW_IMAGE_TEST_DATABASE_URL", "postgres://postgres@127.0.0.1:5432/llmgw_image_test")
 REDIS_URL = os.environ.get("LLMGW_IMAGE_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
-PORT = int(os.environ.get("LLMGW_IMAGE_TEST_PORT", "18000"))
+# Not 18000 and up: the engines' ports on the simulated nodes (the profiles' http_port) start there.
+PORT = int(os.environ.get("LLMGW_IMAGE_TEST_PORT", "28000"))
 NODES = 4
 WEB = [f"127.0.0.1:{PORT}", f"127.0.0.1:{PORT + 1}"]
 GATEWAY = [f"127.0.0.1:{PORT + 2}", f"127.0.0.1:{PORT + 3}"]
@@ -75,8 +78,14 @@ def run(*argv: str, check: bool = True) -> str:
     return r.stdout
 
 
+# podman-compose from PyPI (`make podman-compose`): Debian bookworm's 1.0.3 adds a network of its own to
+# services with network_mode: host, which podman refuses.
+PODMAN_COMPOSE = str(ROOT / "var" / "tools" / "bin" / "podman-compose")
+
+
 def compose(*args: str, check: bool = True) -> str:
-    return run("podman-compose", "-p", PROJECT, "-f", str(COMPOSE), *args, check=check)
+    tool = PODMAN_COMPOSE if Path(PODMAN_COMPOSE).exists() else shutil.which("podman-compose") or "podman-compose"
+    return run(tool, "-p", PROJECT, "-f", str(COMPOSE), *args, check=check)
 
 
 def container(service: str) -> str:
@@ -164,6 +173,12 @@ def main() -> int:
     fresh_database()
     try:
         return scenario()
+    except (SystemExit, AssertionError):
+        # What the control plane last said about its replicas, to tell a slow machine from a fault.
+        for row in query("SELECT at, kind, reason FROM placement_placementevent ORDER BY id DESC LIMIT 5"):
+            print("  event:", *row, flush=True)
+        print("  nodes:", dict(query("SELECT state, count(*) FROM inventory_node GROUP BY state")), flush=True)
+        raise
     finally:
         if os.environ.get("LLMGW_IMAGE_TEST_KEEP") != "1":
             say("stopping the fleet and the control plane")
@@ -204,8 +219,12 @@ def scenario() -> int:
     say(f"{answered} requests answered through both gateways; usage written: {usage()}")
 
     killed = ["web-1", "gateway-1", "worker-1", "beat"]
-    run("podman", "kill", "--signal", "KILL", *[container(s) for s in killed])
-    say(f"killed (SIGKILL): {', '.join(killed)}")
+    # Each container's main process dies (SIGKILL from the host, as the kernel's OOM killer would):
+    # a crash, which the restart policy answers. `podman kill` would count as an operator's stop,
+    # which podman, like Docker, leaves stopped.
+    for s in killed:
+        os.kill(int(run("podman", "inspect", "--format", "{{.State.Pid}}", container(s)).strip()), signal.SIGKILL)
+    say(f"killed (SIGKILL to each container's main process): {', '.join(killed)}")
     for i in range(20):
         r = chat(GATEWAY[1], key, f"during {i}")
         assert r.status_code == 200, (r.status_code, r.text)
