@@ -34,7 +34,8 @@ mirror() {
     local mirror_url
     mirror_url=$(grep -rhoE '^(URIs:|deb) +https?://[^ ]+/debian/?( |$)' /etc/apt/sources.list /etc/apt/sources.list.d/ 2>/dev/null |
         grep -oE 'https?://[^ ]+' | head -n1 || true)
-    echo "${mirror_url:-http://deb.debian.org/debian}"
+    [ -n "$mirror_url" ] || mirror_url=http://deb.debian.org/debian
+    echo "$mirror_url"
 }
 
 base() {
