@@ -20,7 +20,7 @@ LLAMA_SERVER := $(shell ./scripts/llama-server.sh --path 2>/dev/null)
 OPENAI_JS := 7.59.0
 JS_SDK := var/js-sdk
 
-.PHONY: run test lint bench bench-peers demo services migrations clean browser js-sdk llama-server record-llama-server \
+.PHONY: run test lint bench bench-peers demo services migrations clean browser prometheus js-sdk llama-server record-llama-server \
 	image image-agent test-image podman-compose
 
 # The install is quiet unless something fails: no recipe echoed, nothing printed on success.
@@ -47,7 +47,7 @@ run: $(VENV)/.installed
 	DEBUG=$${DEBUG:-1} ./scripts/run-all.sh
 
 # The whole suite against PostgreSQL and Redis on localhost, its end-to-end subset on SQLite, and the linters.
-test: $(VENV)/.installed-dev services browser js-sdk llama-server
+test: $(VENV)/.installed-dev services browser prometheus js-sdk llama-server
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(TEST_ENV) $(PY) manage.py check
@@ -66,6 +66,13 @@ services:
 # Debian's Chromium for the browser tests (Playwright drives it; no browser is ever downloaded).
 browser:
 	@test -x /usr/bin/chromium || { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+
+# Debian's Prometheus (with promtool) and Alertmanager (with amtool) for the monitoring tests, installed
+# as `browser` installs Chromium. The tests start their own Prometheus on a free port with their own
+# configuration and storage; a system service the package may start is never used.
+prometheus:
+	@test -x /usr/bin/prometheus && test -x /usr/bin/promtool && test -x /usr/bin/amtool || { apt-get update && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus prometheus-alertmanager; }
 
 # OpenAI's JavaScript SDK from the npm registry into var/, once per version; Node and npm from
 # Debian's packages when missing (as `browser` installs Chromium).
@@ -91,8 +98,7 @@ migrations: $(VENV)/.installed-dev
 # Simulated GPU nodes (real agent processes in fixture mode) against `make run`'s server; Ctrl-C stops them.
 demo: $(VENV)/.installed
 	DEBUG=$${DEBUG:-1} $(PY) manage.py gateway_demo --gateway http://$${LLMGW_GATEWAY_LISTEN:-127.0.0.1:8080}
-	DEBUG=$${DEBUG:-1} $(PY) manage.py simulate --nodes $${NODES:-6} --control-plane http://$${LLMGW_LISTEN:-127.0.0.1:8000} \
-		--wakeup http://$${LLMGW_GATEWAY_LISTEN:-127.0.0.1:8080}
+	DEBUG=$${DEBUG:-1} $(PY) manage.py simulate --nodes $${NODES:-6} --control-plane http://$${LLMGW_LISTEN:-127.0.0.1:8000}
 
 bench: $(VENV)/.installed-dev services
 	$(TEST_ENV) $(PY) -m bench

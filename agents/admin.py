@@ -13,7 +13,7 @@ from django import forms
 from django.contrib import admin, messages
 from django.utils import timezone
 
-import wire
+import llmgw_wire as wire
 from agents import credentials
 from agents.models import JoinToken, NodeCredential
 from inventory.models import Command

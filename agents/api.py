@@ -30,7 +30,7 @@ from rest_framework.parsers import JSONParser
 from rest_framework.renderers import JSONRenderer
 from rest_framework.views import APIView
 
-import wire
+import llmgw_wire as wire
 from agents import credentials, limits, protocol
 from llmgw import validation
 

@@ -1,6 +1,6 @@
 """POST /api/v1/agent/lease: a node renews its lease between full heartbeats.
 
-A lease (wire/lease.py) says the node is alive and which commands it has
+A lease (llmgw_wire/lease.py) says the node is alive and which commands it has
 applied; the control plane keeps the node's last status (the telemetry
 entry its last full heartbeat left) and answers with commands only when some
 wait. The database work is inventory/lease.py: one statement when nothing
@@ -26,7 +26,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 
-import wire
+import llmgw_wire as wire
 from agents import credentials, protocol
 from agents.api import AgentEndpoint, KiB, documented, problem
 from agents.models import NodeCredential

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from functools import cache
 
-import wire
+import llmgw_wire as wire
 from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules
 from inventory.models import GPU, EngineInstall, FabricScan, LocalWeights, Node, SMChange, Storage

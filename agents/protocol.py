@@ -16,7 +16,7 @@ from typing import Generic, TypeVar
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-import wire
+import llmgw_wire as wire
 from agents import credentials
 from agents.credentials import JoinAuth, NodeAuth
 from inventory import changes, outbox, telemetry
@@ -136,6 +136,7 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
         heartbeat_interval_s=settings.LLMGW_HEARTBEAT_INTERVAL,
         adopted=sync.adopted,
         commands=pending,
+        wakeup_url=settings.LLMGW_WAKEUP_URL or None,
     )
 
 
@@ -237,6 +238,8 @@ def _answer(
         rotate_credential=True if auth.rotation_requested else None,
         # Between full heartbeats the agent may renew its lease alone (agents/lease.py).
         leases=True,
+        # Where to hold the wakeup long-poll: an agent configured with none uses this one.
+        wakeup_url=settings.LLMGW_WAKEUP_URL or None,
     )
 
 

@@ -6,8 +6,14 @@ within a few milliseconds of the commit that a command was queued
 to fetch it. Answers: 200 `{"work": true}` when the node's channel was
 published while it waited (or shortly before it came back), 204 after
 LLMGW_AGENT_WAIT_S seconds (default 25) of nothing, 401 without a
-credential of the node named by `?node=`, 501 when this control plane has
-no Redis (the wakeup is off; agents keep to their interval).
+credential of the node named by `?node=`.
+
+With Redis, the process holds one pattern subscription to every node's
+channel (Hub). Without it (the embedded default, `make run`), nothing is
+published, so the process looks in the command outbox itself a few times a
+second for commands not yet delivered to the nodes that wait (DatabaseHub):
+one small query per look, only while some node waits. Either way the
+long-poll is on whenever the gateway runs.
 
 It is ASGI, not a view of the WSGI web app: a long-poll there would pin one
 of its few threads per node for the whole wait, while here ten thousand
@@ -38,6 +44,7 @@ from django.db import close_old_connections
 
 from agents import credentials
 from inventory import wakeups
+from inventory.models import Command
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +157,68 @@ class Hub:
                     del self.waiters[node_id]
 
 
+# How often the database hub looks for undelivered commands: a command waits at most this long.
+DB_POLL_S = 0.2
+# Node ids per query (SQLite allows 999 parameters in older builds).
+DB_CHUNK = 500
+
+
+def undelivered(node_ids: list[str]) -> dict[str, set[str]]:
+    """The ids of commands queued for these nodes and not yet handed to them, by node (in a worker thread)."""
+    close_old_connections()
+    found: dict[str, set[str]] = {}
+    try:
+        for i in range(0, len(node_ids), DB_CHUNK):
+            rows = Command.objects.filter(
+                node_id__in=node_ids[i : i + DB_CHUNK], first_delivered_at__isnull=True, acked_at__isnull=True
+            ).values_list("node_id", "id")
+            for node_id, command_id in rows:
+                found.setdefault(node_id, set()).add(str(command_id))
+    finally:
+        close_old_connections()
+    return found
+
+
+class DatabaseHub(Hub):
+    """The hub without Redis: the outbox itself, read a few times a second while some node waits.
+
+    A node is woken once per command: a command announced and not yet
+    fetched (the agent's heartbeat is on its way) does not wake it again.
+    """
+
+    def __init__(self, *, executor: ThreadPoolExecutor, poll_s: float = DB_POLL_S) -> None:
+        super().__init__("", "")
+        self.poll_s = poll_s
+        self.executor = executor
+        # Node -> the undelivered commands it was already woken for.
+        self.announced: dict[str, set[str]] = {}
+
+    async def _listen_forever(self) -> None:
+        self.subscribed.set()
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.poll_s)
+            waiting = sorted(self.waiters)
+            if not waiting:
+                continue
+            try:
+                pending = await loop.run_in_executor(self.executor, undelivered, waiting)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                # The database hiccuped: agents keep to their interval until it answers again.
+                log.warning("agent wakeup: could not read the outbox (%s)", e)
+                continue
+            for node_id in waiting:
+                ids = pending.get(node_id, set())
+                if ids - self.announced.get(node_id, set()):
+                    self.deliver(node_id)
+                if ids:
+                    self.announced[node_id] = ids
+                else:
+                    self.announced.pop(node_id, None)
+
+
 def _authenticate(token: str) -> str | None:
     """The node a credential belongs to (in a worker thread: Django's ORM is synchronous)."""
     close_old_connections()
@@ -173,7 +242,10 @@ class WaitEndpoint:
 
     def _hub(self) -> Hub:
         if self.hub is None:
-            self.hub = Hub(self.redis_url, wakeups.channel_prefix())
+            if self.redis_url:
+                self.hub = Hub(self.redis_url, wakeups.channel_prefix())
+            else:
+                self.hub = DatabaseHub(executor=self._db)
             self.hub.start()
         return self.hub
 
@@ -192,9 +264,6 @@ class WaitEndpoint:
             await _answer(
                 send, 401, {"detail": "a node credential for ?node= is required"}, [(b"www-authenticate", b"Bearer")]
             )
-            return
-        if not self.redis_url:
-            await _answer(send, 501, {"detail": "agent wakeups are off here (no Redis): heartbeat on your interval"})
             return
         work = await self._hub().wait(node_id, self.hold_s, gone=lambda: _disconnected(receive))
         # Every node holds one of these at all times: routine, like its lease.

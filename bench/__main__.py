@@ -13,8 +13,9 @@ import time
 
 BENCHES: list[str] = ["heartbeat", "lease", "planner", "reconcile", "kept", "metrics", "gateway"]
 # Run only when named: the whole loop with a simulated fleet takes minutes, and
-# the gateway's peers are installed from PyPI (make bench-peers).
-ON_REQUEST: list[str] = ["fleet", "peers"]
+# the gateway's peers are installed from PyPI (make bench-peers); autoscale runs a
+# load of minutes.
+ON_REQUEST: list[str] = ["fleet", "peers", "autoscale"]
 
 
 def main(argv: list[str]) -> int:

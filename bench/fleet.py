@@ -3,7 +3,7 @@
 Creates a fresh database (<configured name>_fleet), migrates it, starts the
 web server as `make run` does (scripts/serve.sh) and one Celery worker with
 beat (`-B`, broker on REDIS_URL), then runs BENCH_FLEET_NODES virtual nodes
-(agents/node/fleet.py, over the shipped hardware profiles, in
+(llmgw_sim/fleet.py, over the shipped hardware profiles, in
 BENCH_FLEET_PROCS processes) against them. Phases:
 
 1. join storm: every node starts at once (BENCH_FLEET_RAMP spreads them);
@@ -47,8 +47,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from agents.node.fleet import EDGES, histogram_percentile
 from bench.heartbeat import _children, _free_port, _loadavg, _proc_cpu, _recreate_database, _wait_until_up
+from llmgw_sim.fleet import EDGES, histogram_percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -193,7 +193,7 @@ class Loop:
                     [
                         sys.executable,
                         "-m",
-                        "agents.node.fleet",
+                        "llmgw_sim.fleet",
                         "--control-plane",
                         self.url,
                         "--join-token-file",

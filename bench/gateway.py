@@ -34,8 +34,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from agents.node.echo import PrefixCache, _context_tokens
 from bench.heartbeat import _free_port, _recreate_database
+from llmgw_sim.echo import PrefixCache, _context_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ class Procs:
 
     def echo(self, env: dict[str, str], model: str, *flags: str) -> str:
         port = _free_port()
-        self.start([sys.executable, "-m", "agents.node.echo", "--port", str(port), "--served-model-name", model,
+        self.start([sys.executable, "-m", "llmgw_sim.echo", "--port", str(port), "--served-model-name", model,
                     *flags], env, f"echo-{port}")  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         _wait(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200)

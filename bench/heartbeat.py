@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
-import wire
+import llmgw_wire as wire
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -43,7 +43,7 @@ def _guid(node: int, hca: int, *, port: bool) -> str:
 
 
 def _port(node: int, hca: int) -> dict:
-    import wire
+    import llmgw_wire as wire
 
     counters = {
         "symbol_error": node % 3,

@@ -11,7 +11,7 @@ import datetime as dt
 from collections import defaultdict
 from dataclasses import dataclass
 
-from django.db.models import Q
+from django.db.models import Case, Q, Value, When
 from django.utils import timezone
 
 from gateway import usage
@@ -40,6 +40,10 @@ class ModelRoute:
     desired: int
     # The planner's reason for the oldest pending replica ("" when none is pending).
     pending_reason: str
+    # Autoscaled: a request finding no ready replica is held while one starts (gateway/dataplane/hold.py).
+    hold: bool = False
+    # The planner's refusal of a pending replica ("" when none was refused): a held request is answered at once.
+    unplaceable: str = ""
 
     def unavailable_reason(self) -> str:
         """The 503's message: "llama-70b: 0 of 2 replicas ready; pending: 3 free GPUs, needs 4"."""
@@ -89,7 +93,8 @@ def load_routes() -> dict[str, ModelRoute]:
     replicas = list(
         Replica.objects.filter(state__in=[ReplicaState.READY, ReplicaState.PENDING])
         .order_by("created_at", "id")
-        .values("id", "deployment_id", "state", "endpoint", "reason")
+        .annotate(refused=Case(When(pending_reasons={}, then=Value(False)), default=Value(True)))
+        .values("id", "deployment_id", "state", "endpoint", "reason", "refused")
     )
     ready_ids = [r["id"] for r in replicas if r["state"] == ReplicaState.READY]
     versions = {
@@ -102,16 +107,19 @@ def load_routes() -> dict[str, ModelRoute]:
     table: dict[str, ModelRoute] = {}
     for name, deps in by_name.items():
         backends: list[Backend] = []
-        pending = ""
+        pending = unplaceable = ""
         for d in deps:
             engine = d.profile.engine
             for r in per_dep.get(d.id, []):
                 if r["state"] == ReplicaState.READY and r["endpoint"]:
                     version = versions.get(r["id"], {}).get(engine, "")
                     backends.append(Backend(str(r["id"]), r["endpoint"], engine, str(version), d.name))
-                elif r["state"] == ReplicaState.PENDING and not pending:
-                    pending = r["reason"]
-        table[name] = ModelRoute(name, tuple(backends), sum(d.replicas for d in deps), pending)
+                elif r["state"] == ReplicaState.PENDING:
+                    pending = pending or r["reason"]
+                    if r["refused"] and not unplaceable:
+                        unplaceable = r["reason"]
+        hold = any(d.autoscaled for d in deps)
+        table[name] = ModelRoute(name, tuple(backends), sum(d.replicas for d in deps), pending, hold, unplaceable)
     return table
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from django.db import connection
 
-import wire
+import llmgw_wire as wire
 from inventory import changes
 from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules

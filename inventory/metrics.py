@@ -4,7 +4,7 @@ Only what the control plane alone knows: node state and heartbeat age, the
 cards each node has, holds and has joined to NVLink, the doctor, and the
 families other apps register (`register`: placement's replicas).
 Each card's sensors and each port's counters are served by the node's own
-agent (agents.node.metrics), which Prometheus finds through the service
+agent (llmgw_agent.metrics), which Prometheus finds through the service
 discovery (placement.prometheus_sd): at ten thousand nodes the control plane
 exporting every sensor was 117 MB and seconds a scrape.
 
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, DateTimeField, F, Value
+from django.db.models import Count, DateTimeField, F, OuterRef, Subquery, Value
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 from django.middleware.gzip import re_accepts_gzip
 from django.utils import timezone
@@ -53,7 +53,7 @@ from prometheus_client.utils import floatToGoString
 
 from inventory import doctor, doctor_refresh
 from inventory import gpus as gpu_rules
-from inventory.models import GPU, AllocatedGPU, Node
+from inventory.models import GPU, AllocatedGPU, LivenessClock, Node
 
 
 @dataclass(slots=True)
@@ -165,6 +165,22 @@ def _families() -> dict[str, Family]:
         "imex_up": Family(
             "llmgw_imex_up", "gauge", "1 when nvidia-imex is up (nodes that report IMEX only).", ("node",)
         ),
+        "class_gpus": Family("llmgw_gpus", "gauge", "Cards registered, by class (the card's model).", ("class",)),
+        "class_allocated": Family(
+            "llmgw_gpus_allocated", "gauge", "Cards a shard holds, by class (the card's model).", ("class",)
+        ),
+        "sweep_age": Family(
+            "llmgw_liveness_sweep_age_seconds",
+            "gauge",
+            "Seconds since the last liveness sweep (not written before the first).",
+            (),
+        ),
+        "mass_silence": Family(
+            "llmgw_liveness_mass_silence",
+            "gauge",
+            "1 while most of the fleet is silent at once: no node is judged meanwhile.",
+            (),
+        ),
         "doctor": Family(
             "llmgw_doctor_checks",
             "gauge",
@@ -181,7 +197,7 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     """Fill every family from what only the control plane knows; the doctor's results from its cache when recent.
 
     A card's sensors and a port's counters are the agents' to serve (see
-    agents.node.metrics): here each node is a handful of samples, so a scrape
+    llmgw_agent.metrics): here each node is a handful of samples, so a scrape
     stays a few MB at ten thousand nodes. No telemetry is read unless the
     doctor's results are stale and its checks must run.
     """
@@ -194,23 +210,37 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     nodes = Node.objects.order_by("id").annotate(since=elapsed).values_list("id", "state", "since", "imex_state")
     cards: dict[str, int] = {}
     joined: dict[str, int] = {}
+    classes: dict[str, int] = {}
     # Counted by the database per node and fabric report, and the rule asked
     # once per distinct report: a node's cards mostly report the same fabric,
     # and the rule per card was a third of a scrape at 10,000 nodes.
     verdicts: dict[tuple[str, str, str], bool] = {}
-    for node_id, *fabric, n in (
-        GPU.objects.values_list("node_id", "fabric_state", "fabric_status", "cluster_uuid")
+    for node_id, *fabric, name, n in (
+        GPU.objects.values_list("node_id", "fabric_state", "fabric_status", "cluster_uuid", "name")
         .annotate(n=Count("id"))
         .order_by()
     ):
         key = tuple(fabric)
+        classes[name] = classes.get(name, 0) + n
         verdict = verdicts.get(key)
         if verdict is None:
             verdict = verdicts[key] = gpu_rules.fabric_joined(*key)
         cards[node_id] = cards.get(node_id, 0) + n
         if verdict:
             joined[node_id] = joined.get(node_id, 0) + n
-    held = dict(AllocatedGPU.objects.values_list("node_id").annotate(n=Count("id")).order_by())
+    # Held cards by node and by the class of the card held, in one statement.
+    held: dict[str, int] = {}
+    held_classes: dict[str, int] = {}
+    card_class = GPU.objects.filter(node_id=OuterRef("node_id"), index=OuterRef("gpu_index")).values("name")[:1]
+    for node_id, name, n in (
+        AllocatedGPU.objects.annotate(card=Subquery(card_class))
+        .values_list("node_id", "card")
+        .annotate(n=Count("id"))
+        .order_by()
+    ):
+        held[node_id] = held.get(node_id, 0) + n
+        held_classes[name or ""] = held_classes.get(name or "", 0) + n
+    clock = LivenessClock.objects.filter(id=1).values_list("last_sweep_at", "disruption_since").first()
     f = _families()
     added = [source.families() for source in _SOURCES]
     for source, families in zip(_SOURCES, added, strict=True):
@@ -227,6 +257,13 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
         gpus.append((labels, float(cards.get(nid, 0))))
         allocated.append((labels, float(held.get(nid, 0))))
         nvlink_joined.append((labels, float(joined.get(nid, 0))))
+    for name in sorted(classes.keys() | held_classes.keys()):
+        f["class_gpus"].rows.append(((name,), float(classes.get(name, 0))))
+        f["class_allocated"].rows.append(((name,), float(held_classes.get(name, 0))))
+    last_sweep, disruption = clock or (None, None)
+    if last_sweep is not None:
+        f["sweep_age"].rows.append(((), max((now - last_sweep).total_seconds(), 0.0)))
+    f["mass_silence"].rows.append(((), 1.0 if disruption is not None else 0.0))
     for r in results:
         for value in doctor.Result:
             f["doctor"].rows.append(((r.name, str(value)), 1.0 if r.result == value else 0.0))

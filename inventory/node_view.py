@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import wire
+import llmgw_wire as wire
 from inventory import gpus as gpu_rules
 from inventory import scans, telemetry
 from inventory.models import GPU, Node

@@ -28,12 +28,12 @@ from inventory.models import (
     Storage,
 )
 from llmgw import logs
-from wire import engines as wire_engines
+from llmgw_wire import engines as wire_engines
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser
 
-    import wire
+    import llmgw_wire as wire
 
 log = logging.getLogger(__name__)
 

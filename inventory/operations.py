@@ -18,7 +18,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-import wire
+import llmgw_wire as wire
 from inventory import changes, hooks, telemetry
 from inventory.models import NODE_TRANSITIONS, Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import TransitionError, change_state, set_operator_labels

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 
-import wire
+import llmgw_wire as wire
 from inventory import wakeups
 from inventory.models import Command, CommandKind
 from llmgw.db import prepared_cursor

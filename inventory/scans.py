@@ -17,7 +17,7 @@ from typing import Any
 from django.conf import settings
 from django.db import transaction
 
-import wire
+import llmgw_wire as wire
 from inventory import fabric as fabric_rules
 from inventory import outbox, telemetry
 from inventory.models import Command, CommandKind, Node, NodeState

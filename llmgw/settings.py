@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import re
+import socket
 from pathlib import Path
 
 import dj_database_url
@@ -383,6 +385,10 @@ LLMGW_GATEWAY_REFRESH = env_seconds("LLMGW_GATEWAY_REFRESH", 5.0)
 LLMGW_GATEWAY_EJECT_AFTER = env_int("LLMGW_GATEWAY_EJECT_AFTER", 3, minimum=1)
 LLMGW_GATEWAY_EJECT_FOR = env_seconds("LLMGW_GATEWAY_EJECT_FOR", 30.0)
 LLMGW_GATEWAY_UPSTREAM_TIMEOUT = env_seconds("LLMGW_GATEWAY_UPSTREAM_TIMEOUT", 600.0)
+# A request for an autoscaled model with no ready replica (scaled to zero) is held
+# this long while one starts, at most this many per model and gateway process.
+LLMGW_GATEWAY_HOLD_TIMEOUT = env_seconds("LLMGW_GATEWAY_HOLD_TIMEOUT", 120.0)
+LLMGW_GATEWAY_HOLD_QUEUE = env_int("LLMGW_GATEWAY_HOLD_QUEUE", 100, minimum=1)
 # How the data plane picks a replica: "prefix" (bounded-load consistent hashing
 # over the conversation's start, gateway/routing.py) or "round-robin" (the
 # baseline the benchmark measures it against).
@@ -399,6 +405,34 @@ LLMGW_GATEWAY_USAGE_FLUSH = env_seconds("LLMGW_GATEWAY_USAGE_FLUSH", 5.0)
 # under the 30-60 s idle timeouts of the usual proxies and load balancers, so a
 # quiet wait is never cut by one in the middle and read as an error.
 LLMGW_AGENT_WAIT_S = env_seconds("LLMGW_AGENT_WAIT_S", 25.0)
+
+
+def wakeup_url(explicit: str, gateway_listen: str) -> str:
+    """Where agents hold the wakeup long-poll: LLMGW_WAKEUP_URL, else the gateway's listen address; "" for none.
+
+    The control plane hands it to every agent in its register and heartbeat
+    answers, so an agent configured with nothing but `control_plane` still
+    hears its commands at once whenever a gateway runs. A wildcard listen
+    address names no host an agent could dial: this host's name stands in.
+    """
+    if explicit:
+        url = explicit.rstrip("/")
+        if not re.match(r"^https?://[^\s/?#]+(/[^\s?#]*)?$", url):
+            raise ImproperlyConfigured(
+                f"LLMGW_WAKEUP_URL={explicit!r}: an http(s) URL with a host, e.g. http://gw:8080"
+            )
+        return url
+    if not gateway_listen:
+        return ""
+    host, sep, port = gateway_listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ImproperlyConfigured(f"LLMGW_GATEWAY_LISTEN={gateway_listen!r}: use host:port")
+    if host in ("", "0.0.0.0", "[::]", "::"):
+        host = socket.getfqdn()
+    return f"http://{host}:{port}"
+
+
+LLMGW_WAKEUP_URL = wakeup_url(os.environ.get("LLMGW_WAKEUP_URL", ""), os.environ.get("LLMGW_GATEWAY_LISTEN", ""))
 
 # Access logs (every request the web server and the gateway answer) are off
 # unless LLMGW_ACCESS_LOG is set; scripts/serve.sh and scripts/gateway.sh read

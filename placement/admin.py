@@ -3,6 +3,7 @@ holds and power budgets, and the planner's reason node by node for a pending rep
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Iterable
 
 from django import forms
@@ -20,9 +21,19 @@ from django.utils.html import format_html, format_html_join
 
 from inventory.models import Node
 from llmgw.admin import ReadOnlyAdmin
-from placement import audit, explain, kept, planner, queueing, replicas, retiring, secrets
+from placement import audit, autoscale_chart, explain, kept, planner, queueing, replicas, retiring, secrets
 from placement import deployments as deployment_actions
-from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, ReplicaState, Shard
+from placement.models import (
+    AutoscaleSample,
+    Deployment,
+    EngineProfile,
+    Hold,
+    PlacementEvent,
+    PowerBudget,
+    Replica,
+    ReplicaState,
+    Shard,
+)
 
 
 class AuditedAdmin(admin.ModelAdmin):
@@ -107,6 +118,30 @@ class DeploymentAdmin(admin.ModelAdmin):
     readonly_fields = ["created_at", "updated_at"]
     inlines = [ReplicaInline]
     actions = ["pause", "resume"]
+    fieldsets = [
+        (
+            None,
+            {"fields": ["name", "served_model", "profile", "replicas", "pool", "node_selector", "policy", "paused"]},
+        ),
+        (
+            "Autoscaling",
+            {
+                "fields": [
+                    "autoscale_metric",
+                    ("autoscale_min", "autoscale_max"),
+                    "autoscale_target",
+                    ("scale_up_window_s", "scale_down_window_s"),
+                ],
+                "description": (
+                    "With a metric, the reconciler sets the replicas between the minimum (0: scale to zero "
+                    "when idle) and the maximum. The target is per replica for requests in flight and "
+                    "requests waiting, in seconds for TTFT p95. The load must stay high for the scale-up "
+                    "window before replicas are added, and low for the scale-down window before one is retired."
+                ),
+            },
+        ),
+        (None, {"fields": ["created_at", "updated_at"]}),
+    ]
 
     def get_queryset(self, request):
         return (
@@ -116,13 +151,22 @@ class DeploymentAdmin(admin.ModelAdmin):
             .annotate(ready_count=Count("replica_set", filter=Q(replica_set__state="ready")))
         )
 
+    def change_view(self, request, object_id, form_url="", extra_context=None):
+        extra_context = dict(extra_context or {})
+        dep = self.get_object(request, object_id)
+        if dep is not None and dep.autoscaled:
+            extra_context.update(scaling_page(dep, timezone.now()))
+        return super().change_view(request, object_id, form_url, extra_context)
+
     @admin.display(description="ready", ordering="ready_count")
     def ready(self, obj: Deployment) -> str:
         return f"{obj.ready_count}/{obj.replicas}"
 
     def save_model(self, request, obj, form, change):
+        before = Deployment.objects.filter(pk=obj.pk).first() if change else None
         super().save_model(request, obj, form, change)
-        deployment_actions.record(obj, "changed", "saved in the admin", now=timezone.now(), actor=request.user)
+        what = deployment_actions.changed(before, obj) or "nothing changed"
+        deployment_actions.record(obj, "changed", f"saved in the admin: {what}", now=timezone.now(), actor=request.user)
 
     def delete_model(self, request, obj):
         deployment_actions.delete(obj, now=timezone.now(), actor=request.user)
@@ -156,6 +200,23 @@ class DeploymentAdmin(admin.ModelAdmin):
         for dep in queryset:
             deployment_actions.set_paused(dep, False, now=timezone.now(), actor=request.user)
         self.message_user(request, f"{queryset.count()} resumed", messages.SUCCESS)
+
+
+# The span of the deployment page's autoscaling chart, and how many scaling steps it lists.
+CHART_SPAN = dt.timedelta(hours=1)
+STEPS_SHOWN = 20
+
+
+def scaling_page(dep: Deployment, now: dt.datetime) -> dict:
+    """What an autoscaled deployment's page shows above its form: the last hour's chart and recent steps."""
+    start = now - CHART_SPAN
+    rows = list(
+        AutoscaleSample.objects.filter(deployment=dep, at__gte=start, at__lte=now)
+        .order_by("at", "id")
+        .values_list("at", "desired", "signal")
+    )
+    events = PlacementEvent.objects.filter(deployment=dep, kind="autoscaled")[:STEPS_SHOWN]
+    return {"scaling_chart": autoscale_chart.chart(rows, start=start, end=now), "scaling_events": list(events)}
 
 
 _OUTPUT_STYLE = "white-space: pre-wrap; font-family: monospace; max-height: 32em; overflow: auto; margin: 0"

@@ -16,12 +16,12 @@ from typing import NamedTuple
 from django.db import connection
 from django.db.models import QuerySet
 
-import wire
+import llmgw_wire as wire
 from inventory import outbox
 from inventory.models import Command, CommandKind
 from llmgw.db import prepared_cursor
+from llmgw_wire import shard_states
 from placement.models import PlacementEvent, Replica, ReplicaState, Shard
-from wire import shard_states
 
 log = logging.getLogger(__name__)
 

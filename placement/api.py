@@ -13,8 +13,20 @@ from rest_framework.views import APIView
 from llmgw.permissions import PermissionsRequired
 from placement import audit, explain, kept, planner, replicas
 from placement import deployments as deployment_actions
-from placement.models import Deployment, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
+from placement.models import (
+    AutoscaleSample,
+    Deployment,
+    EngineProfile,
+    Hold,
+    PlacementEvent,
+    PowerBudget,
+    Replica,
+    Shard,
+)
 from placement.serializers import (
+    AutoscaleIn,
+    AutoscaleInErrors,
+    AutoscaleSampleOut,
     DeploymentIn,
     DeploymentOut,
     DryRunIn,
@@ -111,8 +123,16 @@ class DeploymentViewSet(InOutViewSet):
         )
 
     def perform_write(self, data):
+        before = Deployment.objects.filter(pk=data.instance.pk).first() if data.instance is not None else None
         dep = data.save()
-        deployment_actions.record(dep, "changed", "saved through the API", now=timezone.now(), actor=self.request.user)
+        what = deployment_actions.changed(before, dep)
+        deployment_actions.record(
+            dep,
+            "changed",
+            f"saved through the API: {what or 'nothing changed'}",
+            now=timezone.now(),
+            actor=self.request.user,
+        )
         return dep
 
     def destroy(self, request, *args, **kwargs):
@@ -131,6 +151,24 @@ class DeploymentViewSet(InOutViewSet):
             self.get_object(), data.validated_data["replicas"], now=timezone.now(), actor=request.user
         )
         return Response(self.serializer_class(self._reload(dep)).data)
+
+    @extend_schema(request=AutoscaleIn, responses={200: DeploymentOut, 400: AutoscaleInErrors})
+    @action(detail=True, methods=["post"], permission_classes=[CanChange])
+    def autoscale(self, request, pk=None):
+        """Set the autoscaling policy (fields left out keep their values; metric "" turns it off)."""
+        dep = self.get_object()
+        data = AutoscaleIn(dep, data=request.data, partial=True)
+        data.is_valid(raise_exception=True)
+        dep = deployment_actions.set_autoscale(dep, data.validated_data, now=timezone.now(), actor=request.user)
+        return Response(self.serializer_class(self._reload(dep)).data)
+
+    @extend_schema(responses=AutoscaleSampleOut(many=True), filters=False)
+    @action(detail=True, methods=["get"], url_path="autoscale-samples")
+    def autoscale_samples(self, request, pk=None):
+        """What the autoscaler saw and set, pass by pass, oldest first (the last day)."""
+        qs = AutoscaleSample.objects.filter(deployment_id=self.get_object().id).order_by("at", "id")
+        page = self.paginate_queryset(qs)
+        return self.get_paginated_response(AutoscaleSampleOut(page, many=True).data)
 
     @extend_schema(request=None, responses=DeploymentOut)
     @action(detail=True, methods=["post"], permission_classes=[CanChange])

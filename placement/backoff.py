@@ -17,9 +17,9 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import F, OuterRef, Q, Subquery
 
+from llmgw_wire import shard_states
 from placement import replicas
 from placement.models import Replica, ReplicaState, Shard
-from wire import shard_states
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from django.db import transaction
 from django.db.models import Exists, OuterRef, Q
@@ -63,6 +63,42 @@ def scale(dep: Deployment, count: int, *, now: dt.datetime, actor: AbstractBaseU
         if before != count:
             record(dep, "scaled", f"replicas {before} -> {count}", now=now, actor=actor)
     return dep
+
+
+def set_autoscale(
+    dep: Deployment, policy: dict[str, Any], *, now: dt.datetime, actor: AbstractBaseUser | None = None
+) -> Deployment:
+    """Change a deployment's autoscaling policy (validated by the caller), recorded field by field.
+
+    Turning it off leaves the replicas at the count the autoscaler last set.
+    """
+    with transaction.atomic():
+        before = Deployment.objects.select_for_update().get(id=dep.id)
+        for key, value in policy.items():
+            setattr(dep, key, value)
+        diff = [
+            f"{key} {getattr(before, key)!r} -> {value!r}"
+            for key, value in policy.items()
+            if getattr(before, key) != value
+        ]
+        if diff:
+            Deployment.objects.filter(id=dep.id).update(updated_at=now, **policy)
+            record(dep, "autoscale_policy", ", ".join(diff), now=now, actor=actor)
+    return dep
+
+
+def changed(before: Deployment | None, after: Deployment) -> str:
+    """What an operator's save changed, field by field ("" when nothing did)."""
+    if before is None:
+        return "created"
+    out = []
+    for f in Deployment._meta.concrete_fields:
+        if not f.editable or f.primary_key or f.name in ("created_at", "updated_at"):
+            continue
+        old, new = f.value_from_object(before), f.value_from_object(after)
+        if old != new:
+            out.append(f"{f.name} {old!r} -> {new!r}")
+    return ", ".join(out)
 
 
 def set_paused(dep: Deployment, paused: bool, *, now: dt.datetime, actor: AbstractBaseUser | None = None) -> Deployment:

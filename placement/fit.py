@@ -11,8 +11,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from llmgw_wire import engines as wire_engines
 from placement.snapshot import CORE_W, GPUInfo, NodeInfo, Snapshot
-from wire import engines as wire_engines
 
 if TYPE_CHECKING:
     from placement.planner import ReplicaRequest

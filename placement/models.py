@@ -11,11 +11,11 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.core.validators import MinValueValidator
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 
-from wire import ShardState as WireShardState
-from wire import engines as wire_engines
-from wire import shard_states
+from llmgw_wire import ShardState as WireShardState
+from llmgw_wire import engines as wire_engines
+from llmgw_wire import shard_states
 
 
 class Engine(models.TextChoices):
@@ -98,8 +98,22 @@ class Policy(models.TextChoices):
     SPREAD = "spread", "spread (the emptiest nodes first)"
 
 
+class AutoscaleMetric(models.TextChoices):
+    """What an autoscaled deployment's replica count follows ("" : not autoscaled)."""
+
+    OFF = "", "off (a fixed number of replicas)"
+    INFLIGHT = "inflight", "requests in flight per replica"
+    QUEUE = "queue", "requests waiting at the engine per replica"
+    TTFT_P95 = "ttft_p95", "time to first token, p95 (seconds)"
+
+
 class Deployment(models.Model):
-    """What an operator wants running: a served model, how many replicas, and where."""
+    """What an operator wants running: a served model, how many replicas, and where.
+
+    With an autoscaling metric, `replicas` is set by the reconciler between
+    `autoscale_min` and `autoscale_max` (placement/autoscale.py); without
+    one it is the operator's number.
+    """
 
     name = models.CharField(max_length=128, unique=True)
     served_model = models.CharField(max_length=128)
@@ -109,6 +123,17 @@ class Deployment(models.Model):
     node_selector = models.JSONField(default=dict, blank=True)
     policy = models.CharField(max_length=16, choices=Policy.choices, default=Policy.BINPACK)
     paused = models.BooleanField(default=False)
+    autoscale_metric = models.CharField(
+        "autoscaling metric", max_length=16, choices=AutoscaleMetric.choices, default=AutoscaleMetric.OFF, blank=True
+    )
+    autoscale_min = models.PositiveIntegerField("minimum replicas", default=1)
+    autoscale_max = models.PositiveIntegerField("maximum replicas", default=1)
+    # Per replica for inflight and queue; seconds for ttft_p95.
+    autoscale_target = models.FloatField("target value", default=0.0)
+    # The load must stay high this long before a scale-up (0: at once), and low
+    # this long before a scale-down (the HPA's stabilisation windows).
+    scale_up_window_s = models.PositiveIntegerField("scale-up window (s)", default=0)
+    scale_down_window_s = models.PositiveIntegerField("scale-down window (s)", default=300)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -116,10 +141,49 @@ class Deployment(models.Model):
         ordering = ["name"]
         constraints = [
             models.CheckConstraint(condition=Q(policy__in=Policy.values), name="placement_deployment_policy_valid"),
+            models.CheckConstraint(
+                condition=Q(autoscale_metric__in=AutoscaleMetric.values),
+                name="placement_deployment_autoscale_metric_valid",
+            ),
+            models.CheckConstraint(
+                condition=Q(autoscale_metric="") | (Q(autoscale_max__gte=F("autoscale_min")) & Q(autoscale_max__gte=1)),
+                name="placement_deployment_autoscale_bounds",
+            ),
+            models.CheckConstraint(
+                condition=Q(autoscale_metric="") | Q(autoscale_target__gt=0),
+                name="placement_deployment_autoscale_target_positive",
+            ),
         ]
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def autoscaled(self) -> bool:
+        """Whether the reconciler sets the replica count."""
+        return bool(self.autoscale_metric)
+
+    def clean(self) -> None:
+        """Refuse an autoscaling policy that cannot hold (the admin's form and the API ask the same rule)."""
+        problems = autoscale_problems(
+            self.autoscale_metric, self.autoscale_min or 0, self.autoscale_max or 0, self.autoscale_target or 0.0
+        )
+        if problems:
+            raise ValidationError(problems)
+
+
+def autoscale_problems(metric: str, minimum: int, maximum: int, target: float) -> dict[str, str]:
+    """What is wrong with an autoscaling policy, by field ("" metric: off, nothing to check)."""
+    if not metric:
+        return {}
+    out = {}
+    if maximum < 1:
+        out["autoscale_max"] = "at least 1: a deployment that may never run a replica serves nothing"
+    elif maximum < minimum:
+        out["autoscale_max"] = f"must not be below the minimum ({minimum})"
+    if not target > 0:
+        out["autoscale_target"] = "must be above 0 when autoscaling"
+    return out
 
 
 class ReplicaState(models.TextChoices):
@@ -274,6 +338,34 @@ class PlacementEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.kind} {self.from_state}->{self.to_state}: {self.reason}"
+
+
+class AutoscaleSample(models.Model):
+    """What the autoscaler saw and recommended for one deployment in one reconcile pass.
+
+    The recommendations of the last window are the stabilisation history (a
+    scale-down needs every one of them to agree); the rows also draw the
+    deployment's chart of replicas and signal. Pruned after a day.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="autoscale_samples")
+    at = models.DateTimeField()
+    # Replicas counted (not retiring) when the pass looked, and what it set.
+    replicas = models.PositiveIntegerField()
+    desired = models.PositiveIntegerField()
+    # What the load alone asks for, before the windows and the bounds.
+    recommended = models.PositiveIntegerField()
+    # The metric's value (None: nothing measured), and the requests in flight and held.
+    signal = models.FloatField(null=True, blank=True)
+    inflight = models.PositiveIntegerField(default=0)
+    held = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["deployment_id", "at"]
+        indexes = [models.Index(fields=["deployment", "at"], name="placement_autoscale_dep_at")]
+
+    def __str__(self) -> str:
+        return f"{self.deployment_id} {self.at:%H:%M:%S} {self.replicas} -> {self.desired}"
 
 
 class HoldScope(models.TextChoices):

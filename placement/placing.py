@@ -16,6 +16,7 @@ from django.db import IntegrityError, OperationalError, transaction
 
 from placement import planner, writes
 from placement.models import Deployment, Replica, ReplicaState
+from placement.signals import replicas_changed
 from placement.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ def place(
                 reason=result.reason, pending_reasons=reasons, updated_at=now
             )
             row.reason, row.pending_reasons = result.reason, reasons
+            # The gateways answer requests held for this model at once with the planner's reason.
+            ids = [row.id]
+            transaction.on_commit(lambda: replicas_changed.send(sender=Replica, replica_ids=ids))
         return "pending"
     if batch is not None:
         batch.add(row, dep, result)

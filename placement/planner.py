@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmgw_wire import engines as wire_engines
 from placement.fit import choose_gpus, must_install, node_reason, power_reason, shard_power
 from placement.snapshot import NodeInfo, Snapshot
-from wire import engines as wire_engines
 
 if TYPE_CHECKING:
     from placement.models import EngineProfile

@@ -43,6 +43,11 @@ def queue_reconcile(*, reason: str = "") -> bool:
     return True
 
 
+def ask_now(reason: str = "") -> bool:
+    """Ask for a pass at once, outside any transaction (a gateway holding a request for a model at zero)."""
+    return _send(reason)
+
+
 def _send(reason: str) -> bool:
     """Queue the task unless one is waiting; True when this call queued it."""
     try:

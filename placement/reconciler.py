@@ -7,7 +7,10 @@ One pass, given `now`:
    start the new replica first, so ready capacity never dips);
 3. replicas on draining nodes get replacements; a changed profile rolls one
    replica at a time per deployment;
-4. deployments are scaled up (new pending replicas) and down;
+4. autoscaled deployments get their count from the load (placement/scaling.py);
+   deployments are scaled up (new pending replicas) and down (the replica
+   that costs least to lose: fewest requests in flight, then the one on the
+   emptiest nodes, so what it frees is whole nodes rather than scattered cards);
 5. pending replicas are placed: allocations, shard rows and StartShard
    commands in one transaction per replica, so a replica is placed whole or
    not at all; the database's one-shard-per-GPU constraint makes a second
@@ -30,10 +33,10 @@ from django.db import transaction
 
 from inventory import allocation, changes
 from inventory.models import Allocation, NodeState
-from placement import backoff, batch_writes, inflight, kept, placing, planner, replicas, retiring
+from llmgw_wire import shard_states
+from placement import backoff, batch_writes, inflight, kept, placing, planner, replicas, retiring, scaling
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
 from placement.retiring import SERVING, LiveReplica, retire
-from wire import shard_states
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ class Report:
     errors: int = 0
     orphans_released: int = 0
     drained: list[str] = field(default_factory=list)
+    # The autoscaler's changes: "deployment id: reason".
+    autoscaled: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -74,6 +79,8 @@ class Pass:
     new_rows: list[Replica] = field(default_factory=list)
     # Recent failed starts of the deployments with something to place.
     history: dict[int, backoff.StartFailures] = field(default_factory=dict)
+    # Requests in flight per replica, read once when a scale-down has serving replicas to choose from.
+    routers: inflight.Totals | None = None
 
 
 @dataclass
@@ -145,6 +152,7 @@ def reconcile(*, now: dt.datetime) -> Report:
     )
     p.report.orphans_released = orphans
     follow_shards(p)
+    p.report.autoscaled = [f"{s.deployment_id}: {s.reason}" for s in scaling.apply(deployments, p.by_dep, now=now)]
     for dep in deployments.values():
         fleet = retire_replaced(p, dep)
         replace_moving(p, fleet)
@@ -258,7 +266,10 @@ def scale(p: Pass, fleet: Fleet) -> None:
     """Step 4: new pending replicas up to the desired count, or the surplus stopped.
 
     Replacements count, what they replace does not. The surplus stopped is
-    what serves least: pending first, then the newest.
+    what costs least to lose: what does not serve yet first; among serving
+    replicas the one with the fewest requests in flight, then the one on the
+    emptiest nodes (its cards join free ones, leaving whole nodes for the
+    next replica that needs many), then the newest.
     """
     now, dep = p.now, fleet.dep
     counted = [r for r in fleet.reps if r.row.id not in fleet.replacement_of]
@@ -270,7 +281,23 @@ def scale(p: Pass, fleet: Fleet) -> None:
             )
     elif active > dep.replicas:
         order = {RS.PENDING: 0, RS.PLACING: 0, RS.STARTING: 1, RS.DEGRADED: 2, RS.READY: 3}
-        surplus = sorted(counted, key=lambda r: (order.get(r.row.state, 0), -r.row.created_at.timestamp()))
+        busy: dict[str, int] = {}
+        free: dict[str, int] = {}
+        if any(r.row.state in SERVING for r in counted):
+            p.routers = p.routers or inflight.totals()
+            busy = p.routers.per_replica
+            nodes = kept.current(now=now).nodes
+            free = {n: nodes[n].free_count() for r in counted for s in r.shards if (n := s["node_id"]) in nodes}
+
+        def cost(r: LiveReplica) -> tuple:
+            return (
+                order.get(r.row.state, 0),
+                busy.get(str(r.row.id), 0),
+                -sum(free.get(s["node_id"], 0) for s in r.shards),
+                -r.row.created_at.timestamp(),
+            )
+
+        surplus = sorted(counted, key=cost)
         for rep in surplus[: active - dep.replicas]:
             if rep.row.state in (RS.PENDING, RS.PLACING) and not rep.shards:
                 if replicas.change_state(rep.row, RS.STOPPED, now=now, reason="scaled down"):

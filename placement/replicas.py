@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 from django.db import transaction
 
 from llmgw import logs
+from llmgw_wire import shard_states
 from placement.models import REPLICA_TRANSITIONS, PlacementEvent, Replica, ReplicaState
 from placement.signals import replicas_changed
-from wire import shard_states
 
 if TYPE_CHECKING:
     from django.contrib.auth.models import AbstractBaseUser

@@ -18,7 +18,7 @@ from django.contrib.auth.base_user import AbstractBaseUser
 from django.db import transaction
 from django.db.models import OuterRef, Subquery
 
-import wire
+import llmgw_wire as wire
 from inventory import allocation, outbox
 from inventory.models import Allocation, Node, NodeEvent, NodeState
 from inventory.nodes import record_event

@@ -1,7 +1,7 @@
 """Secrets in engine profiles are write-only: stored, sent to the agent, shown to nobody.
 
 Which env values and flag values are secrets is decided by name in
-wire/, as the agent's log masking decides. Everything that shows a
+llmgw_wire/, as the agent's log masking decides. Everything that shows a
 profile (the API, the admin, the audit events, queued commands) shows the
 mask in their place; a profile written back with the mask keeps the stored
 value, so an operator edits other fields without retyping a token, and
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import wire
+import llmgw_wire as wire
 
 MASK = wire.MASK
 

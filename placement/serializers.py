@@ -1,6 +1,6 @@
 """Placement's API shapes: input validators apart from output serializers.
 
-Every bound an input enforces is read from the wire schema (wire/),
+Every bound an input enforces is read from the wire schema (llmgw_wire/),
 the one place the protocol's limits live: a profile, a deployment, a hold or
 a budget the API accepts always becomes a StartShard the agent accepts, and
 a value the database's checks would refuse is a 400 naming its field
@@ -15,13 +15,24 @@ from typing import Any
 
 from rest_framework import serializers
 
-import wire
+import llmgw_wire as wire
 from llmgw.schema import field_errors
+from llmgw_wire import engines as wire_engines
 from placement import secrets
 from placement.explain import EVERY_NODE, FITS_SHOWN, SUMMARY
-from placement.models import Deployment, Engine, EngineProfile, Hold, PlacementEvent, PowerBudget, Replica, Shard
+from placement.models import (
+    AutoscaleSample,
+    Deployment,
+    Engine,
+    EngineProfile,
+    Hold,
+    PlacementEvent,
+    PowerBudget,
+    Replica,
+    Shard,
+    autoscale_problems,
+)
 from placement.planner import BINPACK, SPREAD
-from wire import engines as wire_engines
 
 # A profile's power claim, per shard (W): more than any rack draws, less than a float's surprises.
 MAX_POWER_W = 1_000_000.0
@@ -204,6 +215,24 @@ class ProfileIn(serializers.ModelSerializer):
         return attrs
 
 
+AUTOSCALE_FIELDS = (
+    "autoscale_metric",
+    "autoscale_min",
+    "autoscale_max",
+    "autoscale_target",
+    "scale_up_window_s",
+    "scale_down_window_s",
+)
+# A day of window at most: longer is a fixed deployment in disguise, and the history is kept a day.
+AUTOSCALE_LIMITS = {
+    "autoscale_min": {"max_value": 10_000},
+    "autoscale_max": {"max_value": 10_000},
+    "autoscale_target": {"min_value": 0.0, "max_value": 1e6},
+    "scale_up_window_s": {"max_value": 86_400},
+    "scale_down_window_s": {"max_value": 86_400},
+}
+
+
 class DeploymentOut(serializers.ModelSerializer):
     """A deployment as read, with its replicas counted by state."""
 
@@ -226,12 +255,34 @@ class DeploymentOut(serializers.ModelSerializer):
             "node_selector",
             "policy",
             "paused",
+            *AUTOSCALE_FIELDS,
             "created_at",
             "updated_at",
         ]
 
 
-class DeploymentIn(serializers.ModelSerializer):
+class AutoscaleChecks:
+    """The policy's rule (models.autoscale_problems) over a partial write: a 400 naming the field."""
+
+    def validate(self, attrs):
+        attrs = super().validate(attrs)
+
+        def current(key):
+            if key in attrs:
+                return attrs[key]
+            if self.instance is not None:
+                return getattr(self.instance, key)
+            return Deployment._meta.get_field(key).get_default()
+
+        problems = autoscale_problems(
+            current("autoscale_metric"), current("autoscale_min"), current("autoscale_max"), current("autoscale_target")
+        )
+        if problems:
+            raise serializers.ValidationError(problems)
+        return attrs
+
+
+class DeploymentIn(AutoscaleChecks, serializers.ModelSerializer):
     """A deployment as written; its node selector bounded as the wire bounds labels."""
 
     policy = serializers.ChoiceField(choices=[BINPACK, SPREAD], default=BINPACK)
@@ -241,8 +292,42 @@ class DeploymentIn(serializers.ModelSerializer):
 
     class Meta:
         model = Deployment
-        fields = ["name", "served_model", "profile", "replicas", "pool", "node_selector", "policy", "paused"]
-        extra_kwargs = {"replicas": {"max_value": 10_000}}
+        fields = [
+            "name",
+            "served_model",
+            "profile",
+            "replicas",
+            "pool",
+            "node_selector",
+            "policy",
+            "paused",
+            *AUTOSCALE_FIELDS,
+        ]
+        extra_kwargs = {"replicas": {"max_value": 10_000}, **AUTOSCALE_LIMITS}
+
+
+class AutoscaleIn(AutoscaleChecks, serializers.ModelSerializer):
+    """A deployment's autoscaling policy as written (a partial write keeps the fields it leaves out)."""
+
+    class Meta:
+        model = Deployment
+        fields = list(AUTOSCALE_FIELDS)
+        extra_kwargs = AUTOSCALE_LIMITS
+
+
+AutoscaleInErrors = field_errors(
+    "AutoscaleInErrors",
+    "400 from autoscale: what is wrong with the policy, field by field (only the fields with a problem appear).",
+    AUTOSCALE_FIELDS,
+)
+
+
+class AutoscaleSampleOut(serializers.ModelSerializer):
+    """One pass of the autoscaler over a deployment: what it saw and set."""
+
+    class Meta:
+        model = AutoscaleSample
+        fields = ["at", "replicas", "desired", "recommended", "signal", "inflight", "held"]
 
 
 class ScaleIn(serializers.Serializer):

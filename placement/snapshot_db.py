@@ -26,10 +26,10 @@ from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules
 from inventory import resources, scans, telemetry
 from inventory.models import GPU, AllocatedGPU, Allocation, EngineInstall, FabricAttachment, LocalWeights, Node, Storage
+from llmgw_wire import engines as wire_engines
+from llmgw_wire import shard_states
 from placement.models import Hold, PowerBudget, ReplicaState, Shard
 from placement.snapshot import FabricInfo, GPUInfo, HoldInfo, NodeInfo, Snapshot
-from wire import engines as wire_engines
-from wire import shard_states
 
 # (master subnet manager GUID, the managers the port lists): all the canonical map reads of a port.
 SMPair = tuple[str, tuple[str, ...]]

@@ -19,9 +19,11 @@ from typing import Any
 
 from django.db import connection, transaction
 
-import wire
+import llmgw_wire as wire
 from inventory import changes, outbox, wakeups
 from inventory.models import AllocatedGPU, Allocation, Command
+from llmgw_wire import engines as wire_engines
+from llmgw_wire import shard_states
 from placement import planner
 from placement.models import (
     REPLICA_TRANSITIONS,
@@ -35,8 +37,6 @@ from placement.models import (
 from placement.replicas import TransitionError, event
 from placement.signals import replicas_changed
 from placement.snapshot import Snapshot
-from wire import engines as wire_engines
-from wire import shard_states
 
 RS = ReplicaState
 # The replica fields a placement sets that differ replica by replica.

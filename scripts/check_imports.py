@@ -32,8 +32,17 @@ import shutil
 import sys
 import tempfile
 
-CONTROL_PLANE_PACKAGES = ("llmgw", "wire", "inventory", "placement", "agents", "gateway")
-AGENT_PACKAGES = ("wire", "agents.node")
+CONTROL_PLANE_PACKAGES = (
+    "llmgw",
+    "llmgw_wire",
+    "inventory",
+    "placement",
+    "agents",
+    "gateway",
+    "llmgw_agent",
+    "llmgw_sim",
+)
+AGENT_PACKAGES = ("llmgw_wire", "llmgw_agent")
 # Modules that run-time code reaches by name, never by an import statement:
 # the Celery transports the settings name, the web servers scripts/serve.sh
 # runs with `python -m`, the connection pool the settings name. kombu's Redis transport imports `packaging`.

@@ -69,6 +69,7 @@ server() {
     # resolves markers for the Python running it, not the image's: Debian's 3.11.2 is below redis's
     # python_full_version < "3.11.3" and so also needs async-timeout, at the version that marker takes.
     wheels var/image/wheels -r requirements.txt . async-timeout==5.0.1
+    rm -rf build ./*.egg-info
     podman build --quiet --network=host --build-arg BASE="$BASE" -f deploy/image/Containerfile -t "$IMAGE" . >/dev/null
     podman image inspect --format '{{.Size}}' "$IMAGE" | awk -v i="$IMAGE" '{ printf "%s: %.0f MB\n", i, $1 / 1e6 }'
 }
@@ -78,6 +79,8 @@ agent() {
     rm -rf var/image/agent-wheels
     # The agent's own distribution (deploy/agent) and its dependencies, nothing of the control plane.
     wheels var/image/agent-wheels ./deploy/agent
+    # setuptools builds in the source folder: leave deploy/agent as it was.
+    rm -rf deploy/agent/build deploy/agent/*.egg-info
     podman build --quiet --network=host --build-arg BASE="$BASE" -f deploy/image/Containerfile.agent \
         -t "$AGENT_IMAGE" . >/dev/null
     podman image inspect --format '{{.Size}}' "$AGENT_IMAGE" | awk -v i="$AGENT_IMAGE" '{ printf "%s: %.0f MB\n", i, $1 / 1e6 }'

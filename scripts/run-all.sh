@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 BIN=.venv/bin
 ADDR="${LLMGW_LISTEN:-127.0.0.1:8000}"
 GATEWAY="${LLMGW_GATEWAY_LISTEN:-127.0.0.1:8080}"
+# The web server names the gateway to the agents as where their wakeup long-poll is held (llmgw/settings.py).
+export LLMGW_GATEWAY_LISTEN="$GATEWAY"
 VAR="${LLMGW_VAR_DIR:-var}"
 # The filesystem broker's folders (settings put them under LLMGW_VAR_DIR).
 mkdir -p "$VAR/celery/broker" "$VAR/celery/processed" "$VAR/celery/control"

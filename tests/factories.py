@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-import wire
+import llmgw_wire as wire
 from inventory.nodes import upsert_node
 from placement import agent_sync
 from placement.models import Shard

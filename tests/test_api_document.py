@@ -45,6 +45,11 @@ ACTIONS = {
         {"200": "LabelsOut", "400": "LabelsInputErrors"},
     ),
     ("post", "/api/v1/deployments/{id}/scale/"): ("ScaleInRequest", {"200": "DeploymentOut", "400": "ScaleInErrors"}),
+    ("post", "/api/v1/deployments/{id}/autoscale/"): (
+        "AutoscaleInRequest",
+        {"200": "DeploymentOut", "400": "AutoscaleInErrors"},
+    ),
+    ("get", "/api/v1/deployments/{id}/autoscale-samples/"): (None, {"200": "PaginatedAutoscaleSampleOutList"}),
     ("post", "/api/v1/deployments/{id}/pause/"): (None, {"200": "DeploymentOut"}),
     ("post", "/api/v1/deployments/{id}/resume/"): (None, {"200": "DeploymentOut"}),
     ("get", "/api/v1/replicas/{id}/events/"): (None, {"200": "PaginatedEventOutList"}),

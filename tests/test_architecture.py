@@ -1,13 +1,15 @@
 """The architecture's contract, read from the source: imports run one way, none hides in a function.
 
-Layers, low to high: `wire` (the agent protocol's schema: no Django, no
-project package but itself) <- `llmgw`'s utilities <- `inventory` <-
+Layers, low to high: `llmgw_wire` (the agent protocol's schema: no Django,
+no project package but itself) <- `llmgw`'s utilities <- `inventory` <-
 `placement` <- `agents` (the protocol's server side) and `gateway`
-(siblings: neither imports the other). `agents.node`, the node agent, imports
-only `wire` and itself, and no Django: it installs on a GPU node without the
-control plane. The project's wiring modules (settings, URLs, WSGI/ASGI, the
-Celery app) may import anything: they put the layers together. A migration
-imports only its own app.
+(siblings: neither imports the other). `llmgw_agent`, the node agent, imports
+only `llmgw_wire` and itself, and no Django: it installs on a GPU node without
+the control plane. `llmgw_sim`, the fleet simulator and the echo engine, is a
+development tool over the agent: nothing shipped to a node imports it. The
+project's wiring modules (settings, URLs, WSGI/ASGI, the Celery app) may
+import anything: they put the layers together. A migration imports only its
+own app.
 
 An import of a project module inside a function is how a cycle is usually
 dodged, so it fails unless it sits in `AppConfig.ready()` (registration),
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("wire", "llmgw", "inventory", "placement", "agents", "gateway")
+PACKAGES = ("llmgw_wire", "llmgw", "inventory", "placement", "agents", "gateway", "llmgw_agent", "llmgw_sim")
 MAX_LINES = 350
 BANNER = re.compile(r"^\s*#\s*(-{3,}|={3,})")
 # Modules that put the layers together, allowed to import any of them.
@@ -50,16 +52,18 @@ WIRING = frozenset(
 )
 # Who may import whom (besides itself): the one-way direction.
 MAY_IMPORT: dict[str, frozenset[str]] = {
-    "wire": frozenset(),
-    "llmgw": frozenset({"wire"}),
-    "inventory": frozenset({"wire", "llmgw"}),
-    "placement": frozenset({"wire", "llmgw", "inventory"}),
-    "agents": frozenset({"wire", "llmgw", "inventory", "placement", "agents.node"}),
-    "gateway": frozenset({"wire", "llmgw", "inventory", "placement"}),
-    "agents.node": frozenset({"wire"}),
+    "llmgw_wire": frozenset(),
+    "llmgw": frozenset({"llmgw_wire"}),
+    "inventory": frozenset({"llmgw_wire", "llmgw"}),
+    "placement": frozenset({"llmgw_wire", "llmgw", "inventory"}),
+    # The simulate command drives the development fleet against this control plane.
+    "agents": frozenset({"llmgw_wire", "llmgw", "inventory", "placement", "llmgw_sim"}),
+    "gateway": frozenset({"llmgw_wire", "llmgw", "inventory", "placement"}),
+    "llmgw_agent": frozenset({"llmgw_wire"}),
+    "llmgw_sim": frozenset({"llmgw_wire", "llmgw_agent"}),
 }
 # Layers that must run without Django installed.
-DJANGO_FREE = frozenset({"wire", "agents.node"})
+DJANGO_FREE = frozenset({"llmgw_wire", "llmgw_agent", "llmgw_sim"})
 DJANGO_PACKAGES = frozenset({"django", "rest_framework", "django_filters", "celery"})
 
 # Lazy imports of project modules inside functions that are not cycle dodges:
@@ -107,8 +111,6 @@ def layer(module: str) -> str:
     """The layer a project module belongs to ("wiring" for the modules that assemble the project)."""
     if module in WIRING:
         return "wiring"
-    if module == "agents.node" or module.startswith("agents.node."):
-        return "agents.node"
     return module.split(".")[0]
 
 
@@ -255,5 +257,5 @@ def test_the_checker_sees_what_it_must():
     )
     found = [(n.lineno, w) for n, w in _imports_with_context(ast.parse(src))]
     assert found == [(1, None), (2, None), (4, "type-checking"), (6, "function"), (9, "ready")]
-    assert layer("agents.node.loop") == "agents.node" and layer("llmgw.settings") == "wiring"
+    assert layer("llmgw_agent.loop") == "llmgw_agent" and layer("llmgw.settings") == "wiring"
     assert "placement" not in MAY_IMPORT["inventory"] and "gateway" not in MAY_IMPORT["agents"]

@@ -170,7 +170,7 @@ class Agents:
     """Real agent processes for simulated nodes; their shards are found through the agents' state records."""
 
     def __init__(self, url: str, workdir: Path, n: int) -> None:
-        from agents.node.simulate import Fleet
+        from llmgw_sim.simulate import Fleet
 
         self.fleet = Fleet(
             nodes=n,
@@ -187,7 +187,7 @@ class Agents:
 
     def shards(self) -> dict[str, int]:
         """Shard id -> pid of each shard process that runs now, read from the agents' records."""
-        from agents.node.supervisor import proc_identity
+        from llmgw_agent.supervisor import proc_identity
 
         out = {}
         for n in self.fleet.nodes:
@@ -205,7 +205,7 @@ class Agents:
 
     def running(self, pid: int) -> bool:
         """Whether the shard process seen with this pid still runs (not merely a pid reused)."""
-        from agents.node.supervisor import proc_identity
+        from llmgw_agent.supervisor import proc_identity
 
         ident = proc_identity(pid)
         return ident is not None and ident[0] == self.seen.get(pid)
@@ -255,7 +255,7 @@ def plane(transactional_db, tmp_path):
 
 @pytest.fixture
 def agents(plane, tmp_path):
-    pytest.importorskip("agents.node.discovery")
+    pytest.importorskip("llmgw_agent.discovery")
     a = Agents(plane.url, tmp_path / "fleet", 3)
     try:
         yield a

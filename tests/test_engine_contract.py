@@ -13,22 +13,22 @@ from pathlib import Path
 
 import pytest
 
-import wire
-from agents.node import engines as agent_engines
-from agents.node.commands import install_answer
-from agents.node.discovery import discover
+import llmgw_wire as wire
 from inventory import outbox
 from inventory.models import Node
+from llmgw_agent import engines as agent_engines
+from llmgw_agent.commands import install_answer
+from llmgw_agent.discovery import discover
+from llmgw_wire import engines as wire_engines
 from placement import snapshot_db
 from placement.models import Deployment, EngineProfile
 from placement.planner import ReplicaRequest, plan
 from placement.reconciler import reconcile
 from tests.factories import make_node
-from wire import engines as wire_engines
 
 pytestmark = pytest.mark.django_db
 
-PROFILES = Path(__file__).resolve().parents[1] / "agents" / "node" / "profiles"
+PROFILES = Path(__file__).resolve().parents[1] / "llmgw_sim" / "profiles"
 # A recorded machine that has each engine installed (its probe's output recorded on the engine's own stream).
 MACHINE = {"vllm": "hgx-h100", "sglang": "hgx-h100", "llamacpp": "cpu-only"}
 MODEL = {"vllm": "/models/llama-3-8b", "sglang": "/models/llama-3-8b", "llamacpp": "/models/tiny.gguf"}

@@ -255,7 +255,7 @@ class Cluster:
         return "(no log)"
 
     def start(self) -> None:
-        from agents.node.simulate import Fleet
+        from llmgw_sim.simulate import Fleet
 
         self.pg.init()
         self.pg.start()
@@ -374,7 +374,7 @@ class Cluster:
 def cluster():
     if PG_BIN is None or shutil.which("redis-server") is None:
         pytest.skip("needs PostgreSQL's server binaries and redis-server")
-    pytest.importorskip("agents.node.discovery")
+    pytest.importorskip("llmgw_agent.discovery")
     root = Path(tempfile.mkdtemp(prefix="llmgw-faults-"))
     os.chmod(root, 0o755)
     c = Cluster(root)

@@ -120,3 +120,16 @@ def test_make_test_builds_llama_server_and_names_it_to_pytest(tmp_path):
     assert all(binary in line for line in pytest_lines)
     # Built before any test runs.
     assert lines.index("PYTHON=.venv/bin/python ./scripts/llama-server.sh") < lines.index(pytest_lines[0])
+
+
+def test_make_test_installs_prometheus_before_the_tests(tmp_path):
+    # tests/test_prometheus.py and tests/deploy/test_prometheus_rules.py run Debian's prometheus,
+    # promtool and amtool: installed when missing, as Chromium is.
+    env = clean_env(XDG_CACHE_HOME=str(tmp_path))
+    dry = subprocess.run(["make", "-n", "test"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    check = next(i for i, line in enumerate(lines) if line.startswith("test -x /usr/bin/prometheus"))
+    assert "test -x /usr/bin/promtool && test -x /usr/bin/amtool" in lines[check]
+    assert "apt-get install -y --no-install-recommends prometheus prometheus-alertmanager" in lines[check + 1]
+    assert check < next(i for i, line in enumerate(lines) if "bin/pytest" in line)

@@ -43,10 +43,9 @@ STORE_SETTINGS = ("DATABASE_URL", "REDIS_URL", "CELERY_BROKER_URL", "LLMGW_CACHE
 
 
 def readme_first_hour(readme: Path) -> list[str]:
-    """The commands of the README's first-hour block, comments stripped."""
+    """The commands of the README's first-hour block (marked `<!-- runnable: newcomer -->`), comments stripped."""
     text = readme.read_text()
-    section = text.split("## The first hour", 1)[1]
-    block = re.search(r"```\n(.*?)```", section, re.S).group(1)
+    block = re.search(r"^<!-- runnable: newcomer -->\n```bash\n(.*?)```", text, re.S | re.M).group(1)
     lines = [re.sub(r"\s+#\s.*$", "", line).strip() for line in block.splitlines()]
     return [line for line in lines if line]
 
@@ -105,6 +104,18 @@ def test_a_newcomer_follows_the_readme(tmp_path):
             return api.get("/nodes/", params={"state": "ready"}).json()["count"] == NODES
 
         wait_until(ready_nodes, timeout=300, what=f"{NODES} simulated nodes ready", context=logs)
+
+        # make demo's agents are configured with nothing but the control plane: they hold the wakeup
+        # long-poll on the gateway make run started, because the control plane names it in its answers.
+        agent_logs = sorted((tmp_path / "var" / "simulate").glob("*/agent.log"))
+        assert len(agent_logs) == NODES, agent_logs
+        wait_until(
+            lambda: all("wakeup: long-poll held at http://" in p.read_text() for p in agent_logs),
+            timeout=60,
+            what="every simulated agent holding the wakeup long-poll",
+            context=lambda: "\n".join(f"--- {p}\n{p.read_text()[-1500:]}" for p in agent_logs),
+        )
+        assert not [p for p in agent_logs if "commands arrive with heartbeats" in p.read_text()]
 
         profile = api.post("/profiles/", json={"name": "echo-1", "engine": "echo", "gpus_per_node": 1})
         assert profile.status_code == 201, profile.text

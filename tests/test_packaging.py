@@ -6,6 +6,7 @@ module there)."""
 from __future__ import annotations
 
 import re
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -52,8 +53,17 @@ def test_agent_distribution_pins_what_the_control_plane_pins():
     agent_pins = pins(agent["dependencies"])
     assert sorted(agent_pins) == ["httpx", "nvidia-ml-py", "pydantic", "pyyaml"]
     assert agent_pins == {name: run_pins[name] for name in agent_pins}
-    assert agent["scripts"] == {"llmgw-agent": "agents.node.__main__:main"}
-    assert (REPO / "deploy/agent/agents").resolve() == REPO / "agents"
+    assert agent["scripts"] == {"llmgw-agent": "llmgw_agent.__main__:main"}
+    assert (REPO / "deploy/agent/llmgw_agent").resolve() == REPO / "llmgw_agent"
+    assert (REPO / "deploy/agent/llmgw_wire").resolve() == REPO / "llmgw_wire"
+
+
+def test_agent_distribution_needs_no_build_hook():
+    # A hook that filters modules out of a package is how control-plane code once reached nodes by
+    # accident: the agent's packages hold only what a node runs, so the list is the whole story.
+    assert sorted(p.name for p in (REPO / "deploy/agent").iterdir()) == ["llmgw_agent", "llmgw_wire", "pyproject.toml"]
+    packages = tomllib.loads((REPO / "deploy/agent/pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert packages == ["llmgw_wire", "llmgw_wire.engines", "llmgw_agent", "llmgw_agent.discovery"]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +83,7 @@ def test_pip_install_gives_a_control_plane_that_imports_every_module(checkout, t
     assert count > 100
     site = next((tmp_path / "venv/lib").glob("python3.*/site-packages"))
     assert (site / "llmgw/templates/admin/nvlink.html").is_file()
-    assert (site / "agents/node/profiles/hgx-h100").is_dir()
+    assert (site / "llmgw_sim/profiles/hgx-h100").is_dir()
     assert (bin_dir / "llmgw-agent").exists()
     # docs/operations.md's way to run an installed copy: its state goes to ./var where it runs, not site-packages.
     env = {k: v for k, v in clean_env().items() if k not in ("DATABASE_URL", "REDIS_URL", "LLMGW_VAR_DIR")}
@@ -97,8 +107,44 @@ def test_the_agent_installs_alone_without_django(checkout, tmp_path):
     assert {"httpx", "pydantic", "pyyaml", "nvidia-ml-py", "llmgw-agent"} <= names
     assert not names & {"django", "celery", "djangorestframework", "psycopg"}
     site = next((tmp_path / "venv/lib").glob("python3.*/site-packages"))
-    assert sorted(p.name for p in (site / "agents").glob("*.py")) == ["__init__.py"]
-    assert (site / "wire/__init__.py").is_file()
-    assert (site / "wire/shard_states.py").is_file()
+    # Two top-level names, neither one another library uses; no simulator, no echo engine on a node.
+    ours = {p.name for p in site.iterdir() if p.name.startswith(("llmgw", "agents", "wire"))}
+    assert {n for n in ours if not n.endswith(".dist-info")} == {"llmgw_agent", "llmgw_wire"}
+    assert (site / "llmgw_wire/shard_states.py").is_file()
     # The engine registry travels with the agent: it builds every command line from it.
-    assert (site / "wire/engines/registry.py").is_file()
+    assert (site / "llmgw_wire/engines/registry.py").is_file()
+    # Asked for the echo engine anyway, the agent says what is missing instead of a ModuleNotFoundError.
+    probe = (
+        "import llmgw_wire as w; from llmgw_agent import engines;"
+        "p = w.EngineProfile(name='e', engine='echo', model_path='m');"
+        "s = w.StartShard(shard_id='s1', replica_id='r1', profile=p, http_port=18001, gpu_indices=[]);"
+        "engines.build(s)"
+    )
+    proc = subprocess.run(
+        [str(bin_dir / "python"), "-c", probe], cwd=tmp_path, env=clean_env(), capture_output=True, text=True
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "llmgw_wire.engines.launch.EngineError: shard s1: the echo engine is a development tool (llmgw_sim, "
+        "in llmgw's source) and this node's agent was installed without it: deploy a real engine, or run the agent "
+        "from a checkout"
+    )
+
+
+# OpenAI's Agents SDK imports as `agents`: the name the node agent's package once had, so the two
+# could not share an environment (whichever installed last replaced the other's files).
+OPENAI_AGENTS = "openai-agents==0.24.0"
+
+
+@pytest.mark.slow
+def test_the_agent_installs_beside_openai_agents(checkout, tmp_path):
+    bin_dir = make_venv(tmp_path / "venv")
+    run([str(bin_dir / "pip"), "install", "--quiet", str(checkout / "deploy/agent"), OPENAI_AGENTS], cwd=tmp_path)
+    probe = (
+        "import agents, llmgw_agent.loop, llmgw_wire;"
+        "print(agents.Agent.__module__, llmgw_agent.loop.Agent.__module__, llmgw_wire.Heartbeat.__module__)"
+    )
+    out = run([str(bin_dir / "python"), "-c", probe], cwd=tmp_path)
+    assert out.split() == ["agents.agent", "llmgw_agent.loop", "llmgw_wire.heartbeat"]
+    helped = run([str(bin_dir / "llmgw-agent"), "--help"], cwd=tmp_path)
+    assert helped.startswith("usage: llmgw-agent ")

@@ -25,16 +25,16 @@ import openai
 import pytest
 from django.utils import timezone
 
-from agents.node import config as config_mod
-from agents.node.loop import Agent, DiscoveryProbe
-from agents.node.simulate import prepare_node
 from inventory.models import Command, Node, NodeEvent
 from inventory.nodes import change_state
+from llmgw_agent import config as config_mod
+from llmgw_agent.loop import Agent, DiscoveryProbe
+from llmgw_sim.simulate import prepare_node
+from llmgw_wire import engines as wire_engines
 from placement.models import Deployment, EngineProfile, Replica, Shard
 from placement.reconciler import reconcile
 from tests.gateway.conftest import Load, gateway_factory, make_key  # noqa: F401
 from tests.ports import free_port_range
-from wire import engines as wire_engines
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 

@@ -12,7 +12,7 @@ import os
 import re
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -25,6 +25,7 @@ from gateway import usage
 from gateway.dataplane import budgets
 from gateway.dataplane.background import Background
 from gateway.dataplane.catalog import Catalog
+from gateway.dataplane.hold import Holder
 from gateway.dataplane.http import (
     ClientGone,
     Receive,
@@ -43,7 +44,8 @@ from gateway.dataplane.pool import Pool
 from gateway.dataplane.streaming import Outcome, Relay
 from gateway.dataplane.upstream import Health, Upstream
 from gateway.table import KeyEntry, ModelRoute
-from wire.engines import EngineLoad
+from inventory.metrics import may_scrape
+from llmgw_wire.engines import EngineLoad
 
 log = logging.getLogger("gateway.dataplane")
 
@@ -53,13 +55,17 @@ MAX_BODY = 32 * 1024 * 1024
 PROXIED = re.compile(r"/v1/[A-Za-z0-9_\-]+(/[A-Za-z0-9_\-]+)*")
 
 
-class DataPlane(Background, Catalog, Upstream, Relay):
+class DataPlane(Background, Catalog, Holder, Upstream, Relay):
     """The ASGI application. One instance per process; state is this process's own."""
 
     def __init__(self) -> None:
         self.routes: dict[str, ModelRoute] = {}
         self.keys: dict[str, KeyEntry] = {}
         self.inflight: dict[str, int] = defaultdict(int)
+        # Requests held per model at zero replicas, and each model's recent TTFTs (gateway/dataplane/hold.py).
+        self.held: dict[str, int] = {}
+        self.ttfts: dict[str, deque[tuple[float, float]]] = {}
+        self.route_changed = asyncio.Event()
         self.health: dict[str, Health] = defaultdict(Health)
         # Each replica's engine figures and when they were read (monotonic).
         self.engine: dict[str, tuple[EngineLoad, float]] = {}
@@ -149,7 +155,7 @@ class DataPlane(Background, Catalog, Upstream, Relay):
                 await send_json(send, 503, {"status": "unavailable", "failed": ["routes"]})
             return
         if path == "/metrics" and method == "GET":
-            await self._metrics(send)
+            await self._metrics(scope, send)
             return
         key = self._authenticate(scope)
         if isinstance(key, bytes):
@@ -200,14 +206,30 @@ class DataPlane(Background, Catalog, Upstream, Relay):
             return error_body(401, f"API key {entry.name!r} has expired", "authentication_error", "expired_api_key")
         return entry
 
-    async def _metrics(self, send: Send) -> None:
+    async def _metrics(self, scope: Scope, send: Send) -> None:
+        # It names every model and replica and counts their traffic, on the port every client reaches:
+        # guarded as the control plane's /metrics is (its token or an allowed address; no user here).
+        authorization = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None)
+        client = scope.get("client")
+        if not may_scrape(authorization=authorization, remote_addr=client[0] if client else None):
+            await send_raw(
+                send,
+                401,
+                error_body(
+                    401, "metrics need a bearer token or an allowed address", "authentication_error", "metrics_refused"
+                ),
+                [(b"www-authenticate", b'Bearer realm="llmgw-metrics"')],
+            )
+            return
         # Every routed replica, so one whose requests all finished reads 0, not its last count.
         routed = {b.id for route in self.routes.values() for b in route.backends}
         for rid in routed | set(self.inflight):
             self.metrics.inflight.labels(rid).set(self.inflight.get(rid, 0))
         now = time.monotonic()
-        for rid, h in list(self.health.items()):
-            self.metrics.ejected.labels(rid).set(1 if h.ejected_until > now else 0)
+        # Every routed replica too, 0 until it is ejected: a panel of them is never empty.
+        for rid in routed | set(self.health):
+            h = self.health.get(rid)
+            self.metrics.ejected.labels(rid).set(1 if h is not None and h.ejected_until > now else 0)
         body = generate_latest(self.metrics.registry)
         await send(
             {
@@ -321,6 +343,7 @@ class DataPlane(Background, Catalog, Upstream, Relay):
             self.metrics.tokens.labels(model, "completion").inc(out.completion_tokens)
         if out.ttft is not None:
             self.metrics.ttft.labels(model).observe(out.ttft)
+            self.saw_ttft(model, out.ttft)
         self.metrics.duration.labels(model).observe(time.monotonic() - started)
         self.usage.add(
             key.id,

@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -16,8 +17,9 @@ from django.db import close_old_connections
 from gateway import figures, notify, usage
 from gateway.dataplane.upstream import Health
 from gateway.table import Backend, KeyEntry, ModelRoute, load_keys, load_routes
+from llmgw_wire.engines import EngineLoad, engine_load
+from placement import demand as placement_demand
 from placement import inflight as placement_inflight
-from wire.engines import EngineLoad, engine_load
 
 log = logging.getLogger("gateway.dataplane")
 
@@ -38,6 +40,9 @@ class Background:
     redis: aioredis.Redis | None
     usage: usage.Accumulator
     loaded: asyncio.Event
+    # Holder's (gateway/dataplane/hold.py): wake held requests after a reload; this process's demand per model.
+    routes_reloaded: Callable[[], None]
+    demand: Callable[[], dict[str, placement_demand.ModelDemand]]
     _db: ThreadPoolExecutor
 
     def _load(self, kind: str) -> tuple[dict[str, ModelRoute] | None, dict[str, KeyEntry] | None]:
@@ -55,6 +60,7 @@ class Background:
         routes, keys = await loop.run_in_executor(self._db, self._load, kind)
         if routes is not None:
             self.routes = routes
+            self.routes_reloaded()
         if keys is not None:
             self.keys = keys
         self.loaded.set()
@@ -93,11 +99,17 @@ class Background:
                 backoff = min(backoff * 2, 10.0)
 
     async def _report_inflight(self, counts: dict[str, int] | None) -> None:
-        """Tell the reconciler this process's requests in flight: through Redis, or a file without it."""
+        """Tell the reconciler this process's requests in flight and demand per model (None: withdraw both).
+
+        Through Redis, or files without it.
+        """
+        wanted = None if counts is None else self.demand()
         if self.redis is not None:
             await placement_inflight.report_async(self.redis, self.process_id, counts)
+            await placement_demand.report_async(self.redis, self.process_id, wanted)
         else:
             await asyncio.to_thread(placement_inflight.report_file, self.process_id, counts)
+            await asyncio.to_thread(placement_demand.report_file, self.process_id, wanted)
 
     async def _report_inflight_forever(self) -> None:
         while True:

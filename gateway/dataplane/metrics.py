@@ -54,3 +54,16 @@ class Metrics:
             ["model", "kind"],
             registry=self.registry,
         )
+        self.held = Gauge(
+            "llmgw_gateway_held_requests",
+            "Requests held for a model with no ready replica while one starts (autoscaled, at zero)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.hold_seconds = Histogram(
+            "llmgw_gateway_hold_seconds",
+            "Time a held request waited for a replica, by outcome (routed, refused)",
+            ["model", "outcome"],
+            buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        )

@@ -55,6 +55,8 @@ class Upstream:
     metrics: Metrics
     round_robin: bool
     turn: int
+    # Holder's: wait for a replica of a model at zero (gateway/dataplane/hold.py).
+    hold: Callable[[ModelRoute], Awaitable[tuple[ModelRoute | None, str]]]
 
     def _ejected(self, now: float) -> set[str]:
         return {rid for rid, h in self.health.items() if h.ejected_until > now}
@@ -88,6 +90,21 @@ class Upstream:
         rid: bytes = b"-",
     ) -> Outcome:
         """Send the request to a replica, once more to another on a failure before the first byte, and relay."""
+        if not route.backends and route.hold:
+            waited = time.monotonic()
+            found, why = await self.hold(route)
+            self.metrics.hold_seconds.labels(route.name, "routed" if found else "refused").observe(
+                time.monotonic() - waited
+            )
+            if found is None:
+                await send_raw(
+                    send,
+                    503,
+                    error_body(503, why, "service_unavailable", "no_ready_replica"),
+                    [(b"retry-after", b"10")],
+                )
+                return Outcome(code=503, error=True)
+            route = found
         ask = Ask(route.name, path)
         if body.get("stream") and path in USAGE_STREAMS:
             opts = body.get("stream_options")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import wire
+import llmgw_wire as wire
 from inventory import gpus as gpu_rules
 from inventory.doctor.loader import Inventory
 from inventory.doctor.results import CheckResult, verdict

@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.core.cache import cache
 
-import wire
+import llmgw_wire as wire
 from inventory import fabric as fabric_rules
 from inventory import ibnetdiscover, scans, telemetry
 from inventory.doctor.loader import Inventory, counter_key

@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 from prometheus_client import REGISTRY
 
-import wire
+import llmgw_wire as wire
 from agents import credentials
 from agents.api import MAX_HEARTBEAT_BODY
 from agents.models import JoinToken, NodeCredential
@@ -555,3 +555,14 @@ def test_a_cache_outage_costs_no_lease(client, joined, settings):
         f'llmgw_telemetry_cache_errors_total{{op="put"}} {before + 1}'
         in b"".join(client.get("/metrics").streaming_content).decode()
     )
+
+
+def test_the_answers_name_the_gateway_that_serves_the_wakeup(client, join_token, settings):
+    settings.LLMGW_WAKEUP_URL = "http://gw.example:8080"
+    reg = post(client, "register", register_payload("node-w"), join_token)
+    assert reg.status_code == 200 and reg.json()["wakeup_url"] == "http://gw.example:8080"
+    hb = post(client, "heartbeat", heartbeat_payload("node-w"), reg.json()["credential"])
+    assert hb.status_code == 200 and hb.json()["wakeup_url"] == "http://gw.example:8080"
+    settings.LLMGW_WAKEUP_URL = ""
+    hb = post(client, "heartbeat", heartbeat_payload("node-w"), reg.json()["credential"])
+    assert hb.status_code == 200 and hb.json()["wakeup_url"] is None

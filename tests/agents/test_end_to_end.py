@@ -8,7 +8,7 @@ import httpx
 import pytest
 from django.utils import timezone
 
-import wire
+import llmgw_wire as wire
 from inventory import liveness, outbox
 from inventory.models import Node, NodeState
 from placement.models import Shard

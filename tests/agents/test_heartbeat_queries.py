@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import wire
+import llmgw_wire as wire
 from inventory import outbox
 from tests.agents.conftest import heartbeat_payload, make_shard, post
 

@@ -15,17 +15,17 @@ from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
 import agents.lease
-import wire
+import llmgw_wire as wire
 from agents import credentials
 from agents.lease import MAX_LEASE_BODY
 from agents.models import NodeCredential
-from agents.node import config as config_mod
-from agents.node.loop import Agent
 from inventory import outbox, telemetry
 from inventory.models import Command, Node, NodeEvent
+from llmgw_agent import config as config_mod
+from llmgw_agent.loop import Agent
 from tests.agents.conftest import heartbeat_payload, post
-from tests.agents.node.test_loop import Probe, Sampled
 from tests.factories import register_payload
+from tests.llmgw_agent.test_loop import Probe, Sampled
 
 pytestmark = pytest.mark.django_db
 

@@ -13,7 +13,7 @@ import pytest
 
 from agents import credentials
 from inventory.models import Node
-from tests.agents.node.helpers import wait_for
+from tests.llmgw_agent.helpers import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from django.db import transaction
+from django.db import connections, transaction
 from django.utils import timezone
 
-import wire
+import llmgw_wire as wire
 from agents import credentials
-from agents.wakeup import WAIT_PATH, Hub, WaitEndpoint, with_agent_wakeup
+from agents.wakeup import WAIT_PATH, DatabaseHub, Hub, WaitEndpoint, with_agent_wakeup
 from inventory import outbox, wakeups
 from tests.factories import make_node
 
@@ -86,8 +87,44 @@ def test_own_credential_is_woken_by_its_nodes_publish(nodes):
     assert wait(nodes["gpu-a"], "gpu-a", hold_s=20, publish="gpu-a") == (200, {"work": True})
 
 
-def test_without_redis_the_wait_says_it_is_off(nodes):
-    assert wait(nodes["gpu-a"], "gpu-a", redis_url="")[0] == 501
+def test_without_redis_the_wait_answers_when_the_outbox_holds_a_command_for_its_node(nodes):
+    assert wait(nodes["gpu-a"], "gpu-a", redis_url="", hold_s=0.5) == (204, None)
+    outbox.enqueue("gpu-a", wire.StopShard(shard_id="s-1"), now=timezone.now())
+    assert wait(nodes["gpu-a"], "gpu-a", redis_url="", hold_s=20) == (200, {"work": True})
+    assert wait(nodes["gpu-b"], "gpu-b", redis_url="", hold_s=0.5) == (204, None)
+
+
+def _in_thread(fn, *args, **kw):
+    """Run `fn` in a worker thread with a database connection of its own, closed after."""
+
+    def call():
+        try:
+            return fn(*args, **kw)
+        finally:
+            connections.close_all()
+
+    return asyncio.to_thread(call)
+
+
+def test_the_database_hub_wakes_once_per_command_until_it_is_delivered(nodes):
+    async def go():
+        hub = DatabaseHub(executor=ThreadPoolExecutor(max_workers=1), poll_s=0.05)
+        hub.start()
+        try:
+            await _in_thread(outbox.enqueue, "gpu-a", wire.StopShard(shard_id="s-1"), now=timezone.now())
+            first = await hub.wait("gpu-a", 20)
+            # The same command, not yet fetched by the heartbeat the wakeup asked for: no second wakeup.
+            again = await hub.wait("gpu-a", 0.5)
+            await _in_thread(outbox.enqueue, "gpu-a", wire.StopShard(shard_id="s-2"), now=timezone.now())
+            second = await hub.wait("gpu-a", 20)
+            # Both delivered by a heartbeat: nothing is waiting any more.
+            await _in_thread(outbox.pending, "gpu-a", now=timezone.now())
+            after = await hub.wait("gpu-a", 0.5)
+            return first, again, second, after
+        finally:
+            await hub.close()
+
+    assert asyncio.run(go()) == (True, False, True, False)
 
 
 def test_other_paths_go_to_the_wrapped_application(nodes):

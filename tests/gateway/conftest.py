@@ -19,8 +19,8 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from agents.node import echo
 from gateway import keys, notify
+from llmgw_sim import echo
 from placement.models import Deployment, EngineProfile, Replica, ReplicaState
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from agents.node import echo
 from gateway.dataplane.pool import Pool, UpstreamError
+from llmgw_sim import echo
 from tests.gateway.conftest import free_port, url_of
 
 HEADERS = b"Content-Type: application/json\r\n"

@@ -6,9 +6,9 @@ import datetime as dt
 import uuid
 from pathlib import Path
 
-from agents.node.discovery import nvidia_smi
-from agents.node.discovery.readings import to_gpu
 from inventory import telemetry
+from llmgw_agent.discovery import nvidia_smi
+from llmgw_agent.discovery.readings import to_gpu
 from placement.models import Deployment, EngineProfile, Replica, Shard
 from tests.factories import gpu_payload, make_node
 

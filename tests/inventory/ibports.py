@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-import wire
+import llmgw_wire as wire
 from inventory import telemetry
 
 SM_A = "0x0002c90300a1b2c1"

@@ -4,7 +4,7 @@ import datetime as dt
 
 import pytest
 
-import wire
+import llmgw_wire as wire
 from inventory import fabric
 from inventory.models import FabricScan, SMChange
 

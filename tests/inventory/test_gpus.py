@@ -2,7 +2,7 @@
 
 import pytest
 
-import wire
+import llmgw_wire as wire
 from inventory import gpus
 from tests.factories import gpu_payload, make_node
 

@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-import wire
+import llmgw_wire as wire
 from agents import protocol
 from agents.credentials import NodeAuth
 from inventory import heartbeat as hb_rules

@@ -9,7 +9,7 @@ from django.core.cache import cache
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-import wire
+import llmgw_wire as wire
 from agents import credentials
 from agents.models import NodeCredential
 from inventory import lease, outbox, telemetry

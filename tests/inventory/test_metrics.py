@@ -12,9 +12,9 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from inventory import doctor, doctor_refresh, telemetry
-from inventory.models import GPU, AllocatedGPU, Allocation, Node, NodeState
+from inventory.models import GPU, AllocatedGPU, Allocation, LivenessClock, Node, NodeState
 from inventory.nodes import change_state
-from placement.models import Deployment, EngineProfile, Replica, ReplicaState
+from placement.models import Deployment, EngineProfile, Replica, ReplicaState, Shard
 from tests.factories import gpu_payload, make_node
 from tests.inventory.ibports import ib_port, put
 
@@ -72,6 +72,19 @@ def cluster():
     Deployment.objects.create(name="idle", served_model="idle", profile=profile, replicas=0)
     for state in (ReplicaState.READY, ReplicaState.READY, ReplicaState.PENDING):
         Replica.objects.create(deployment=dep, state=state, created_at=now, updated_at=now)
+    # A deployment spanning two nodes, one replica starting with a shard on tray-1, one waiting out a backoff.
+    wide = EngineProfile.objects.create(name="wide", engine="vllm", nodes=2)
+    big = Deployment.objects.create(name="big", served_model="big", profile=wide, replicas=2, paused=True)
+    starting = Replica.objects.create(deployment=big, state=ReplicaState.STARTING, created_at=now, updated_at=now)
+    Shard.objects.create(
+        replica=starting, node_id="tray-1", rank=0, http_port=8001, state="loading", created_at=now, updated_at=now
+    )
+    Shard.objects.create(
+        replica=starting, node_id="pcie-1", rank=1, http_port=8001, state="failed", created_at=now, updated_at=now
+    )
+    later = now + dt.timedelta(seconds=60)
+    Replica.objects.create(deployment=big, state=ReplicaState.PENDING, not_before=later, created_at=now, updated_at=now)
+    LivenessClock.objects.create(id=1, last_sweep_at=now - dt.timedelta(seconds=12))
     return now
 
 
@@ -89,6 +102,26 @@ def test_node_metrics(client, cluster):
     assert m["llmgw_imex_up"] == {lbl(node="tray-1"): 1.0}
 
 
+def test_what_the_alert_rules_read(client, cluster):
+    m = scrape(client)
+    # Cards by class: two H100s registered on tray-1, one on pcie-1; tray-1's second one held.
+    assert m["llmgw_gpus"] == {lbl(**{"class": "NVIDIA H100 80GB HBM3"}): 3.0}
+    assert m["llmgw_gpus_allocated"] == {lbl(**{"class": "NVIDIA H100 80GB HBM3"}): 1.0}
+    # A paused deployment has no desired count: nothing is missing from it.
+    assert m["llmgw_deployment_replicas_desired"] == {lbl(deployment="llama"): 3.0, lbl(deployment="idle"): 0.0}
+    assert m["llmgw_deployment_start_backoff"] == {
+        lbl(deployment="big"): 1.0,
+        lbl(deployment="idle"): 0.0,
+        lbl(deployment="llama"): 0.0,
+    }
+    # The failed shard on pcie-1 no longer holds anything.
+    assert m["llmgw_node_multinode_shards"] == {lbl(node="tray-1"): 1.0, lbl(node="pcie-1"): 0.0}
+    assert 12.0 <= m["llmgw_liveness_sweep_age_seconds"][lbl()] < 22.0
+    assert m["llmgw_liveness_mass_silence"] == {lbl(): 0.0}
+    LivenessClock.objects.filter(id=1).update(disruption_since=cluster)
+    assert scrape(client)["llmgw_liveness_mass_silence"] == {lbl(): 1.0}
+
+
 def test_sensors_and_port_counters_are_left_to_the_agents(client, cluster):
     # The cluster's telemetry holds card sensors and port counters: none of them is served here.
     body = client.get("/metrics")
@@ -104,7 +137,7 @@ def test_replica_and_doctor_metrics(client, cluster):
     assert replicas[lbl(deployment="llama", state="pending")] == 1.0
     assert replicas[lbl(deployment="llama", state="failed")] == 0.0
     assert replicas[lbl(deployment="idle", state="ready")] == 0.0
-    assert len(replicas) == 2 * len(ReplicaState.values)
+    assert len(replicas) == 3 * len(ReplicaState.values)
     checks = m["llmgw_doctor_checks"]
     assert len(checks) == 3 * len(doctor.check_names())
     expected = {
@@ -131,8 +164,8 @@ def test_registering_does_not_touch_the_database(django_assert_num_queries):
 # The scrape's queries when the doctor's results are stale: the doctor's
 # snapshot (nodes, their GPUs, their fabrics, scans, recent SM changes, failed
 # installs, pending replicas, the liveness clock), then the metrics' own: nodes,
-# GPUs, held GPUs, deployments and replica counts.
-SCRAPE_QUERIES = 13
+# GPUs, held GPUs, the liveness clock, deployments, replica counts and multi-node shards.
+SCRAPE_QUERIES = 15
 
 
 def build_nodes(count: int, *, now: dt.datetime) -> None:
@@ -166,10 +199,12 @@ def test_scrape_query_count_at_1000_nodes(client, django_assert_num_queries):
         m = scrape(client)
     assert len(m["llmgw_node_state"]) == 1000
     assert m["llmgw_node_gpus"][lbl(node="node-0999")] == 8.0
-    # Six samples a node (state, heartbeat age, cards, held, joined, IMEX), whatever its cards and ports.
+    # Seven samples a node (state, heartbeat age, cards, held, joined, IMEX, multi-node shards),
+    # whatever its cards and ports;
+    # then the doctor's, its age, the one class's cards and held cards, and the mass-silence flag.
     # (The process's own counters, such as cache errors, depend on what this process met before.)
     ours = {name: samples for name, samples in m.items() if name not in PROCESS_COUNTERS}
-    assert sum(len(samples) for samples in ours.values()) == 6 * 1000 + 3 * len(doctor.check_names()) + 1
+    assert sum(len(samples) for samples in ours.values()) == 7 * 1000 + 3 * len(doctor.check_names()) + 1 + 3
 
 
 METRIC_NAMES = {
@@ -179,9 +214,24 @@ METRIC_NAMES = {
     "llmgw_node_gpus_allocated",
     "llmgw_node_gpus_nvlink_joined",
     "llmgw_imex_up",
+    "llmgw_gpus",
+    "llmgw_gpus_allocated",
+    "llmgw_liveness_sweep_age_seconds",
+    "llmgw_liveness_mass_silence",
     "llmgw_replicas",
+    "llmgw_deployment_replicas_desired",
+    "llmgw_deployment_start_backoff",
+    "llmgw_node_multinode_shards",
     "llmgw_doctor_checks",
     "llmgw_doctor_age_seconds",
+}
+# The autoscaler's families: described always, with samples only for autoscaled deployments (none here).
+AUTOSCALE_FAMILIES = {
+    "llmgw_autoscale_desired_replicas",
+    "llmgw_autoscale_recommended_replicas",
+    "llmgw_autoscale_signal",
+    "llmgw_autoscale_held_requests",
+    "llmgw_autoscale_steps",
 }
 # Counted by each web process (inventory/telemetry.py), every op present from the start.
 PROCESS_COUNTERS = {"llmgw_telemetry_cache_errors_total"}
@@ -193,8 +243,8 @@ def test_collector_exports_exactly_the_documented_names(client, cluster):
 
 def agent_metric_names() -> set[str]:
     """The families an agent serves for a node with every sensor, wear counter and port counter."""
-    import wire
-    from agents.node.metrics import render
+    import llmgw_wire as wire
+    from llmgw_agent.metrics import render
 
     hb = wire.Heartbeat(
         node_id="n",
@@ -217,8 +267,11 @@ def test_grafana_dashboard_uses_every_metric_and_no_other():
 
     from django.conf import settings
 
+    from tests.deploy.prometheus import expanded
+
     dash = json.loads((Path(settings.BASE_DIR) / "deploy" / "grafana" / "llmgw.json").read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    # Recording rules (deploy/prometheus/llmgw.rules.yml) stand for what they read.
+    exprs = [expanded(t["expr"]) for p in dash["panels"] for t in p.get("targets", [])]
     used = {name for e in exprs for name in re.findall(r"llmgw_[a-z_]+", e)}
     # The gateway's own families are the data plane's (tests/gateway/test_dataplane_metrics.py); every
     # control-plane metric is on it; the rest are ones the agents really serve.
@@ -267,7 +320,7 @@ def test_collector_yields_the_same_families(cluster):
     registry = CollectorRegistry()
     registry.register(LlmgwCollector())
     names = {m.name for m in registry.collect()}
-    assert names == {n.removesuffix("_total") for n in METRIC_NAMES}
+    assert names == {n.removesuffix("_total") for n in METRIC_NAMES} | AUTOSCALE_FAMILIES
     assert registry.get_sample_value("llmgw_node_gpus_allocated", {"node": "tray-1"}) == 1.0
 
 
@@ -278,8 +331,9 @@ def test_a_scrape_within_the_window_reuses_the_doctor(client, cluster, django_as
     first = scrape(client)
     assert first["llmgw_doctor_checks"][lbl(check="nodes_reachable", result="pass")] == 1.0
     change_state("tray-1", "unreachable", now=cluster)
-    # Nodes, GPUs, held GPUs, deployments and replica counts: the doctor's own reads are skipped.
-    with django_assert_num_queries(5):
+    # Nodes, GPUs, held GPUs, the liveness clock, deployments, replica counts and multi-node
+    # shards: the doctor's own reads are skipped.
+    with django_assert_num_queries(7):
         second = scrape(client)
     assert second["llmgw_doctor_checks"] == first["llmgw_doctor_checks"]
     assert second["llmgw_node_state"][lbl(node="tray-1", state="unreachable")] == 1.0
@@ -365,11 +419,12 @@ def test_the_scrape_is_streamed_and_gzipped_when_asked(client, cluster):
 
     # The same text apart from django-prometheus' own request counters, which the first scrape moved.
     def ours(raw: bytes) -> list[bytes]:
-        # The ages (heartbeats, the doctor's results) move between two scrapes; everything else of llmgw's stays.
+        # The ages (heartbeats, the doctor's results, the sweep) move between two scrapes; the rest of llmgw's stays.
         return [
             line
             for line in raw.splitlines()
-            if line.startswith(b"llmgw_") and b"heartbeat_age" not in line and b"doctor_age" not in line
+            if line.startswith(b"llmgw_")
+            and not any(age in line for age in (b"heartbeat_age", b"doctor_age", b"sweep_age"))
         ]
 
     assert ours(body) == ours(text)

@@ -83,8 +83,41 @@ llmgw_node_gpus_nvlink_joined{{node="tray-1"}} 0.0
 # TYPE llmgw_imex_up gauge
 llmgw_imex_up{{node="{E}"}} 1.0
 llmgw_imex_up{{node="tray-1"}} 0.0
+# HELP llmgw_gpus Cards registered, by class (the card's model).
+# TYPE llmgw_gpus gauge
+llmgw_gpus{{class="NVIDIA GB200"}} 2.0
+llmgw_gpus{{class="NVIDIA H100 80GB HBM3"}} 1.0
+# HELP llmgw_gpus_allocated Cards a shard holds, by class (the card's model).
+# TYPE llmgw_gpus_allocated gauge
+llmgw_gpus_allocated{{class="NVIDIA GB200"}} 1.0
+llmgw_gpus_allocated{{class="NVIDIA H100 80GB HBM3"}} 0.0
+# HELP llmgw_liveness_sweep_age_seconds Seconds since the last liveness sweep (not written before the first).
+# TYPE llmgw_liveness_sweep_age_seconds gauge
+# HELP llmgw_liveness_mass_silence 1 while most of the fleet is silent at once: no node is judged meanwhile.
+# TYPE llmgw_liveness_mass_silence gauge
+llmgw_liveness_mass_silence 0.0
 # HELP llmgw_replicas Replicas of each deployment by state.
 # TYPE llmgw_replicas gauge
+# HELP llmgw_deployment_replicas_desired Replicas the reconciler keeps (paused deployments are not written).
+# TYPE llmgw_deployment_replicas_desired gauge
+# HELP llmgw_deployment_start_backoff Pending replicas waiting out a backoff after failed starts or placements.
+# TYPE llmgw_deployment_start_backoff gauge
+# HELP llmgw_node_multinode_shards Live shards on the node of replicas that span several nodes \
+(0 for every other node).
+# TYPE llmgw_node_multinode_shards gauge
+llmgw_node_multinode_shards{{node="{E}"}} 0.0
+llmgw_node_multinode_shards{{node="silent"}} 0.0
+llmgw_node_multinode_shards{{node="tray-1"}} 0.0
+# HELP llmgw_autoscale_desired_replicas Replicas the autoscaler set for each autoscaled deployment.
+# TYPE llmgw_autoscale_desired_replicas gauge
+# HELP llmgw_autoscale_recommended_replicas Replicas the load alone asked for at the last pass, before the windows.
+# TYPE llmgw_autoscale_recommended_replicas gauge
+# HELP llmgw_autoscale_signal The autoscaling metric at the last pass (per replica; seconds for TTFT).
+# TYPE llmgw_autoscale_signal gauge
+# HELP llmgw_autoscale_held_requests Requests held by the gateways at the last pass (no replica ready).
+# TYPE llmgw_autoscale_held_requests gauge
+# HELP llmgw_autoscale_steps_total Changes of the replica count the autoscaler made (its events, as kept).
+# TYPE llmgw_autoscale_steps_total counter
 # HELP llmgw_doctor_checks 1 for each doctor check's current result, 0 for the others.
 # TYPE llmgw_doctor_checks gauge
 """

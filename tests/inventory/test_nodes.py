@@ -4,7 +4,7 @@ import datetime as dt
 
 import pytest
 
-import wire
+import llmgw_wire as wire
 from inventory.models import GPU, FabricAttachment, Node, NodeEvent, NodeState
 from inventory.nodes import TransitionError, change_state, set_operator_labels, upsert_node
 from tests.factories import make_node, register_payload

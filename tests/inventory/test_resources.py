@@ -5,7 +5,7 @@ import uuid
 import pytest
 from django.db import IntegrityError, transaction
 
-import wire
+import llmgw_wire as wire
 from inventory import allocation, resources
 from inventory.models import AllocatedGPU, Allocation, LocalWeights, Node, Storage
 from tests.factories import gpu_payload, make_node

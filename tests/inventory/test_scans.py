@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import wire
+import llmgw_wire as wire
 from inventory import fabric, ibnetdiscover, outbox, scans
 from inventory.models import Command, FabricScan
 from inventory.nodes import change_state

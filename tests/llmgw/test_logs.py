@@ -8,8 +8,8 @@ import logging
 import httpx
 import pytest
 
-from agents.node import echo
 from gateway.dataplane.app import DataPlane
+from llmgw_sim import echo
 from tests.gateway.conftest import make_deployment, url_of
 
 

@@ -107,3 +107,23 @@ def test_metrics_access_is_read(tmp_path):
     done = load_settings(tmp_path, code, LLMGW_METRICS_TOKEN="t0k", LLMGW_METRICS_ALLOW="10.0.0.7, fd00::/8")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["t0k", "10.0.0.7/32", "fd00::/8"]
+
+
+def test_the_wakeup_url_comes_from_its_variable_or_the_gateways_listen_address():
+    import socket
+
+    from llmgw.settings import wakeup_url
+
+    assert wakeup_url("", "") == ""
+    assert wakeup_url("", "127.0.0.1:8080") == "http://127.0.0.1:8080"
+    assert wakeup_url("https://gw.example/", "127.0.0.1:8080") == "https://gw.example"
+    # A wildcard address names no host an agent could dial: this host's name stands in.
+    assert wakeup_url("", "0.0.0.0:8080") == f"http://{socket.getfqdn()}:8080"
+    assert wakeup_url("", "[::]:8080") == f"http://{socket.getfqdn()}:8080"
+
+
+def test_a_bad_wakeup_url_is_refused_with_its_variables_name(tmp_path):
+    done = load_settings(tmp_path, "import django; django.setup()", LLMGW_WAKEUP_URL="gw:8080")
+    assert done.returncode != 0 and "LLMGW_WAKEUP_URL='gw:8080': an http(s) URL with a host" in done.stderr
+    done = load_settings(tmp_path, "import django; django.setup()", LLMGW_GATEWAY_LISTEN="8080")
+    assert done.returncode != 0 and "LLMGW_GATEWAY_LISTEN='8080': use host:port" in done.stderr

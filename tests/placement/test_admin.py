@@ -9,7 +9,7 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-import wire
+import llmgw_wire as wire
 from inventory.models import Allocation, Command, Node
 from inventory.nodes import change_state
 from placement import agent_sync, snapshot_db

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 
-import wire
+import llmgw_wire as wire
 from inventory.models import Command
 from placement import agent_sync
 from placement.models import PlacementEvent, Shard

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import wire
+import llmgw_wire as wire
 from inventory import doctor
 from inventory.doctor import Result
 from placement import agent_sync, doctor_checks

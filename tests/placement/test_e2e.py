@@ -35,8 +35,8 @@ class Cluster:
     """Simulated agents, stepped by the test."""
 
     def __init__(self, url: str, workdir, n: int) -> None:
-        from agents.node import config as config_mod
-        from agents.node.simulate import prepare_node
+        from llmgw_agent import config as config_mod
+        from llmgw_sim.simulate import prepare_node
 
         workdir.mkdir(parents=True, exist_ok=True)
         token = workdir / "join-token"
@@ -53,7 +53,7 @@ class Cluster:
 
     @staticmethod
     def _agent(cfg):
-        from agents.node.loop import Agent, DiscoveryProbe
+        from llmgw_agent.loop import Agent, DiscoveryProbe
 
         return Agent(cfg, probe=DiscoveryProbe(root=cfg.root, model_dirs=list(cfg.model_dirs)))
 
@@ -110,7 +110,7 @@ def ready_count() -> int:
 
 @pytest.fixture
 def cluster(live_server, tmp_path, settings):
-    pytest.importorskip("agents.node.simulate")
+    pytest.importorskip("llmgw_sim.simulate")
     settings.LLMGW_JOIN_TOKEN = JOIN
     # Four simulated nodes share this host's loopback, as `make demo`'s do: the
     # control plane keeps their shard ports apart by itself (no LLMGW_SHARD_PORTS_UNIQUE).

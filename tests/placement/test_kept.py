@@ -8,7 +8,7 @@ import uuid
 import pytest
 from django.core.cache import cache
 
-import wire
+import llmgw_wire as wire
 from inventory import changes, telemetry
 from inventory.allocation import allocate, release_replica
 from inventory.heartbeat import apply_engine_installs

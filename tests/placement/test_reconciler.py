@@ -11,19 +11,19 @@ import psycopg
 import pytest
 from django.db import IntegrityError, connection, transaction
 
-import wire
+import llmgw_wire as wire
 from inventory import allocation
 from inventory.heartbeat import touch
 from inventory.models import AllocatedGPU, Allocation, Command, NodeEvent
 from inventory.nodes import change_state as node_state
 from llmgw import locks
+from llmgw_wire import shard_states
 from placement import agent_sync
 from placement.backoff import start_failures
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
 from placement.reconciler import create_replicas, reconcile, release_orphans
 from placement.tasks import LOCK_NAME, reconcile_task
 from tests.factories import make_node
-from wire import shard_states
 
 pytestmark = pytest.mark.django_db
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-import wire
-from agents.node import supervisor
+import llmgw_wire as wire
+from llmgw_agent import supervisor
+from llmgw_wire import shard_states
 from placement import agent_sync, replicas
 from placement.models import PlacementEvent, Shard
 from tests.agents.conftest import make_shard
 from tests.factories import make_node
-from wire import shard_states
 
 EVERY = [s.value for s in wire.ShardState]
 

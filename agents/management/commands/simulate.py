@@ -13,7 +13,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.utils import timezone
 
 from agents.credentials import create_join_token
-from agents.node.simulate import Fleet, shipped_profiles
+from llmgw_sim.simulate import Fleet, shipped_profiles
 
 
 def _interrupt(signum, frame):
@@ -22,7 +22,7 @@ def _interrupt(signum, frame):
 
 class Command(BaseCommand):
     help = (
-        "Start N real llmgw agents (python -m agents.node --root <profile copy>) from the shipped node "
+        "Start N real llmgw agents (python -m llmgw_agent --root <profile copy>) from the shipped node "
         "profiles, with distinct node ids and NVLink domains, against a running control plane. Ctrl-C stops them."
     )
 
@@ -39,7 +39,9 @@ class Command(BaseCommand):
         parser.add_argument("--heartbeat-interval", type=float, default=5.0)
         parser.add_argument("--workdir", default=str(Path(settings.VAR_DIR) / "simulate"))
         parser.add_argument(
-            "--wakeup", default="", help="where the agents' long-poll is served (make run: the gateway's address)"
+            "--wakeup",
+            default="",
+            help="where the agents' long-poll is served; by default, where the control plane's answers say",
         )
 
     def handle(self, *args, nodes, control_plane, join_token, profiles, domain_size, heartbeat_interval, workdir, **kw):

@@ -1,0 +1,411 @@
+"""A fleet of virtual nodes in one process: thousands of agents on asyncio, speaking the real protocol.
+
+A real agent process costs about 44 MB, so two hundred of them fill a
+machine; a virtual node here costs a few kilobytes. Each one registers with a
+join token at the real /api/v1/agent/register, keeps the credential it is
+given (in memory), and heartbeats at the interval the control plane asks for,
+with jitter, over a few shared keep-alive connections (`Connection`: HTTP/1.1
+on asyncio streams; httpx's AsyncClient cost the fleet about 2.5 ms of CPU a
+request, as much as the control plane spent answering it). Its registration
+and heartbeats are what the agent's own discovery reads from a recorded hardware profile (llmgw_sim/profiles/),
+read once per profile and then varied per node: node id, host name,
+management address, GPU UUIDs, adapter GUIDs and, for trays joined to a
+multi-node NVLink domain, the domain (`domain_size` trays each).
+
+StartShard and StopShard are answered with simulated shards: no engine
+process, only states (starting, then loading, then ready after
+`load_s`/`ready_s`) reported in the heartbeats as the supervisor reports real
+ones. Commands are applied once by id and acknowledged in the next heartbeat,
+as the agent does. Failures on demand, per node: silence (nothing sent), lost
+answers (the heartbeat reaches the control plane, its answer never reaches the
+node), a card falling off the bus (XID 79 on the card, as the kernel log says
+it), an adapter's port going down.
+
+`python -m llmgw_sim.fleet --control-plane URL --join-token-file F --nodes N`
+runs one (no Django needed); `--control FILE` (JSON, re-read every half
+second) sets the failures from outside, `--stats FILE` is rewritten every
+half second with counts and latency histograms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import llmgw_wire as wire
+from llmgw_agent.loop import backoff_delay
+from llmgw_sim.fleet_http import Answer, Connection, TransportError
+from llmgw_sim.fleet_stats import EDGES, Stats, histogram_percentile
+from llmgw_sim.simulate import NS, PROFILES_DIR, shipped_profiles
+from llmgw_sim.virtual_node import (
+    PLACEHOLDER,
+    TERMINAL_REPORTS,
+    XID_OFF_BUS,
+    ProfileTemplate,
+    SimShard,
+    VirtualNode,
+)
+
+log = logging.getLogger("llmgw.fleet")
+
+S = wire.ShardState
+
+# Part of this module's interface: bench/fleet.py and the tests take them from here.
+__all__ = [
+    "EDGES",
+    "TERMINAL_REPORTS",
+    "XID_OFF_BUS",
+    "Connection",
+    "Fleet",
+    "ProfileTemplate",
+    "TransportError",
+    "histogram_percentile",
+    "main",
+]
+
+
+class Fleet:
+    """Virtual nodes over the recorded profiles, run on one asyncio loop against one control plane."""
+
+    def __init__(
+        self,
+        *,
+        control_plane: str,
+        join_token: str,
+        nodes: int,
+        first: int = 0,
+        profiles: list[str] | None = None,
+        prefix: str = "fleet",
+        interval: float = 5.0,
+        jitter: float = 0.1,
+        ramp_s: float = 0.0,
+        domain_size: int = 18,
+        load_s: float = 0.5,
+        ready_s: float = 1.5,
+        connections: int = 64,
+        timeout_s: float = 30.0,
+        labels: dict[str, str] | None = None,
+        seed: int | None = None,
+        profiles_dir: Path = PROFILES_DIR,
+    ) -> None:
+        names = profiles or shipped_profiles()
+        if not names:
+            raise ValueError(f"no node profiles in {profiles_dir}")
+        self.control_plane = control_plane
+        self.join_token = join_token
+        self.prefix = prefix
+        self.interval = interval
+        self.jitter = jitter
+        self.ramp_s = ramp_s
+        self.load_s, self.ready_s = load_s, ready_s
+        self.connections = connections
+        self.timeout_s = timeout_s
+        self.labels = dict(labels or {})
+        self.rng = random.Random(seed)
+        self.clock = time.time
+        self.stats = Stats()
+        self.profiles = {n: ProfileTemplate.read(n, profiles_dir=profiles_dir) for n in names}
+        self.templates = {n: self._template(p) for n, p in self.profiles.items()}
+        self.nodes: list[VirtualNode] = []
+        self.identities: dict[int, dict[str, str]] = {}
+        for i in range(first, first + nodes):
+            p = self.profiles[names[i % len(names)]]
+            # The node's number among the nodes of its profile, from its global index alone, so
+            # several processes sharing one fleet's numbering fill the same domains.
+            ordinal = (i // len(names)) * names.count(p.name) + names[: i % len(names)].count(p.name)
+            domain = str(uuid.uuid5(NS, f"domain/{p.name}/{ordinal // max(1, domain_size)}")) if p.in_domain else ""
+            self.nodes.append(VirtualNode(self, i, p, domain))
+        self.by_id = {n.node_id: n for n in self.nodes}
+        self._stop: asyncio.Event | None = None
+        self._connections: asyncio.Queue[Connection] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _template(p: ProfileTemplate) -> str:
+        """The profile's heartbeat as a %-format string: node id, clock, shards, acks and counters fill in."""
+        hb = copy.deepcopy(p.heartbeat)
+        hb.update(node_id="@node@", at="@at@", shards="@shards@", acks="@acks@")
+        for i, port in enumerate(hb.get("ib_ports") or []):
+            port.setdefault("counters", {}).update(port_xmit_data=f"@tx{i}@", port_rcv_data=f"@rx{i}@")
+            port.update(node_guid=f"@ng{i}@", port_guid=f"@pg{i}@")
+        return PLACEHOLDER.sub(r"%(\1)s", json.dumps(hb).replace("%", "%%"))
+
+    def shard_state(self, s: SimShard, now: float) -> wire.ShardState:
+        """A simulated shard's state now."""
+        return s.state(now, load_s=self.load_s, ready_s=self.ready_s)
+
+    def silence(self, node_ids: Iterable[str], on: bool = True) -> None:
+        """Stop (or resume) every request from these nodes, as a node powered off or cut from the network."""
+        for n in node_ids:
+            self.by_id[n].faults.silent = on
+
+    def lose_answers(self, node_ids: Iterable[str], on: bool = True) -> None:
+        """Heartbeats still arrive, their answers are lost on the way back (commands never reach the node)."""
+        for n in node_ids:
+            self.by_id[n].faults.lose_answers = on
+
+    def card_off(self, node_id: str, index: int, *, reregister: bool = True) -> None:
+        """A card falls off the bus (XID 79); with `reregister` the node registers again, as a restarted agent would."""
+        node = self.by_id[node_id]
+        node.faults.cards_off.add(index)
+        if reregister:
+            node.registered = False
+
+    def port_down(self, node_id: str, hca: str, down: bool = True) -> None:
+        """An adapter's port goes down (cable pulled) or comes back."""
+        ports = self.by_id[node_id].faults.ports_down
+        if down:
+            ports.add(hca)
+        else:
+            ports.discard(hca)
+
+    def apply_control(self, control: dict[str, Any]) -> None:
+        """Set every node's faults from a control document (the `--control` file): the whole desired state."""
+        silent = set(control.get("silence") or [])
+        lost = set(control.get("lose_answers") or [])
+        cards = {k: set(v) for k, v in (control.get("cards_off") or {}).items()}
+        ports = {k: set(v) for k, v in (control.get("ports_down") or {}).items()}
+        for n in self.nodes:
+            f = n.faults
+            f.silent = n.node_id in silent
+            f.lose_answers = n.node_id in lost
+            want = cards.get(n.node_id, set())
+            if want - f.cards_off:
+                n.registered = False
+            f.cards_off = want
+            f.ports_down = ports.get(n.node_id, set())
+
+    async def _post(self, path: str, body: bytes, token: str) -> Answer:
+        """POST on one of the fleet's connections, waiting for a free one (a node at a time on each)."""
+        assert self._connections is not None
+        conn = await self._connections.get()
+        try:
+            return await conn.post(path, body, token)
+        finally:
+            self._connections.put_nowait(conn)
+
+    async def _register(self, node: VirtualNode) -> bool:
+        """Register with the node's credential, or the join token when it has none or it was refused."""
+        body = node.registration()
+        t0 = time.perf_counter()
+        r = None
+        if node.credential:
+            r = await self._post("/api/v1/agent/register", body, node.credential)
+            if r.status_code in (401, 403):
+                node.credential, r = "", None
+        if r is None:
+            r = await self._post("/api/v1/agent/register", body, self.join_token)
+        self.stats.observe(self.stats.register_latency, time.perf_counter() - t0)
+        if r.status_code != 200:
+            self.stats.register_refused[str(r.status_code)] += 1
+            return False
+        answer = r.json()
+        if answer.get("credential"):
+            node.credential = answer["credential"]
+        node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
+        node.registered = True
+        node.leases, node.status = False, None
+        node.last_fabrics = self.clock()
+        self.stats.registered += 1
+        now = self.clock()
+        for cmd in answer.get("commands") or []:
+            node.apply(cmd, now)
+        return True
+
+    async def _heartbeat(self, node: VirtualNode) -> bool:
+        now = self.clock()
+        leased = node.lease(now)
+        key = None if leased else node.status_key(now)
+        body, acks = leased or node.heartbeat(now)
+        t0 = time.perf_counter()
+        r = await self._post(wire.LEASE_PATH if leased else "/api/v1/agent/heartbeat", body, node.credential)
+        if r.status_code in (401, 403, 404):
+            node.registered = False
+            self.stats.heartbeat_errors[str(r.status_code)] += 1
+            return False
+        if r.status_code != 200:
+            self.stats.heartbeat_errors[str(r.status_code)] += 1
+            return r.status_code < 500
+        self.stats.observe(self.stats.latency, time.perf_counter() - t0)
+        self.stats.heartbeats += 1
+        if node.faults.lose_answers:
+            self.stats.answers_dropped += 1
+            return True
+        for a in acks:
+            node.acks.pop(a, None)
+        answer = r.json()
+        if leased:
+            self.stats.leases += 1
+            if answer.get("send_status"):
+                node.status = None
+        else:
+            node.leases, node.status = bool(answer.get("leases")), (now, key)
+        node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
+        now = self.clock()
+        for cmd in answer.get("commands") or []:
+            node.apply(cmd, now)
+        return True
+
+    async def _run_node(self, node: VirtualNode) -> None:
+        """One node's life: register, heartbeat with jitter, back off while the control plane is away."""
+        rng = random.Random(self.rng.random())
+        if self.ramp_s:
+            await asyncio.sleep(rng.random() * self.ramp_s)
+        failures = 0
+        while True:
+            delay = node.interval * (1 + self.jitter * (2 * rng.random() - 1))
+            if node.faults.silent:
+                await asyncio.sleep(min(delay, 0.5))
+                continue
+            try:
+                ok = await self._register(node) if not node.registered else True
+                if ok and node.registered:
+                    ok = await self._heartbeat(node)
+            except (TransportError, ValueError) as e:
+                self.stats.unreachable += 1
+                log.debug("%s: %s", node.node_id, e)
+                ok = False
+            if ok:
+                failures = 0
+            else:
+                failures += 1
+                delay = backoff_delay(failures, rng)
+            await asyncio.sleep(delay)
+
+    async def _watch(self, control: Path | None, stats: Path | None) -> None:
+        """Re-read the control file and rewrite the stats file while the fleet runs."""
+        seen = None
+        while True:
+            if control is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    stamp = control.stat().st_mtime_ns
+                    if stamp != seen:
+                        self.apply_control(json.loads(control.read_text()))
+                        seen = stamp
+            if stats is not None:
+                self.write_stats(stats)
+            await asyncio.sleep(0.5)
+
+    def write_stats(self, path: Path) -> None:
+        """Rewrite the stats file atomically."""
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"at": self.clock(), "nodes": len(self.nodes), **self.stats.as_dict()}))
+        os.replace(tmp, path)
+
+    async def run(self, *, control: Path | None = None, stats: Path | None = None) -> None:
+        """Run every node until stop() is called."""
+        self._stop = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        conns = [Connection(self.control_plane, timeout_s=self.timeout_s) for _ in range(self.connections)]
+        self._connections = asyncio.Queue()
+        for c in conns:
+            self._connections.put_nowait(c)
+        tasks = [asyncio.create_task(self._run_node(n)) for n in self.nodes]
+        tasks.append(asyncio.create_task(self._watch(control, stats)))
+        try:
+            await self._stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for c in conns:
+                c.close()
+            if stats is not None:
+                self.write_stats(stats)
+
+    def stop(self) -> None:
+        """Ask every node to stop (thread-safe)."""
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+
+    def start_in_thread(self) -> None:
+        """Run the fleet on its own event loop in a background thread (for tests and embedding)."""
+        started = threading.Event()
+
+        async def go() -> None:
+            task = asyncio.create_task(self.run())
+            await asyncio.sleep(0)
+            started.set()
+            await task
+
+        self._thread = threading.Thread(target=asyncio.run, args=(go(),), name="fleet", daemon=True)
+        self._thread.start()
+        started.wait(30)
+
+    def join(self, timeout: float = 30.0) -> None:
+        """Stop the fleet and wait for its thread to end."""
+        self.stop()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m llmgw_sim.fleet", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--control-plane", required=True, help="e.g. http://127.0.0.1:8000")
+    ap.add_argument("--join-token-file", required=True, help="file holding the join token")
+    ap.add_argument("--nodes", type=int, default=100)
+    ap.add_argument("--first", type=int, default=0, help="number of the first node (several processes share a fleet)")
+    ap.add_argument("--profiles", default="", help="comma-separated profile names (default: all shipped)")
+    ap.add_argument("--prefix", default="fleet", help="node ids are PREFIX-PROFILE-NNNNN")
+    ap.add_argument("--interval", type=float, default=5.0, help="heartbeat seconds (the control plane's if longer)")
+    ap.add_argument("--jitter", type=float, default=0.1, help="each interval varies by up to this fraction")
+    ap.add_argument("--ramp", type=float, default=0.0, help="nodes start spread over this many seconds")
+    ap.add_argument("--domain-size", type=int, default=18, help="trays per multi-node NVLink domain")
+    ap.add_argument("--load-s", type=float, default=0.5, help="a started shard is loading after this")
+    ap.add_argument("--ready-s", type=float, default=1.5, help="a started shard is ready after this")
+    ap.add_argument("--connections", type=int, default=64, help="keep-alive connections to the control plane")
+    ap.add_argument("--control", help="JSON file of failures to show (re-read when it changes)")
+    ap.add_argument("--stats", help="JSON file rewritten every half second with counts and latencies")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a fleet until SIGTERM or SIGINT."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    token = Path(args.join_token_file).read_text().strip()
+    fleet = Fleet(
+        control_plane=args.control_plane,
+        join_token=token,
+        nodes=args.nodes,
+        first=args.first,
+        profiles=[p for p in args.profiles.split(",") if p] or None,
+        prefix=args.prefix,
+        interval=args.interval,
+        jitter=args.jitter,
+        ramp_s=args.ramp,
+        domain_size=args.domain_size,
+        load_s=args.load_s,
+        ready_s=args.ready_s,
+        connections=args.connections,
+    )
+
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, fleet.stop)
+        await fleet.run(
+            control=Path(args.control) if args.control else None, stats=Path(args.stats) if args.stats else None
+        )
+
+    asyncio.run(go())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

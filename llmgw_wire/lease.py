@@ -1,0 +1,52 @@
+"""Leases apart from status: the small message an agent sends when nothing it measures has changed.
+
+Kubernetes splits a node's lease (a tiny object renewed every 10 s) from its
+status (sent when it changes, and every few minutes); the same split here.
+A full heartbeat (wire.Heartbeat) carries sensors, counters, shard states and
+facts, about 9 KB for an 8-GPU node; a lease says only "this node is alive,
+and has applied these commands": under 200 bytes for an agent with nothing to
+acknowledge. The agent decides which to send each interval
+(llmgw_agent/status.py); the control plane keeps the last status it received
+and renews the lease (POST /api/v1/agent/lease, agents/lease.py).
+
+An agent sends leases only to a control plane that said it takes them
+(HeartbeatResponse.leases): an older control plane keeps getting full
+heartbeats, and an older agent never sends a lease.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from llmgw_wire.commands import Command
+from llmgw_wire.common import MAX_COMMANDS, Message, NodeId, Short, empty_list
+
+LEASE_PATH = "/api/v1/agent/lease"
+
+
+class Lease(Message):
+    """A lease renewal: the node is alive, and these commands are applied."""
+
+    node_id: NodeId
+    # The agent's clock (Unix seconds); kept for a later status's skew check, not stored.
+    at: float | None = None
+    # Ids of commands the agent has received and applied.
+    acks: Annotated[list[Short], Field(max_length=MAX_COMMANDS)] = empty_list()
+
+
+class LeaseResponse(Message):
+    """The answer to a lease renewal: commands when some wait, and whether to come back at once."""
+
+    commands: Annotated[list[Command], Field(max_length=MAX_COMMANDS)] = empty_list()
+    server_time: float | None = None
+    heartbeat_interval_s: float = 5.0
+    # Send a full heartbeat now: the control plane lost this node's last status
+    # (the cache was flushed or restarted, or the status expired).
+    send_status: bool = False
+    # Come back at once, without waiting for the interval: more commands wait
+    # than this answer carries, or send_status is set.
+    again: bool = False
+    # An operator asked for a new credential: the agent calls the rotate endpoint.
+    rotate_credential: bool | None = None

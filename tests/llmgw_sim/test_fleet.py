@@ -1,0 +1,385 @@
+"""The fleet simulator: virtual nodes built from the recorded profiles, their shards, their failures.
+
+The first tests need no control plane: they read what a virtual node would
+send and check it against the wire schema and the agent's own discovery. The
+last one (slow) runs fifty virtual nodes against a real control plane process.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+from django.utils import timezone
+
+import llmgw_wire as wire
+from llmgw_agent import discovery
+from llmgw_sim.fleet import (
+    EDGES,
+    TERMINAL_REPORTS,
+    XID_OFF_BUS,
+    Fleet,
+    ProfileTemplate,
+    histogram_percentile,
+)
+from llmgw_sim.simulate import PROFILES_DIR, ZERO_UUID, shipped_profiles
+
+S = wire.ShardState
+
+
+def _fleet(nodes: int = 8, **kw) -> Fleet:
+    return Fleet(control_plane="http://127.0.0.1:9", join_token="join", nodes=nodes, seed=7, **kw)
+
+
+def _reg(node) -> wire.Register:
+    return wire.Register.model_validate_json(node.registration())
+
+
+def _hb(node, now: float) -> wire.Heartbeat:
+    body, _ = node.heartbeat(now)
+    return wire.Heartbeat.model_validate_json(body)
+
+
+def test_fleet_imports_no_django():
+    code = "import sys, llmgw_sim.fleet\nprint(','.join(sorted(m for m in sys.modules if m.startswith('django'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PATH": ""})
+    assert out.stdout.strip() == ""
+
+
+def test_profile_template_is_what_discovery_reads():
+    for name in shipped_profiles():
+        t = ProfileTemplate.read(name)
+        found = discovery.discover(root=PROFILES_DIR / name, model_dirs=[])
+        assert [g["uuid"] for g in t.registration.get("gpus", [])] == [g.uuid for g in found.gpus]
+        assert t.registration.get("memory_total_mb") == found.memory_total_mb
+        assert t.registration["engine_versions"] == found.engine_versions
+        sampled = discovery.sample(root=PROFILES_DIR / name)
+        assert [p["hca"] for p in t.heartbeat.get("ib_ports") or []] == [p.hca for p in sampled.ib_ports]
+
+
+def test_virtual_nodes_have_their_own_identities():
+    fleet = _fleet(nodes=12)
+    regs = [_reg(n) for n in fleet.nodes]
+    assert [r.node_id for r in regs] == [n.node_id for n in fleet.nodes]
+    assert len({r.node_id for r in regs}) == 12
+    assert len({r.mgmt_addr for r in regs}) == 12
+    assert regs[5].node_id == "fleet-gb200-nvl-00005"
+    assert regs[5].hostname == "fleet-gb200-nvl-00005.sim"
+    assert regs[5].labels == {"simulated": "true", "profile": "gb200-nvl"}
+    uuids = [g.uuid for r in regs for g in r.gpus]
+    assert len(uuids) == len(set(uuids)) == sum(len(r.gpus) for r in regs)
+    # Each profile's cards and fabrics, as its recorded tools say.
+    by_profile = {n.profile.name: r for n, r in zip(fleet.nodes, regs, strict=True)}
+    assert {k: len(r.gpus) for k, r in by_profile.items()} == {"cpu-only": 0, "gb200-nvl": 4, "hgx-h100": 8, "roce": 1}
+    assert [f.name for f in by_profile["hgx-h100"].fabrics] == ["ib-a", "ib-b"]
+    # Adapters' GUIDs are the node's own, the vendor part kept.
+    guids = {_hb(n, 1.0).ib_ports[0].port_guid for n in fleet.nodes if n.profile.name == "hgx-h100"}
+    assert len(guids) == 3
+    assert all(g.startswith("0xec0d9a03") for g in guids)
+
+
+def test_trays_fill_nvlink_domains_of_domain_size():
+    fleet = _fleet(nodes=4 * 5, domain_size=2, profiles=["gb200-nvl"] * 4)
+    domains = [{g.fabric.cluster_uuid for g in _reg(n).gpus} for n in fleet.nodes]
+    assert all(len(d) == 1 for d in domains)
+    flat = [d.pop() for d in domains]
+    assert ZERO_UUID not in flat
+    # Two trays a domain, in order, whether one process makes them all or two share the numbering.
+    assert len(set(flat)) == 10
+    assert flat[0] == flat[1] != flat[2] == flat[3]
+    second = _fleet(nodes=10, first=10, domain_size=2, profiles=["gb200-nvl"] * 4)
+    assert [_reg(n).gpus[0].fabric.cluster_uuid for n in second.nodes] == flat[10:]
+    # The once-a-minute fabric report names the same domain.
+    hb = _hb(fleet.nodes[0], 1e9)
+    assert {f.fabric.cluster_uuid for f in hb.gpu_fabrics} == {flat[0]}
+
+
+def test_heartbeats_are_valid_and_counters_grow():
+    fleet = _fleet(nodes=4)
+    for n in fleet.nodes:
+        first, second = _hb(n, 100.0), _hb(n, 105.0)
+        assert first.node_id == n.node_id and first.at == 100.0 and second.at == 105.0
+        assert len(first.gpus or []) == len(n.profile.heartbeat.get("gpus") or [])
+        for a, b in zip(first.ib_ports or [], second.ib_ports or [], strict=True):
+            assert b.counters["port_xmit_data"] > a.counters["port_xmit_data"]
+            assert b.counters["port_rcv_data"] > a.counters["port_rcv_data"]
+
+
+def test_shards_start_load_become_ready_and_stop():
+    fleet = _fleet(nodes=3, load_s=1.0, ready_s=3.0)
+    node = fleet.nodes[2]
+    start = {"kind": "start_shard", "id": "c1", "replica_id": "r1", "shard_id": "s1", "http_port": 18001,
+             "gpu_indices": [0, 1], "profile": {"engine": "echo"}}  # fmt: skip
+    node.apply(start, 100.0)
+    assert [(s.shard_id, s.state, s.http_port) for s in _hb(node, 100.5).shards] == [("s1", S.STARTING, 18001)]
+    assert [s.state for s in _hb(node, 101.0).shards] == [S.LOADING]
+    assert [s.state for s in _hb(node, 103.0).shards] == [S.READY]
+    # Offered for adoption when the node registers again.
+    assert [(r.shard_id, r.state, r.gpu_indices) for r in _reg(node).running_shards] == [("s1", S.READY, [0, 1])]
+    # Applied once: the same id again is acknowledged, not applied.
+    node.apply({**start, "http_port": 18002}, 104.0)
+    assert node.shards["s1"].http_port == 18001
+    assert list(node.acks) == ["c1"]
+    node.apply({"kind": "stop_shard", "id": "c2", "shard_id": "s1"}, 105.0)
+    assert _reg(node).running_shards == []
+    reports = [[s.state for s in _hb(node, 106.0 + i).shards] for i in range(TERMINAL_REPORTS + 1)]
+    assert reports == [[S.STOPPED]] * TERMINAL_REPORTS + [[]]
+    assert fleet.stats.commands == {"start_shard": 1, "stop_shard": 1}
+
+
+def test_heartbeat_carries_acks_until_answered():
+    fleet = _fleet(nodes=1)
+    node = fleet.nodes[0]
+    node.apply({"kind": "install_engine", "id": "c9", "engine": "vllm"}, 1.0)
+    body, acks = node.heartbeat(2.0)
+    assert acks == ["c9"]
+    assert json.loads(body)["acks"] == ["c9"]
+
+
+def test_a_port_goes_down_and_comes_back():
+    fleet = _fleet(nodes=3)
+    node = fleet.nodes[2]
+    before = _hb(node, 1.0)
+    fleet.port_down(node.node_id, "mlx5_1")
+    down = _hb(node, 2.0)
+    ports = {p.hca: p for p in down.ib_ports}
+    assert (ports["mlx5_1"].state, ports["mlx5_1"].phys_state, ports["mlx5_1"].sm_guid) == ("1: DOWN", "2: Polling", "")
+    assert ports["mlx5_1"].counters["link_downed"] == before.ib_ports[1].counters["link_downed"] + 1
+    assert {p.hca for p in down.ib_ports if p.state == "4: ACTIVE"} == {f"mlx5_{i}" for i in range(8)} - {"mlx5_1"}
+    fleet.port_down(node.node_id, "mlx5_1", down=False)
+    assert {p.state for p in _hb(node, 3.0).ib_ports} == {"4: ACTIVE"}
+
+
+def test_a_card_falls_off_the_bus():
+    fleet = _fleet(nodes=3)
+    node = fleet.nodes[2]
+    node.registered = True
+    fleet.card_off(node.node_id, 3)
+    assert node.registered is False  # registers again, as a restarted agent would
+    gpus = {g.index: g for g in _hb(node, 1.0).gpus}
+    assert gpus[3].problems == [f"XID {XID_OFF_BUS}: GPU has fallen off the bus: reboot the node"]
+    assert (gpus[3].wear.last_xid, gpus[3].wear.xid_errors, gpus[3].util_percent) == (XID_OFF_BUS, 1, -1)
+    assert all(not gpus[i].problems for i in gpus if i != 3)
+    reg = {g.index: g for g in _reg(node).gpus}
+    assert reg[3].problems == gpus[3].problems and not reg[2].problems
+
+
+def test_control_document_sets_every_fault():
+    fleet = _fleet(nodes=4)
+    a, b, c = (n.node_id for n in fleet.nodes[1:4])
+    fleet.apply_control({"silence": [a], "lose_answers": [b], "ports_down": {c: ["mlx5_0"]}, "cards_off": {c: [1]}})
+    assert [(n.faults.silent, n.faults.lose_answers) for n in fleet.nodes] == [
+        (False, False), (True, False), (False, True), (False, False),
+    ]  # fmt: skip
+    assert (fleet.by_id[c].faults.ports_down, fleet.by_id[c].faults.cards_off) == ({"mlx5_0"}, {1})
+    fleet.apply_control({})
+    assert not any(n.faults.silent or n.faults.lose_answers or n.faults.any_report() for n in fleet.nodes)
+
+
+def test_histogram_percentile():
+    counts = [0] * len(EDGES)
+    counts[10] = 98
+    counts[40] = 1
+    counts[80] = 1
+    assert histogram_percentile(counts, 50) == EDGES[10]
+    assert histogram_percentile(counts, 99) == EDGES[40]
+    assert histogram_percentile(counts, 100) == EDGES[80]
+    assert histogram_percentile([0] * len(EDGES), 99) == 0.0
+
+
+def test_connection_reads_length_and_chunked_answers_and_reconnects():
+    import asyncio
+
+    from llmgw_sim.fleet import Connection, TransportError
+
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+            seen.append(head.split(b"\r\n")[2] + b" " + await reader.readexactly(length))
+            if len(seen) == 1:
+                writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n{"ok": true}')
+            elif len(seen) == 2:
+                writer.write(
+                    b'HTTP/1.1 403 Forbidden\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{"a\r\n5\r\n": 1}\r\n0\r\n\r\n'
+                )
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n[]")
+                await writer.drain()
+                writer.close()
+                break
+            await writer.drain()
+
+    async def main() -> list:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = Connection(f"http://127.0.0.1:{port}", timeout_s=5)
+        out = []
+        for body in (b"1", b"22", b"333", b"4444"):
+            a = await conn.post("/api/v1/agent/heartbeat", body, "tok")
+            out.append((a.status_code, a.json()))
+        server.close()
+        await server.wait_closed()
+        dead = Connection(f"http://127.0.0.1:{port}", timeout_s=5)
+        with pytest.raises(TransportError):
+            await dead.post("/x", b"", "tok")
+        return out
+
+    assert asyncio.run(main()) == [(200, {"ok": True}), (403, {"a": 1}), (200, []), (200, [])]
+    # Three requests on the first connection; the fourth opened a new one after "Connection: close".
+    assert seen == [b"Authorization: Bearer tok 1", b"Authorization: Bearer tok 22",
+                    b"Authorization: Bearer tok 333", b"Authorization: Bearer tok 4444"]  # fmt: skip
+
+
+# --- against a real control plane -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plane(transactional_db, tmp_path):
+    from tests.test_control_plane_restart import ControlPlane, _kill_group
+
+    cp = ControlPlane(tmp_path)
+    cp.env["LLMGW_HEARTBEAT_INTERVAL"] = "1"
+    try:
+        yield cp
+    finally:
+        if cp.proc is not None:
+            _kill_group(cp.proc, grace_s=5)
+
+
+@pytest.mark.slow
+def test_fifty_virtual_nodes_against_a_real_control_plane(plane, settings):
+    from inventory import liveness, telemetry
+    from inventory.models import GPU, Command, Node
+    from placement.models import Deployment, EngineProfile, Replica
+    from placement.tasks import reconcile_task
+    from tests.test_control_plane_restart import JOIN, _wait
+
+    plane.start()
+    fleet = Fleet(control_plane=plane.url, join_token=JOIN, nodes=50, interval=1.0, load_s=0.2, ready_s=0.5, seed=3)
+    ids = {n.node_id for n in fleet.nodes}
+    by_profile = {p: sorted(n.node_id for n in fleet.nodes if n.profile.name == p) for p in fleet.profiles}
+
+    def reconcile() -> None:
+        reconcile_task(now=timezone.now())
+
+    def summary() -> str:
+        states = sorted(Node.objects.values_list("id", "state"))
+        reps = list(Replica.objects.values_list("deployment__name", "state", "shards__node_id"))
+        return f"stats {fleet.stats.as_dict() | {'latency': '', 'register_latency': ''}}; nodes {states}; {reps}"
+
+    fleet.start_in_thread()
+    try:
+        # All registered, once each, none refused; the inventory is the recorded hardware's.
+        # The row is written before the simulated agent counts the answer: wait for both.
+        _wait(
+            lambda: Node.objects.filter(state="ready").count() == 50 and fleet.stats.registered == 50,
+            timeout=60,
+            what=summary,
+        )
+        assert set(Node.objects.values_list("id", flat=True)) == ids
+        assert fleet.stats.registered == 50 and not fleet.stats.register_refused
+        assert GPU.objects.count() == 13 * 4 + 12 * 8 + 12 * 1
+        assert len(set(GPU.objects.values_list("uuid", flat=True))) == 160
+        domains = set(Node.objects.filter(id__in=by_profile["gb200-nvl"]).values_list("nvlink_domain", flat=True))
+        assert len(domains) == 1 and "" not in domains
+
+        # A deployment is placed, its shards start on the simulated nodes and its replicas are ready.
+        eight = EngineProfile.objects.create(name="echo-8", engine="echo", gpus_per_node=8, startup_timeout_s=600)
+        big = Deployment.objects.create(name="big", served_model="big", profile=eight, replicas=2)
+        _wait(lambda: Replica.objects.filter(deployment=big, state="ready").count() == 2, timeout=60, what=summary,
+              each=reconcile)  # fmt: skip
+        hosts = set(Replica.objects.filter(deployment=big).values_list("shards__node_id", flat=True))
+        assert len(hosts) == 2 and hosts <= set(by_profile["hgx-h100"])
+        for r in Replica.objects.filter(deployment=big).prefetch_related("shards"):
+            (shard,) = r.shards.all()
+            sim = fleet.by_id[shard.node_id].shards[str(shard.id)]
+            assert (sim.replica_id, sim.gpu_indices, fleet.shard_state(sim, time.time())) == (
+                str(r.id), list(range(8)), S.READY
+            )  # fmt: skip
+        assert Command.objects.filter(kind="start_shard", acked_at__isnull=False).count() == 2
+
+        # Lost answers: the node stays ready (its heartbeats arrive), its StartShard is sent again and again
+        # but never reaches it, until the answers come through again.
+        lossy = by_profile["roce"][0]
+        fleet.lose_answers([lossy])
+        one = EngineProfile.objects.create(name="echo-1", engine="echo", gpus_per_node=1, startup_timeout_s=600)
+        small = Deployment.objects.create(
+            name="small", served_model="small", profile=one, replicas=12, node_selector={"profile": "roce"}
+        )
+        _wait(lambda: Replica.objects.filter(deployment=small, state="ready").count() == 11, timeout=60,
+              what=summary, each=reconcile)  # fmt: skip
+        _wait(lambda: Command.objects.filter(node_id=lossy, kind="start_shard", deliveries__gte=3).exists(),
+              timeout=30, what=summary)  # fmt: skip
+        cmd = Command.objects.get(node_id=lossy, kind="start_shard")
+        assert cmd.acked_at is None and fleet.by_id[lossy].shards == {}
+        assert Node.objects.get(id=lossy).state == "ready"
+        assert Replica.objects.get(deployment=small, shards__node_id=lossy).state != "ready"
+        fleet.lose_answers([lossy], on=False)
+        _wait(lambda: Replica.objects.filter(deployment=small, state="ready").count() == 12, timeout=60,
+              what=summary, each=reconcile)  # fmt: skip
+        cmd.refresh_from_db()
+        assert cmd.acked_at is not None
+
+        # A port goes down and a card falls off the bus on an idle node: the control plane sees both.
+        idle = next(n for n in by_profile["hgx-h100"] if n not in hosts)
+        fleet.port_down(idle, "mlx5_1")
+        fleet.card_off(idle, 3)
+
+        def port_state() -> str:
+            entry = telemetry.get(idle) or {}
+            return next((p["state"] for p in entry.get("ib_ports") or [] if p["hca"] == "mlx5_1"), "")
+
+        _wait(lambda: port_state() == "1: DOWN", timeout=30, what=lambda: str(telemetry.get(idle)))
+        off = f"XID {XID_OFF_BUS}: GPU has fallen off the bus: reboot the node"
+        _wait(lambda: GPU.objects.get(node_id=idle, index=3).problems == [off], timeout=30, what=summary)
+        assert next(g for g in (telemetry.get(idle) or {})["gpus"] if g["index"] == 3)["problems"] == [off]
+        assert not GPU.objects.filter(node_id=idle).exclude(index=3).exclude(problems=[]).exists()
+
+        # A silenced node goes unreachable, then lost, and its replica runs elsewhere; the rest stay ready.
+        settings.LLMGW_UNREACHABLE_AFTER = 4
+        settings.LLMGW_LOST_AFTER = 10
+        victim = sorted(hosts)[0]
+        fleet.silence([victim])
+        silenced = timezone.now()
+        _wait(lambda: Node.objects.get(id=victim).state == "unreachable", timeout=30, what=summary,
+              each=lambda: liveness.sweep(now=timezone.now()))  # fmt: skip
+        assert Node.objects.get(id=victim).last_seen < silenced
+        _wait(lambda: Node.objects.get(id=victim).state == "lost", timeout=30, what=summary,
+              each=lambda: liveness.sweep(now=timezone.now()))  # fmt: skip
+        _wait(
+            lambda: set(Replica.objects.filter(deployment=big, state="ready").values_list("shards__node_id", flat=True))
+            .isdisjoint({victim}) and Replica.objects.filter(deployment=big, state="ready").count() == 2,
+            timeout=60, what=summary, each=reconcile,
+        )  # fmt: skip
+        mark = timezone.now()
+        _wait(lambda: Node.objects.filter(last_seen__gt=mark, state="ready").count() == 49, timeout=30, what=summary)
+        assert Node.objects.exclude(state="ready").get().id == victim
+    finally:
+        fleet.join()
+
+
+def test_a_steady_virtual_node_sends_leases_and_its_status_at_the_floor():
+    # What the fleet bench's share of leases rests on: recorded sensors are steady, so between
+    # statuses only a shard's state or a fault sends one, and the floor (60 s) one in twelve at 5 s.
+    from llmgw_agent.status import STATUS_FLOOR_S
+
+    fleet = Fleet(control_plane="http://127.0.0.1:9", join_token="j", nodes=4, seed=1)
+    for node in fleet.nodes:
+        assert node.lease(100.0) is None  # leases not offered yet
+        node.leases, node.status = True, (100.0, node.status_key(100.0))
+        sent = [node.lease(100.0 + 5 * k) is not None for k in range(1, 13)]
+        assert sent == [True] * 11 + [False], node.profile.name
+        assert STATUS_FLOOR_S == 5 * 12
+        fleet.port_down(node.node_id, "mlx5_0")
+        assert node.lease(105.0) is None
+        fleet.port_down(node.node_id, "mlx5_0", down=False)
+        assert node.lease(105.0) is not None
