@@ -20,7 +20,8 @@ LLAMA_SERVER := $(shell ./scripts/llama-server.sh --path 2>/dev/null)
 OPENAI_JS := 7.59.0
 JS_SDK := var/js-sdk
 
-.PHONY: run test lint bench bench-peers faults demo services migrations clean browser prometheus js-sdk llama-server record-llama-server
+.PHONY: run test lint bench bench-peers faults demo services migrations clean browser prometheus js-sdk llama-server \
+	record-llama-server image image-agent test-image podman-compose
 
 # The install is quiet unless something fails: no recipe echoed, nothing printed on success.
 $(PY):
@@ -112,6 +113,28 @@ bench-peers: $(VENV)/.installed-dev services
 # was done, what was lost. Minutes; not part of make test.
 faults: $(VENV)/.installed-dev
 	$(TEST_ENV) $(PY) -m bench faults
+
+# The control plane's image (web, gateway, worker, beat, migrate) and the node agent's, built with
+# podman from a Debian base made here by debootstrap (scripts/image.sh installs the tools when missing).
+image: | $(PY)
+	PYTHON=$(PY) ./scripts/image.sh server
+
+image-agent: | $(PY)
+	PYTHON=$(PY) ./scripts/image.sh agent
+
+# podman-compose from PyPI into a virtualenv of its own under var/ (Debian bookworm's 1.0.3 gives
+# services with network_mode: host a network of their own too, which podman refuses).
+PODMAN_COMPOSE := 1.6.0
+podman-compose:
+	@if [ ! -f var/tools/.installed-podman-compose-$(PODMAN_COMPOSE) ]; then \
+		$(PYTHON) -m venv var/tools && var/tools/bin/pip install --quiet podman-compose==$(PODMAN_COMPOSE) \
+			&& touch var/tools/.installed-podman-compose-$(PODMAN_COMPOSE); \
+	fi
+
+# deploy/compose/compose.yaml started from the image, a simulated fleet, a request through a gateway,
+# a kill of each role, and nothing lost (scripts/compose_test.py; a few minutes: not part of make test).
+test-image: image podman-compose services $(VENV)/.installed
+	$(PY) scripts/compose_test.py
 
 clean:
 	rm -rf $(VENV) var test-artifacts

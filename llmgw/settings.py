@@ -85,6 +85,9 @@ if not SECRET_KEY:
         raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG is off (or set DEBUG=1 on a laptop)")
     # Only a development server on a laptop gets here.
     SECRET_KEY = "llmgw-insecure-development-key-do-not-use-in-production"
+# Keys being retired, comma-separated: what they signed (sessions, CSRF tokens, password reset
+# links) stays valid while the new SECRET_KEY signs everything new (docs/operations.md, rotation).
+SECRET_KEY_FALLBACKS = [k.strip() for k in os.environ.get("SECRET_KEY_FALLBACKS", "").split(",") if k.strip()]
 
 ALLOWED_HOSTS = [
     h.strip() for h in os.environ.get("ALLOWED_HOSTS", "localhost,127.0.0.1,[::1]").split(",") if h.strip()

@@ -10,5 +10,7 @@ application = get_wsgi_application()
 
 # Imported after setup: the agent endpoints skip the middleware stack (agents/wsgi.py).
 from agents.wsgi import with_agent_fast_path  # noqa: E402
+from llmgw.health import with_health  # noqa: E402
 
-application = with_agent_fast_path(application)
+# /healthz and /readyz are answered first, outside Django's handling (llmgw/health.py).
+application = with_health(with_agent_fast_path(application))

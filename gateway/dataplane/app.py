@@ -82,7 +82,7 @@ INTERNAL_ERROR = error_body(
     500, "the gateway failed on this request; its log names the x-request-id", "server_error", "internal_error"
 )
 # Probes, not API requests: not counted in llmgw_gateway_requests_total.
-PROBES = ("/health", "/metrics")
+PROBES = ("/health", "/healthz", "/readyz", "/metrics")
 
 
 class DataPlane(Background, Catalog, Holder, Upstream, Relay):
@@ -206,8 +206,17 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         extra: list[tuple[bytes, bytes]],
         answer: Answer,
     ) -> None:
-        if path == "/health" and method == "GET":
+        if path in ("/health", "/healthz") and method == "GET":
             await send_json(send, 200, {"status": "ok", "models": len(self.routes)})
+            return
+        if path == "/readyz" and method == "GET":
+            # Ready once the keys and routes were read at least once: before that every key is
+            # unknown and every client would get a 401. Afterwards a database outage keeps the
+            # last table serving, so it stays ready.
+            if self.loaded.is_set():
+                await send_json(send, 200, {"status": "ok", "models": len(self.routes)})
+            else:
+                await send_json(send, 503, {"status": "unavailable", "failed": ["routes"]})
             return
         if path == "/metrics" and method == "GET":
             await self._metrics(scope, send)
