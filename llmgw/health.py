@@ -70,4 +70,6 @@ def with_health(application: WSGIApp) -> WSGIApp:
             return _answer(start_response, "503 Service Unavailable", {"status": "unavailable", "failed": failed})
         return _answer(start_response, "200 OK", {"status": "ok"})
 
+    # What it wraps, by the convention functools.wraps follows: tests and tools look through it.
+    app.__wrapped__ = application  # type: ignore[attr-defined]
     return app

@@ -14,6 +14,9 @@ import pytest
 
 from tests.cleanenv import REPO, clean_env, copy_tracked_files, make_venv, run
 
+# OpenAI's Agents SDK, installed beside the node agent (its import name is `agents`).
+OPENAI_AGENTS = "openai-agents==0.24.0"
+
 # Every top-level package but the tests and the benchmarks: a new app is shipped or this fails.
 PROJECT_PACKAGES = tuple(
     sorted(p.parent.name for p in REPO.glob("*/__init__.py") if p.parent.name not in ("tests", "bench"))
@@ -94,7 +97,7 @@ def test_pip_install_gives_a_control_plane_that_imports_every_module(checkout, t
 
 
 @pytest.mark.slow
-def test_the_agent_installs_alone_without_django(checkout, tmp_path):
+def test_the_agent_installs_alone_without_django_and_beside_openai_agents(checkout, tmp_path):
     bin_dir = make_venv(tmp_path / "venv")
     # docs/agent.md's node install, step 2.
     run([str(bin_dir / "pip"), "install", "--quiet", str(checkout / "deploy/agent")], cwd=tmp_path)
@@ -129,22 +132,13 @@ def test_the_agent_installs_alone_without_django(checkout, tmp_path):
         "in llmgw's source) and this node's agent was installed without it: deploy a real engine, or run the agent "
         "from a checkout"
     )
-
-
-# OpenAI's Agents SDK imports as `agents`: the name the node agent's package once had, so the two
-# could not share an environment (whichever installed last replaced the other's files).
-OPENAI_AGENTS = "openai-agents==0.24.0"
-
-
-@pytest.mark.slow
-def test_the_agent_installs_beside_openai_agents(checkout, tmp_path):
-    bin_dir = make_venv(tmp_path / "venv")
-    run([str(bin_dir / "pip"), "install", "--quiet", str(checkout / "deploy/agent"), OPENAI_AGENTS], cwd=tmp_path)
-    probe = (
+    # OpenAI's Agents SDK imports as `agents`: the name the node agent's package once had, so the two
+    # could not share an environment (whichever installed last replaced the other's files).
+    run([str(bin_dir / "pip"), "install", "--quiet", OPENAI_AGENTS], cwd=tmp_path)
+    both = (
         "import agents, llmgw_agent.loop, llmgw_wire;"
         "print(agents.Agent.__module__, llmgw_agent.loop.Agent.__module__, llmgw_wire.Heartbeat.__module__)"
     )
-    out = run([str(bin_dir / "python"), "-c", probe], cwd=tmp_path)
+    out = run([str(bin_dir / "python"), "-c", both], cwd=tmp_path)
     assert out.split() == ["agents.agent", "llmgw_agent.loop", "llmgw_wire.heartbeat"]
-    helped = run([str(bin_dir / "llmgw-agent"), "--help"], cwd=tmp_path)
-    assert helped.startswith("usage: llmgw-agent ")
+    assert run([str(bin_dir / "llmgw-agent"), "--help"], cwd=tmp_path).startswith("usage: llmgw-agent ")

@@ -84,7 +84,10 @@ def test_serve_script_keeps_one_persistent_connection_per_thread_unless_told(tmp
     # The server's fixed threads bound persistent connections; the pool's checkout check would cost
     # every request a round trip to PostgreSQL. What the server process is started with, not run.
     python = tmp_path / "python"
-    python.write_text('#!/bin/sh\necho "$DATABASE_POOL_MAX $DATABASE_CONN_MAX_AGE"\n')
+    # The script asks scripts/port_free.py first (tests/test_run_all.py covers that); then the server.
+    python.write_text(
+        '#!/bin/sh\ncase "$1" in */port_free.py) exit 0;; esac\necho "$DATABASE_POOL_MAX $DATABASE_CONN_MAX_AGE"\n'
+    )
     python.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_POOL_MAX", "DATABASE_CONN_MAX_AGE")}
     env.update(given, PYTHON=str(python))

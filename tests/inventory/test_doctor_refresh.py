@@ -54,8 +54,9 @@ def test_a_stale_scrape_serves_the_last_results_and_queues_one_refresh(
     families(node)
     change_state("gpu-1", "unreachable", now=node)
     later = node + dt.timedelta(seconds=40)
-    # Nodes, GPUs, held GPUs, deployments and replica counts: none of the doctor's reads.
-    with django_assert_num_queries(5):
+    # Nodes, GPUs, held GPUs, the liveness clock, deployments, replica counts and multi-node shards:
+    # none of the doctor's reads.
+    with django_assert_num_queries(7):
         m = families(later)
     assert reachable(m["llmgw_doctor_checks"]) == "pass"
     assert m["llmgw_doctor_age_seconds"] == [((), 40.0)]

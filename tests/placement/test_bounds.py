@@ -151,7 +151,7 @@ def test_rows_written_before_the_constraints_show_and_are_mended_by_the_migratio
     for p in (bad, listy):
         assert c.get(f"/admin/placement/engineprofile/{p.pk}/change/").status_code == 200
 
-    importlib.import_module("placement.migrations.0010_bounds").mend(apps, None)
+    importlib.import_module("placement.migrations.0011_bounds").mend(apps, None)
     bad.refresh_from_db()
     listy.refresh_from_db()
     assert (bad.args, bad.env, bad.power_w) == (["--x", "1", '{"k": 2}'], {"A": "1", "C": "c"}, 0.0)
