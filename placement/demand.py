@@ -14,11 +14,9 @@ under the var directory, replaced whole, as for in-flight counts.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,7 +27,7 @@ import redis
 from django.conf import settings
 
 from inventory import telemetry
-from placement.inflight import REPORT_TTL_S
+from placement.inflight import REPORT_TTL_S, fresh_reports, write_report
 
 log = logging.getLogger(__name__)
 
@@ -127,16 +125,10 @@ def _reports_dir() -> Path:
 
 def report_file(process_id: str, per_model: Mapping[str, ModelDemand] | None, *, now: float | None = None) -> None:
     """The embedded default's report_async: one file per router, replaced whole; None or empty removes it."""
-    path = _reports_dir() / f"{process_id}.json"
-    if not per_model:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{process_id}.tmp")
-    body = {"at": time.time() if now is None else now, "models": {m: d.to_json() for m, d in per_model.items()}}
-    tmp.write_text(json.dumps(body))
-    os.replace(tmp, path)
+    body = None
+    if per_model:
+        body = {"at": time.time() if now is None else now, "models": {m: d.to_json() for m, d in per_model.items()}}
+    write_report(_reports_dir(), process_id, body)
 
 
 def totals(*, now: float | None = None) -> Totals:
@@ -145,13 +137,7 @@ def totals(*, now: float | None = None) -> Totals:
     out = Totals()
     if not settings.REDIS_URL:
         now = time.time() if now is None else now
-        for path in _reports_dir().glob("*.json"):
-            try:
-                report = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            if now - float(report.get("at", 0)) > REPORT_TTL_S:
-                continue
+        for report in fresh_reports(_reports_dir(), now=now):
             out.routers += 1
             for model, raw in report.get("models", {}).items():
                 out.add(model, ModelDemand.from_json(raw))

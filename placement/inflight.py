@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,26 +84,37 @@ def _reports_dir() -> Path:
 
 def report_file(process_id: str, counts: Mapping[str, int] | None, *, now: float | None = None) -> None:
     """The embedded default's report_async: one file per router, replaced whole; None removes it."""
-    path = _reports_dir() / f"{process_id}.json"
-    if counts is None:
+    body = None if counts is None else {"at": time.time() if now is None else now, "counts": dict(counts)}
+    write_report(_reports_dir(), process_id, body)
+
+
+def write_report(directory: Path, process_id: str, body: dict[str, Any] | None) -> None:
+    """One router's report in `directory`, replaced whole (a reader never sees half of it); None removes it."""
+    path = directory / f"{process_id}.json"
+    if body is None:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{process_id}.tmp")
-    tmp.write_text(json.dumps({"at": time.time() if now is None else now, "counts": dict(counts)}))
+    tmp.write_text(json.dumps(body))
     os.replace(tmp, path)
 
 
-def _file_totals(now: float) -> Totals:
-    routers, out = 0, {}
-    for path in _reports_dir().glob("*.json"):
+def fresh_reports(directory: Path, *, now: float) -> Iterator[dict[str, Any]]:
+    """The reports in `directory` written within REPORT_TTL_S of `now`: a router that stopped reporting has left."""
+    for path in directory.glob("*.json"):
         try:
             report = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if now - float(report.get("at", 0)) > REPORT_TTL_S:
-            continue
+        if now - float(report.get("at", 0)) <= REPORT_TTL_S:
+            yield report
+
+
+def _file_totals(now: float) -> Totals:
+    routers, out = 0, {}
+    for report in fresh_reports(_reports_dir(), now=now):
         routers += 1
         for rid, n in report.get("counts", {}).items():
             out[rid] = out.get(rid, 0) + int(n)
