@@ -87,6 +87,38 @@ def field_errors(exc: ValidationError) -> list[dict]:
     return out
 
 
+def check_envelope(content_type: str, content_length: str | None, max_body: int) -> None:
+    """Refuse (415, 400, 413) a body that is not JSON or declares more than `max_body` bytes, before it is read."""
+    if content_type != "application/json":
+        raise protocol.Refused(415, "the body must be application/json")
+    try:
+        declared = int(content_length or 0)
+    except ValueError:
+        raise protocol.Refused(400, "invalid Content-Length") from None
+    if declared > max_body:
+        raise protocol.Refused(413, f"the body must be at most {max_body} bytes")
+
+
+def parse_message(
+    message: type[wire.Message],
+    body: bytes,
+    *,
+    max_body: int,
+    problems: Callable[..., list[dict]] | None = None,
+) -> wire.Message:
+    """A body read (at most max_body + 1 bytes of it) as `message`; raises Refused (413, 400 naming each field)."""
+    if len(body) > max_body:
+        raise protocol.Refused(413, f"the body must be at most {max_body} bytes")
+    try:
+        msg = message.model_validate_json(body)
+    except ValidationError as exc:
+        raise protocol.Refused(400, "invalid request body", field_errors(exc)) from None
+    too_big = (problems(msg) if problems else None) or validation.nul_problems(body)
+    if too_big:
+        raise protocol.Refused(400, "invalid request body", too_big[:MAX_ERRORS])
+    return msg
+
+
 def _responses(ok: type[BaseModel]) -> dict:
     return {
         200: ok,
@@ -172,25 +204,9 @@ class AgentEndpoint(APIView):
 
     def read(self, django_request: HttpRequest) -> wire.Message:
         """The request's message; raises Refused (415, 413, 400 naming each field) for a body it cannot be."""
-        if django_request.content_type != "application/json":
-            raise protocol.Refused(415, "the body must be application/json")
-        try:
-            declared = int(django_request.META.get("CONTENT_LENGTH") or 0)
-        except ValueError:
-            raise protocol.Refused(400, "invalid Content-Length") from None
-        if declared > self.max_body:
-            raise protocol.Refused(413, f"the body must be at most {self.max_body} bytes")
+        check_envelope(django_request.content_type, django_request.META.get("CONTENT_LENGTH"), self.max_body)
         body = django_request.read(self.max_body + 1)
-        if len(body) > self.max_body:
-            raise protocol.Refused(413, f"the body must be at most {self.max_body} bytes")
-        try:
-            msg = self.message.model_validate_json(body)
-        except ValidationError as exc:
-            raise protocol.Refused(400, "invalid request body", field_errors(exc)) from None
-        too_big = (self.problems(msg) if self.problems else None) or validation.nul_problems(body)
-        if too_big:
-            raise protocol.Refused(400, "invalid request body", too_big[:MAX_ERRORS])
-        return msg
+        return parse_message(self.message, body, max_body=self.max_body, problems=self.problems)
 
     @staticmethod
     def answer(result: BaseModel | dict) -> HttpResponse:

@@ -68,19 +68,28 @@ def lease_request(token: str | None, body: protocol.Body[wire.Lease], *, now: dt
     if renewal is None:
         # Rare (a refusal): which one is worth a lookup.
         raise protocol.UNAUTHENTICATED if credentials.authenticate_node(token) is None else protocol.NOT_YOURS
+    return lease_answer(renewal, token_hash=token_hash, now=now)
+
+
+def lease_answer(renewal: lease_db.Renewal, *, token_hash: str, now: dt.datetime) -> wire.LeaseResponse:
+    """The answer to a renewed lease: the commands that wait, and whether to come back at once.
+
+    Also what a renewal finishes: a rotation whose new secret this lease used.
+    Both lease endpoints answer with it (this one, and the batched one of agents/lease_asgi.py).
+    """
     if renewal.previous_hash is not None and renewal.token_hash == token_hash:
         # The agent uses the new secret of a rotation: the old one is done
         # (as agents/credentials.py does for every other request).
-        NodeCredential.objects.filter(node_id=msg.node_id, token_hash=token_hash).update(previous_hash=None)
+        NodeCredential.objects.filter(node_id=renewal.node_id, token_hash=token_hash).update(previous_hash=None)
     # About one lease in STATUS_CHECK_EVERY asks the cache (see there); the others cost it nothing.
-    want_status = random.random() * STATUS_CHECK_EVERY < 1 and not lease_db.keep_status(msg.node_id)
+    want_status = random.random() * STATUS_CHECK_EVERY < 1 and not lease_db.keep_status(renewal.node_id)
     pending: list[outbox.WireCommand] = []
     more = False
     if renewal.waiting:
-        rows, more = lease_db.take_waiting(TABLES, msg.node_id, now=now, limit=wire.MAX_COMMANDS)
+        rows, more = lease_db.take_waiting(TABLES, renewal.node_id, now=now, limit=wire.MAX_COMMANDS)
         pending = [outbox.to_wire(Command(id=i, kind=k, payload=p)) for i, k, p in rows]
     # Every node renews every few seconds: routine, DEBUG (the commands it carries are logged where they are queued).
-    log.debug("lease: node %s renewed, %d commands", msg.node_id, len(pending))
+    log.debug("lease: node %s renewed, %d commands", renewal.node_id, len(pending))
     return wire.LeaseResponse(
         commands=pending,
         server_time=now.timestamp(),

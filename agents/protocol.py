@@ -154,6 +154,7 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
         adopted=sync.adopted,
         commands=pending,
         wakeup_url=settings.LLMGW_WAKEUP_URL or None,
+        lease_url=settings.LLMGW_LEASE_URL or None,
     )
 
 
@@ -267,6 +268,8 @@ def _answer(
         leases=True,
         # Where to hold the wakeup long-poll: an agent configured with none uses this one.
         wakeup_url=settings.LLMGW_WAKEUP_URL or None,
+        # Where to send leases (the gateway's batched endpoint, agents/lease_asgi.py); this endpoint otherwise.
+        lease_url=settings.LLMGW_LEASE_URL or None,
     )
 
 

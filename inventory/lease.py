@@ -115,6 +115,89 @@ def renew(
     return _renewal(node_id, row, now=now)
 
 
+@dataclass(frozen=True)
+class Ask:
+    """One lease of a batch: the node it names, the hash of the credential it came with, what it acknowledges."""
+
+    node_id: str
+    token_hash: str
+    acks: Sequence[str] = ()
+
+
+@functools.cache
+def batch_sql(tables: Tables, *, acks: bool, relax: bool) -> str:
+    """The PostgreSQL statement renewing a batch of leases (parameters: see renew_batch).
+
+    The same work as renewal_sql, for every lease of the batch in one
+    statement: the leases arrive as arrays, joined to the credentials (a
+    lease whose credential is not its node's, current or previous, matches no
+    row and renews nothing) and to the nodes by primary key.
+    """
+    node = Node._meta.db_table
+    relax_item = ", (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit" if relax else ""
+    ack_cte = not_acked = ""
+    if acks:
+        # As in renewal_sql: the commands acknowledged here still look pending to the main
+        # statement (one snapshot), so they are left out by id. An ack counts only with its
+        # lease's credential, and only for that node's own commands.
+        ack_cte = (
+            f"WITH acked AS (UPDATE {tables.commands} AS m SET acked_at = %(now)s "
+            "FROM unnest(%(ack_nodes)s::varchar[], %(ack_hashes)s::varchar[], %(ack_ids)s::uuid[]) "
+            "AS a(node_id, h, id) "
+            f"JOIN {tables.credentials} AS ac ON ac.node_id = a.node_id "
+            "AND (ac.token_hash = a.h OR ac.previous_hash = a.h) "
+            "WHERE m.id = a.id AND m.node_id = a.node_id AND m.acked_at IS NULL RETURNING m.id) "
+        )
+        not_acked = " AND NOT EXISTS (SELECT 1 FROM acked WHERE acked.id = m.id)"
+    return (
+        f"{ack_cte}UPDATE {node} AS n SET last_seen = %(now)s, unreachable_since = NULL "
+        "FROM unnest(%(nodes)s::varchar[], %(hashes)s::varchar[]) AS v(node_id, h) "
+        f"JOIN {tables.credentials} AS c ON c.node_id = v.node_id AND (c.token_hash = v.h OR c.previous_hash = v.h)"
+        f"{relax_item} WHERE n.id = v.node_id "
+        "RETURNING n.id, c.token_hash, c.previous_hash, c.rotation_requested_at, n.state, "
+        f"EXISTS (SELECT 1 FROM {tables.commands} AS m WHERE m.node_id = n.id AND m.acked_at IS NULL{not_acked})"
+    )
+
+
+def renew_batch(tables: Tables, asks: Sequence[Ask], *, now: dt.datetime, durable: bool = False) -> dict[str, Renewal]:
+    """Renew every lease of a batch whose credential is its node's; the renewals by node id.
+
+    One statement on PostgreSQL however many leases the batch holds (with
+    their acks): what a lease costs the database shrinks with the batch. A
+    node missing from the answer renewed nothing (as renew's None). At most
+    one lease per node: raises ValueError for a node named twice (of two
+    leases of one node, the statement would keep only one). The statement
+    commits asynchronously unless `durable`, like renew; a node that was
+    unreachable or lost comes back to ready, as with renew.
+    """
+    nodes = [a.node_id for a in asks]
+    if len(set(nodes)) != len(nodes):
+        raise ValueError("a batch holds at most one lease per node")
+    if not asks:
+        return {}
+    if connection.vendor != "postgresql":
+        found = (
+            _renew_portable(tables, node_id=a.node_id, token_hash=a.token_hash, now=now, acks=_uuids(a.acks))
+            for a in asks
+        )
+        return {r.node_id: r for r in found if r is not None}
+    # Rows locked in one order (the nodes' ids) by every batch, so two batches never deadlock each other.
+    ordered = sorted(asks, key=lambda a: a.node_id)
+    ack_nodes, ack_hashes, ack_ids = [], [], []
+    for a in ordered:
+        for i in _uuids(a.acks):
+            ack_nodes.append(a.node_id)
+            ack_hashes.append(a.token_hash)
+            ack_ids.append(i)
+    params = {"now": now, "nodes": [a.node_id for a in ordered], "hashes": [a.token_hash for a in ordered]}
+    if ack_ids:
+        params.update(ack_nodes=ack_nodes, ack_hashes=ack_hashes, ack_ids=ack_ids)
+    with prepared_cursor() as cur:
+        cur.execute(batch_sql(tables, acks=bool(ack_ids), relax=not durable), params)
+        rows = cur.fetchall()
+    return {row[0]: _renewal(row[0], row[1:], now=now) for row in rows}
+
+
 def _uuids(ids: Sequence[str]) -> list[uuid.UUID]:
     out = []
     for i in ids:

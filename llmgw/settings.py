@@ -443,6 +443,39 @@ def wakeup_url(explicit: str, gateway_listen: str) -> str:
 
 LLMGW_WAKEUP_URL = wakeup_url(os.environ.get("LLMGW_WAKEUP_URL", ""), os.environ.get("LLMGW_GATEWAY_LISTEN", ""))
 
+
+def lease_url(explicit: str, wakeup: str, *, postgresql: bool) -> str:
+    """Where agents send their leases (the batched endpoint, agents/lease_asgi.py); "" for the web's own.
+
+    LLMGW_LEASE_URL, the endpoint's whole URL; "off" for none; unset, the
+    lease path on the gateway that serves the wakeup long-poll, with
+    PostgreSQL (the embedded default's SQLite takes one writer at a time: its
+    agents keep the web's endpoint). An agent falls back to the web's
+    endpoint whenever this one fails.
+    """
+    if explicit.strip().lower() == "off":
+        return ""
+    if explicit:
+        url = explicit.rstrip("/")
+        if not re.match(r"^https?://[^\s/?#]+(/[^\s?#]*)?$", url):
+            raise ImproperlyConfigured(
+                f"LLMGW_LEASE_URL={explicit!r}: an http(s) URL with a host, e.g. http://gw:8080/api/v1/agent/lease"
+            )
+        return url
+    if not wakeup or not postgresql:
+        return ""
+    return wakeup + "/api/v1/agent/lease"
+
+
+LLMGW_LEASE_URL = lease_url(
+    os.environ.get("LLMGW_LEASE_URL", ""),
+    LLMGW_WAKEUP_URL,
+    postgresql=DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql",
+)
+# How long the batched lease endpoint gathers leases before writing them in one statement:
+# each lease's answer waits up to this long; at 2,000 leases a second, 5 ms makes batches of ten.
+LLMGW_LEASE_BATCH_S = env_seconds("LLMGW_LEASE_BATCH_S", 0.005)
+
 # Access logs (every request the web server and the gateway answer) are off
 # unless LLMGW_ACCESS_LOG is set; scripts/serve.sh and scripts/gateway.sh read
 # the same variable for granian and gunicorn. Routine library chatter is

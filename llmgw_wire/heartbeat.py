@@ -195,3 +195,6 @@ class HeartbeatResponse(Message):
     leases: bool | None = None
     # Where this control plane serves the wakeup long-poll (its gateway); None: it names none.
     wakeup_url: HttpURL | None = None
+    # Where this control plane takes leases in batches (POST, its gateway); None: the lease path here.
+    # An agent that gets no answer there sends its lease here instead (llmgw_wire/lease.py).
+    lease_url: HttpURL | None = None

@@ -208,6 +208,9 @@ class RegisterResponse(Message):
     commands: Annotated[list[Command], Field(max_length=MAX_COMMANDS)] = empty_list()
     # Where this control plane serves the wakeup long-poll (its gateway); None: it names none.
     wakeup_url: HttpURL | None = None
+    # Where this control plane takes leases in batches (POST, its gateway); None: the lease path here.
+    # An agent that gets no answer there sends its lease here instead (llmgw_wire/lease.py).
+    lease_url: HttpURL | None = None
 
 
 class RotateCredential(Message):

@@ -566,3 +566,14 @@ def test_the_answers_name_the_gateway_that_serves_the_wakeup(client, join_token,
     settings.LLMGW_WAKEUP_URL = ""
     hb = post(client, "heartbeat", heartbeat_payload("node-w"), reg.json()["credential"])
     assert hb.status_code == 200 and hb.json()["wakeup_url"] is None
+
+
+def test_the_answers_name_the_gateway_that_takes_leases(client, join_token, settings):
+    settings.LLMGW_LEASE_URL = "http://gw.example:8080/api/v1/agent/lease"
+    reg = post(client, "register", register_payload("node-w"), join_token)
+    assert reg.status_code == 200 and reg.json()["lease_url"] == "http://gw.example:8080/api/v1/agent/lease"
+    hb = post(client, "heartbeat", heartbeat_payload("node-w"), reg.json()["credential"])
+    assert hb.status_code == 200 and hb.json()["lease_url"] == "http://gw.example:8080/api/v1/agent/lease"
+    settings.LLMGW_LEASE_URL = ""
+    hb = post(client, "heartbeat", heartbeat_payload("node-w"), reg.json()["credential"])
+    assert hb.status_code == 200 and hb.json()["lease_url"] is None

@@ -50,6 +50,22 @@ TAKE = (
 )
 
 
+BATCH = (
+    "UPDATE inventory_node AS n SET last_seen = %(now)s, unreachable_since = NULL "
+    "FROM unnest(%(nodes)s::varchar[], %(hashes)s::varchar[]) AS v(node_id, h) "
+    "JOIN agents_nodecredential AS c ON c.node_id = v.node_id AND (c.token_hash = v.h OR c.previous_hash = v.h), "
+    "(SELECT set_config('synchronous_commit', 'off', true)) AS async_commit WHERE n.id = v.node_id "
+    "RETURNING n.id, c.token_hash, c.previous_hash, c.rotation_requested_at, n.state, "
+    "EXISTS (SELECT 1 FROM agents_command AS m WHERE m.node_id = n.id AND m.acked_at IS NULL)"
+)
+BATCH_ACKS = (
+    "WITH acked AS (UPDATE agents_command AS m SET acked_at = %(now)s "
+    "FROM unnest(%(ack_nodes)s::varchar[], %(ack_hashes)s::varchar[], %(ack_ids)s::uuid[]) AS a(node_id, h, id) "
+    "JOIN agents_nodecredential AS ac ON ac.node_id = a.node_id AND (ac.token_hash = a.h OR ac.previous_hash = a.h) "
+    "WHERE m.id = a.id AND m.node_id = a.node_id AND m.acked_at IS NULL RETURNING m.id) "
+)
+
+
 @pytest.fixture
 def node_a(now) -> str:
     """node-a with a credential; returns the credential's hash."""
@@ -153,6 +169,121 @@ def test_the_portable_path_does_the_same(node_a, now, monkeypatch):
     rows, more = lease.take_waiting(TABLES, "node-a", now=now, limit=1)
     assert ([r[0] for r in rows], more) == ([b.id], False)
     assert Command.objects.get(id=a.id).acked_at == now and Command.objects.get(id=b.id).deliveries == 1
+
+
+# --- batches (agents/lease_asgi.py) ------------------------------------------------
+
+
+@pytest.fixture
+def fleet(now) -> dict[str, str]:
+    """node-0 .. node-4, each with a credential; their hashes by node."""
+    out = {}
+    for i in range(5):
+        make_node(f"node-{i}", now=now)
+        out[f"node-{i}"] = credentials.hash_secret(credentials.issue(f"node-{i}", now=now, issued_by="test"))
+    return out
+
+
+def test_the_batch_statement_is_pinned():
+    assert lease.batch_sql(TABLES, acks=False, relax=True) == BATCH
+    with_acks = lease.batch_sql(TABLES, acks=True, relax=True)
+    assert with_acks.startswith(BATCH_ACKS)
+    assert with_acks.endswith("AND NOT EXISTS (SELECT 1 FROM acked WHERE acked.id = m.id))")
+    assert "set_config" not in lease.batch_sql(TABLES, acks=False, relax=False)
+
+
+def test_a_batch_is_one_statement_whatever_its_size(fleet, now):
+    old = now - dt.timedelta(minutes=5)
+    Node.objects.update(last_seen=old)
+    for size in (1, 3, 5):
+        asks = [lease.Ask(node_id=n, token_hash=h) for n, h in list(fleet.items())[:size]]
+        at = now + dt.timedelta(seconds=size)
+        with CaptureQueriesContext(connection) as q:
+            got = lease.renew_batch(TABLES, asks, now=at)
+        # As sent (server-side binding numbers the parameters).
+        assert len(q.captured_queries) == 1, size
+        assert sent(q)[0].startswith(
+            "UPDATE inventory_node AS n SET last_seen = $1, unreachable_since = NULL FROM unnest("
+        )
+        assert sorted(got) == sorted(a.node_id for a in asks)
+        assert got[asks[0].node_id] == lease.Renewal(
+            node_id=asks[0].node_id,
+            token_hash=asks[0].token_hash,
+            previous_hash=None,
+            rotation_requested_at=None,
+            state="ready",
+            waiting=False,
+        )
+        assert Node.objects.filter(last_seen=at).count() == size
+
+
+def test_a_batch_with_acks_is_still_one_statement(fleet, now):
+    a = outbox.enqueue("node-0", wire.InstallEngine(engine="a"), now=now)
+    b = outbox.enqueue("node-1", wire.InstallEngine(engine="b"), now=now)
+    c = outbox.enqueue("node-1", wire.InstallEngine(engine="c"), now=now)
+    asks = [
+        lease.Ask(node_id="node-0", token_hash=fleet["node-0"], acks=[str(a.id), "junk"]),
+        lease.Ask(node_id="node-1", token_hash=fleet["node-1"], acks=[str(b.id)]),
+        lease.Ask(node_id="node-2", token_hash=fleet["node-2"]),
+    ]
+    with CaptureQueriesContext(connection) as q:
+        got = lease.renew_batch(TABLES, asks, now=now)
+    assert len(q.captured_queries) == 1
+    assert {n: r.waiting for n, r in got.items()} == {"node-0": False, "node-1": True, "node-2": False}
+    assert Command.objects.get(id=a.id).acked_at == now
+    assert Command.objects.get(id=b.id).acked_at == now
+    assert Command.objects.get(id=c.id).acked_at is None
+
+
+def test_a_batch_renews_only_the_leases_whose_credential_is_their_nodes(fleet, now):
+    theirs = outbox.enqueue("node-0", wire.InstallEngine(engine="a"), now=now)
+    old = now - dt.timedelta(minutes=5)
+    Node.objects.update(last_seen=old)
+    asks = [
+        # node-1's credential on node-0's lease, acknowledging node-0's command.
+        lease.Ask(node_id="node-0", token_hash=fleet["node-1"], acks=[str(theirs.id)]),
+        lease.Ask(node_id="node-2", token_hash="0" * 64),
+        lease.Ask(node_id="node-zzz", token_hash=fleet["node-3"]),
+        lease.Ask(node_id="node-4", token_hash=fleet["node-4"]),
+    ]
+    got = lease.renew_batch(TABLES, asks, now=now)
+    assert list(got) == ["node-4"]
+    assert dict(Node.objects.values_list("id", "last_seen")) == {
+        "node-0": old,
+        "node-1": old,
+        "node-2": old,
+        "node-3": old,
+        "node-4": now,
+    }
+    assert Command.objects.get(id=theirs.id).acked_at is None
+
+
+def test_a_batch_brings_unreachable_and_lost_nodes_back(fleet, now):
+    Node.objects.filter(id="node-0").update(state="unreachable", unreachable_since=now)
+    Node.objects.filter(id="node-1").update(state="lost", unreachable_since=now)
+    got = lease.renew_batch(TABLES, [lease.Ask(node_id=n, token_hash=fleet[n]) for n in ("node-0", "node-1")], now=now)
+    assert {n: r.state for n, r in got.items()} == {"node-0": "ready", "node-1": "ready"}
+    assert set(Node.objects.filter(id__in=["node-0", "node-1"]).values_list("state", "unreachable_since")) == {
+        ("ready", None)
+    }
+
+
+def test_a_batch_names_each_node_once(fleet, now):
+    with pytest.raises(ValueError, match="at most one lease per node"):
+        lease.renew_batch(TABLES, [lease.Ask(node_id="node-0", token_hash=fleet["node-0"])] * 2, now=now)
+    assert lease.renew_batch(TABLES, [], now=now) == {}
+
+
+def test_the_portable_path_renews_a_batch_too(fleet, now, monkeypatch):
+    a = outbox.enqueue("node-0", wire.InstallEngine(engine="a"), now=now)
+    monkeypatch.setattr(connection, "vendor", "sqlite")
+    asks = [
+        lease.Ask(node_id="node-0", token_hash=fleet["node-0"], acks=[str(a.id)]),
+        lease.Ask(node_id="node-1", token_hash=fleet["node-2"]),
+    ]
+    got = lease.renew_batch(TABLES, asks, now=now)
+    assert {n: r.waiting for n, r in got.items()} == {"node-0": False}
+    assert Command.objects.get(id=a.id).acked_at == now
 
 
 def test_keep_status_renews_the_last_status_or_says_it_is_gone(settings):

@@ -122,6 +122,23 @@ def test_the_wakeup_url_comes_from_its_variable_or_the_gateways_listen_address()
     assert wakeup_url("", "[::]:8080") == f"http://{socket.getfqdn()}:8080"
 
 
+def test_the_lease_url_is_the_gateways_with_postgresql_unless_set_or_off():
+    from llmgw.settings import lease_url
+
+    gw = "http://gw:8080"
+    assert lease_url("", gw, postgresql=True) == "http://gw:8080/api/v1/agent/lease"
+    # SQLite takes one writer at a time: its agents keep the web's endpoint.
+    assert lease_url("", gw, postgresql=False) == ""
+    assert lease_url("", "", postgresql=True) == ""
+    assert lease_url("off", gw, postgresql=True) == ""
+    assert lease_url("https://lb.example/lease/", gw, postgresql=False) == "https://lb.example/lease"
+
+
+def test_a_bad_lease_url_is_refused_with_its_variables_name(tmp_path):
+    done = load_settings(tmp_path, "import django; django.setup()", LLMGW_LEASE_URL="gw:8080")
+    assert done.returncode != 0 and "LLMGW_LEASE_URL='gw:8080': an http(s) URL with a host" in done.stderr
+
+
 def test_a_bad_wakeup_url_is_refused_with_its_variables_name(tmp_path):
     done = load_settings(tmp_path, "import django; django.setup()", LLMGW_WAKEUP_URL="gw:8080")
     assert done.returncode != 0 and "LLMGW_WAKEUP_URL='gw:8080': an http(s) URL with a host" in done.stderr

@@ -1,0 +1,256 @@
+"""POST /api/v1/agent/lease in the gateway's ASGI process: batched renewals with the Django endpoint's guarantees."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+
+import httpx
+import pytest
+from django.utils import timezone
+
+import llmgw_wire as wire
+from agents import credentials
+from agents.lease import MAX_LEASE_BODY
+from agents.lease_asgi import LEASE_PATH, LeaseEndpoint, LeaseWriter, with_agent_lease
+from agents.models import NodeCredential
+from inventory import outbox
+from inventory.models import Command, Node, NodeEvent
+from tests.factories import make_node
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def _inner(scope, receive, send):
+    """What the rest of the gateway would answer: everything that is not the lease."""
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 299, "headers": []})
+    await send({"type": "http.response.body", "body": b"gateway"})
+
+
+def lease(node_id: str, **extra) -> dict:
+    return {"node_id": node_id, "at": 1_800_000_000.0, **extra}
+
+
+Request = tuple[str | None, object]
+
+
+def send_all(requests: list[Request], *, window_s: float = 0.05, content_type: str = "application/json", method="POST"):
+    """Send every (token, body) at once to a fresh endpoint; (the answers, in order, and the batches written)."""
+    endpoint = LeaseEndpoint(window_s=window_s)
+    app = with_agent_lease(_inner, endpoint=endpoint)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+
+            def one(token, body):
+                headers = {"Content-Type": content_type}
+                if token:
+                    headers["Authorization"] = f"Bearer {token}"
+                data = body if isinstance(body, bytes) else json.dumps(body).encode()
+                return client.request(method, LEASE_PATH, content=data, headers=headers)
+
+            answers = await asyncio.gather(*(one(t, b) for t, b in requests))
+        batches = endpoint.writer.batches
+        await endpoint.close()
+        return answers, batches
+
+    return asyncio.run(go())
+
+
+def send(token: str | None, body, **kw) -> httpx.Response:
+    return send_all([(token, body)], **kw)[0][0]
+
+
+@pytest.fixture
+def now():
+    return timezone.now()
+
+
+@pytest.fixture
+def nodes(now):
+    """Three nodes, each with its credential."""
+    for n in ("gpu-a", "gpu-b", "gpu-c"):
+        make_node(n, now=now)
+    return {n: credentials.issue(n, now=now, issued_by="test") for n in ("gpu-a", "gpu-b", "gpu-c")}
+
+
+def _age(node_ids, *, state: str = "ready") -> dt.datetime:
+    old = timezone.now() - dt.timedelta(hours=1)
+    Node.objects.filter(id__in=node_ids).update(last_seen=old, state=state, unreachable_since=old)
+    return old
+
+
+def test_leases_arriving_together_are_one_batch_and_each_renews_its_node(nodes):
+    old = _age(nodes)
+    answers, batches = send_all([(cred, lease(n)) for n, cred in nodes.items()])
+    assert [a.status_code for a in answers] == [200, 200, 200]
+    assert batches == 1
+    for a in answers:
+        answer = wire.LeaseResponse.model_validate_json(a.content)
+        assert (answer.commands, answer.again, answer.rotate_credential) == ([], False, None)
+    assert all(
+        seen > old and since is None for seen, since in Node.objects.values_list("last_seen", "unreachable_since")
+    )
+
+
+def test_other_paths_pass_through(nodes):
+    async def go():
+        app = with_agent_lease(_inner, endpoint=LeaseEndpoint(window_s=0.01))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            r = await client.post("/v1/chat/completions", content=b"{}")
+        await app.lease_endpoint.close()
+        return r
+
+    r = asyncio.run(go())
+    assert (r.status_code, r.content) == (299, b"gateway")
+
+
+def test_a_node_writes_only_its_own_lease(nodes, now):
+    old = _age(nodes)
+    mine = outbox.enqueue("gpu-a", wire.InstallEngine(engine="sglang"), now=now)
+    # gpu-b's credential on gpu-a's lease (acknowledging gpu-a's command), beside gpu-c's own lease.
+    answers, batches = send_all(
+        [(nodes["gpu-b"], lease("gpu-a", acks=[str(mine.id)])), (nodes["gpu-c"], lease("gpu-c"))]
+    )
+    assert [a.status_code for a in answers] == [403, 200]
+    assert answers[0].json() == {"detail": "this credential does not authorise requests about that node", "errors": []}
+    assert batches == 1
+    assert Node.objects.get(id="gpu-a").last_seen == old
+    assert Node.objects.get(id="gpu-b").last_seen == old
+    assert Node.objects.get(id="gpu-c").last_seen > old
+    assert Command.objects.get(id=mine.id).acked_at is None
+
+
+def test_no_credential_or_an_unknown_one_is_401(nodes):
+    for token in (None, "llmgw-node-unknown", "something-else"):
+        r = send(token, lease("gpu-a"))
+        assert r.status_code == 401, token
+        assert r.headers["www-authenticate"] == 'Bearer realm="llmgw-agent"'
+        assert r.json() == {"detail": "missing or invalid credentials", "errors": []}
+
+
+def test_a_revoked_credential_is_refused_at_the_next_batch(nodes, now):
+    # The writer is kept across the revocation: no copy of the credential outlives it.
+    endpoint = LeaseEndpoint(window_s=0.01)
+    app = with_agent_lease(_inner, endpoint=endpoint)
+    headers = {"Authorization": f"Bearer {nodes['gpu-a']}", "Content-Type": "application/json"}
+    body = json.dumps(lease("gpu-a")).encode()
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            before = await client.post(LEASE_PATH, content=body, headers=headers)
+            await asyncio.to_thread(credentials.reset, "gpu-a", now=now)
+            after = await client.post(LEASE_PATH, content=body, headers=headers)
+        await endpoint.close()
+        return before.status_code, after.status_code
+
+    old = _age(["gpu-a"])
+    assert asyncio.run(go()) == (200, 401)
+    # The refused lease renewed nothing: last_seen is the first lease's.
+    seen = Node.objects.get(id="gpu-a").last_seen
+    assert seen > old
+
+
+def test_refusals_come_in_the_order_of_every_agent_endpoint(nodes):
+    assert send("llmgw-node-wrong", b"{not json").status_code == 401
+    assert send(None, b"{not json").status_code == 401
+    r = send(nodes["gpu-a"], {"at": 1.0})
+    assert r.status_code == 400 and r.json()["errors"][0]["field"] == "node_id"
+    assert send(nodes["gpu-a"], lease("gpu-a", acks=["x"] * (wire.MAX_COMMANDS + 1))).status_code == 400
+    assert send(nodes["gpu-a"], lease("gpu-a", padding="x" * MAX_LEASE_BODY)).status_code == 413
+    assert send(nodes["gpu-a"], b"x", content_type="text/plain").status_code == 415
+    # A bad body with an unknown credential: the credential's refusal first.
+    assert send("llmgw-node-wrong", b"x", content_type="text/plain").status_code == 401
+    r = send(nodes["gpu-a"], b"", method="GET")
+    assert (r.status_code, r.headers["allow"]) == (405, "POST")
+
+
+def test_waiting_commands_are_carried_and_acks_applied(nodes, now):
+    done = outbox.enqueue("gpu-a", wire.InstallEngine(engine="sglang"), now=now)
+    waiting = outbox.enqueue("gpu-a", wire.InstallEngine(engine="vllm"), now=now + dt.timedelta(seconds=1))
+    answers, batches = send_all(
+        [(nodes["gpu-a"], lease("gpu-a", acks=[str(done.id), "not-a-uuid"])), (nodes["gpu-b"], lease("gpu-b"))]
+    )
+    assert batches == 1
+    a = wire.LeaseResponse.model_validate_json(answers[0].content)
+    assert ([c.id for c in a.commands], a.again) == ([str(waiting.id)], False)
+    assert wire.LeaseResponse.model_validate_json(answers[1].content).commands == []
+    assert Command.objects.get(id=done.id).acked_at is not None
+    row = Command.objects.get(id=waiting.id)
+    assert (row.deliveries, row.acked_at) == (1, None)
+
+
+def test_more_commands_than_an_answer_carries_says_again(nodes, now):
+    Command.objects.bulk_create(
+        Command(node_id="gpu-a", kind="install_engine", payload={"engine": f"e{i}"}, created_at=now)
+        for i in range(wire.MAX_COMMANDS + 1)
+    )
+    a = wire.LeaseResponse.model_validate_json(send(nodes["gpu-a"], lease("gpu-a")).content)
+    assert (len(a.commands), a.again) == (wire.MAX_COMMANDS, True)
+
+
+def test_an_unreachable_or_lost_node_comes_back_to_ready_with_its_event(nodes):
+    for state in ("unreachable", "lost"):
+        events = NodeEvent.objects.filter(node_id="gpu-a", kind="state").count()
+        _age(["gpu-a"], state=state)
+        assert send(nodes["gpu-a"], lease("gpu-a")).status_code == 200
+        node = Node.objects.get(id="gpu-a")
+        assert (node.state, node.unreachable_since) == ("ready", None)
+        event = NodeEvent.objects.filter(node_id="gpu-a", kind="state").latest("id")
+        assert NodeEvent.objects.filter(node_id="gpu-a", kind="state").count() == events + 1
+        assert (event.message, event.data, event.actor_name) == (
+            f"{state} -> ready: heartbeat resumed",
+            {"from": state, "to": "ready", "reason": "heartbeat resumed"},
+            "agent",
+        )
+
+
+def test_a_rotation_finishes_when_the_new_secret_renews(nodes, now):
+    assert credentials.request_rotation("gpu-a", now=now)
+    old_secret = nodes["gpu-a"]
+    assert send(old_secret, lease("gpu-a")).json()["rotate_credential"] is True
+    new = credentials.rotate("gpu-a", now=now)
+    # Until the new secret is used, the old one still renews.
+    assert send(old_secret, lease("gpu-a")).status_code == 200
+    assert send(new, lease("gpu-a")).json()["rotate_credential"] is None
+    assert NodeCredential.objects.get(node_id="gpu-a").previous_hash is None
+    assert send(old_secret, lease("gpu-a")).status_code == 401
+
+
+def test_a_node_twice_in_one_window_is_written_in_two_batches(nodes):
+    answers, batches = send_all([(nodes["gpu-a"], lease("gpu-a")), (nodes["gpu-a"], lease("gpu-a"))])
+    assert [a.status_code for a in answers] == [200, 200]
+    assert batches == 2
+
+
+def test_a_database_failure_answers_503_and_the_next_batch_is_written(nodes, monkeypatch):
+    import agents.lease_asgi as mod
+
+    real = mod.lease_db.renew_batch
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the database went away")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod.lease_db, "renew_batch", failing_once)
+    writer = LeaseWriter(window_s=0.01)
+    endpoint = LeaseEndpoint(writer=writer)
+    app = with_agent_lease(_inner, endpoint=endpoint)
+    headers = {"Authorization": f"Bearer {nodes['gpu-a']}", "Content-Type": "application/json"}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            first = await client.post(LEASE_PATH, content=json.dumps(lease("gpu-a")), headers=headers)
+            second = await client.post(LEASE_PATH, content=json.dumps(lease("gpu-a")), headers=headers)
+        await endpoint.close()
+        return first, second
+
+    first, second = asyncio.run(go())
+    assert (first.status_code, first.json()["detail"]) == (503, "the lease could not be written; send it again")
+    assert second.status_code == 200
