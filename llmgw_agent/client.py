@@ -49,7 +49,10 @@ class ControlPlane:
         self.url = url
 
     def post(self, path: str, body: pydantic.BaseModel, token: str, *, timeout: float | None = None) -> httpx.Response:
-        """POST one message with a bearer token; raises Unreachable for no answer or a server error."""
+        """POST one message with a bearer token; raises Unreachable for no answer or a server error.
+
+        `path` is under the control plane's URL, or a whole URL of its own (the gateway's lease endpoint).
+        """
         extra = {"timeout": httpx.Timeout(timeout, connect=5.0)} if timeout else {}
         try:
             r = self.http.post(
@@ -59,7 +62,8 @@ class ControlPlane:
                 **extra,
             )
         except httpx.TransportError as e:
-            raise Unreachable(f"{self.url}{path}: {type(e).__name__}: {e}") from e
+            where = path if "://" in path else f"{self.url}{path}"
+            raise Unreachable(f"{where}: {type(e).__name__}: {e}") from e
         if r.status_code >= 500:
             raise Unreachable(f"{path}: HTTP {r.status_code}")
         return r

@@ -62,6 +62,9 @@ BACKOFF_CAP_S = 5.0
 # A registration carries the whole inventory and may wait on a loaded control
 # plane; giving up early only sends it again (registration is idempotent).
 REGISTER_TIMEOUT_S = 60.0
+# After the gateway's lease endpoint failed, leases go to the control plane's own this long
+# before the gateway is tried again: a gateway that is down costs one failed try a minute.
+LEASE_FALLBACK_S = 60.0
 
 _Answer = TypeVar("_Answer", bound=pydantic.BaseModel)
 
@@ -126,6 +129,10 @@ class Agent:
         self.listener: Listener | None = None
         # The gateway the control plane's answers name for the long-poll ("" until one does).
         self.advertised_wakeup = ""
+        # Where the control plane takes leases in batches (its gateway, llmgw_wire/lease.py); "" for its own endpoint.
+        self.advertised_lease = ""
+        # Until when (clock) leases go to the control plane's own endpoint, after the gateway's failed.
+        self.lease_fallback_until = 0.0
         self.metrics = Latest(clock)
         self.metrics_server = (
             MetricsServer(
@@ -259,6 +266,7 @@ class Agent:
             log.info("the control plane adopted shards %s", ", ".join(resp.adopted))
         self.interval = max(self.config.heartbeat_interval, min(600.0, resp.heartbeat_interval_s or 0))
         self.advertised_wakeup = resp.wakeup_url or ""
+        self.advertised_lease = resp.lease_url or ""
         self.registered = True
         self.status.reset()
         self._last_fabrics = self.clock()  # the registration carried them
@@ -314,11 +322,14 @@ class Agent:
             if lease is None
             else (lease, wire.LEASE_PATH, wire.LeaseResponse)
         )
-        r = self.control_plane.post(path, sent, self.credential())
+        r = self._post_lease(lease) if lease is not None else None
+        if r is None:
+            r = self.control_plane.post(path, sent, self.credential())
         resp = self._answer(r, model, "heartbeat", reregister_on=(401, 403, 404))
         self.status.answered(sent, resp, now=self.clock())
         if isinstance(resp, wire.HeartbeatResponse):
             self.advertised_wakeup = resp.wakeup_url or ""
+            self.advertised_lease = resp.lease_url or ""
         self.commands.acknowledged(body.acks)
         before = shard_states(self.supervisor)
         self.commands.apply_all(resp.commands)
@@ -336,6 +347,29 @@ class Agent:
                 # The old credential still works; the next heartbeat asks again.
                 log.warning("credential rotation failed, keeping the current credential: %s", e)
         return resp
+
+    def _post_lease(self, lease: wire.Lease) -> httpx.Response | None:
+        """The lease sent to the gateway the control plane named (lease_url); None: send it to the control plane.
+
+        A gateway that does not answer, answers with a server error, or has no
+        such endpoint (404, 405: an older gateway) is passed over for
+        LEASE_FALLBACK_S, and this lease goes to the control plane's own
+        endpoint at once: a lease is never lost to the faster path.
+        """
+        url = self.advertised_lease
+        if not url or self.clock() < self.lease_fallback_until:
+            return None
+        try:
+            r = self.control_plane.post(url, lease, self.credential())
+        except Unreachable as e:
+            why = str(e)
+        else:
+            if r.status_code not in (404, 405):
+                return r
+            why = f"HTTP {r.status_code}"
+        log.warning("lease: %s failed (%s); the control plane's own endpoint for %g s", url, why, LEASE_FALLBACK_S)
+        self.lease_fallback_until = self.clock() + LEASE_FALLBACK_S
+        return None
 
     def step(self) -> None:
         """Register if needed, then one heartbeat. Raises on failure (the caller backs off)."""

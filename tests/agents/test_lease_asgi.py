@@ -10,12 +10,13 @@ import httpx
 import pytest
 from django.utils import timezone
 
+import agents.lease
 import llmgw_wire as wire
 from agents import credentials
 from agents.lease import MAX_LEASE_BODY
 from agents.lease_asgi import LEASE_PATH, LeaseEndpoint, LeaseWriter, with_agent_lease
 from agents.models import NodeCredential
-from inventory import outbox
+from inventory import outbox, telemetry
 from inventory.models import Command, Node, NodeEvent
 from tests.factories import make_node
 
@@ -69,11 +70,18 @@ def now():
     return timezone.now()
 
 
+@pytest.fixture(autouse=True)
+def _every_lease_checks_the_status(monkeypatch):
+    # Production asks the cache on about one lease in STATUS_CHECK_EVERY; the tests, on every one.
+    monkeypatch.setattr(agents.lease, "STATUS_CHECK_EVERY", 1)
+
+
 @pytest.fixture
 def nodes(now):
-    """Three nodes, each with its credential."""
+    """Three nodes, each with its credential and a status the control plane holds."""
     for n in ("gpu-a", "gpu-b", "gpu-c"):
         make_node(n, now=now)
+        telemetry.put(n, {"at": 1.0})
     return {n: credentials.issue(n, now=now, issued_by="test") for n in ("gpu-a", "gpu-b", "gpu-c")}
 
 
@@ -183,6 +191,14 @@ def test_waiting_commands_are_carried_and_acks_applied(nodes, now):
     assert (row.deliveries, row.acked_at) == (1, None)
 
 
+def test_a_lost_status_is_asked_for(nodes):
+    telemetry.forget("gpu-a")
+    a = wire.LeaseResponse.model_validate_json(send(nodes["gpu-a"], lease("gpu-a")).content)
+    assert (a.send_status, a.again) == (True, True)
+    b = wire.LeaseResponse.model_validate_json(send(nodes["gpu-b"], lease("gpu-b")).content)
+    assert (b.send_status, b.again) == (False, False)
+
+
 def test_more_commands_than_an_answer_carries_says_again(nodes, now):
     Command.objects.bulk_create(
         Command(node_id="gpu-a", kind="install_engine", payload={"engine": f"e{i}"}, created_at=now)
@@ -254,3 +270,89 @@ def test_a_database_failure_answers_503_and_the_next_batch_is_written(nodes, mon
     first, second = asyncio.run(go())
     assert (first.status_code, first.json()["detail"]) == (503, "the lease could not be written; send it again")
     assert second.status_code == 200
+
+
+# --- a real agent: the gateway's endpoint when named, the control plane's when it fails ---------
+
+
+def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails(
+    client, join_token, settings, tmp_path
+):
+    from llmgw_agent import config as config_mod
+    from llmgw_agent.loop import LEASE_FALLBACK_S, Agent
+    from tests.llmgw_agent.test_loop import Probe
+
+    settings.LLMGW_LEASE_URL = "http://gw/api/v1/agent/lease"
+    endpoint = LeaseEndpoint(window_s=0.005)
+    app = with_agent_lease(_inner, endpoint=endpoint)
+    # The gateway's event loop, in a thread of its own (the agent is synchronous).
+    loop = asyncio.new_event_loop()
+    runner = __import__("threading").Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    gateway_up = [True]
+    seen: list[str] = []
+
+    async def through_gateway(request: httpx.Request) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as gw:
+            r = await gw.post(request.url.path, content=request.content, headers=dict(request.headers))
+        return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+
+    def route(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.url.host}{request.url.path}")
+        if request.url.host == "gw":
+            if not gateway_up[0]:
+                raise httpx.ConnectError("connection refused", request=request)
+            return asyncio.run_coroutine_threadsafe(through_gateway(request), loop).result(10)
+        r = client.post(
+            request.url.path,
+            data=request.content,
+            content_type="application/json",
+            HTTP_AUTHORIZATION=request.headers["Authorization"],
+        )
+        return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+
+    now = [1_000.0]
+    cfg = config_mod.parse(
+        {"control_plane": "http://cp", "join_token": join_token, "node_id": "node-a", "state_dir": str(tmp_path)}
+    )
+    http = httpx.Client(base_url="http://cp", transport=httpx.MockTransport(route))
+    agent = Agent(cfg, probe=Probe(), http=http, listening=lambda: [22], clock=lambda: now[0])
+    try:
+        agent.step()
+        agent.step()
+        assert seen == ["cp/api/v1/agent/register", "cp/api/v1/agent/heartbeat", "gw/api/v1/agent/lease"]
+        assert agent.advertised_lease == "http://gw/api/v1/agent/lease"
+        # A command waits: the gateway's answer carries it; applying it changes the engine installs,
+        # so its ack rides in a status (to the control plane).
+        cmd = outbox.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=timezone.now())
+        seen.clear()
+        agent.heartbeat()
+        assert seen == ["gw/api/v1/agent/lease"] and "sglang" in agent.installs
+        agent.heartbeat()
+        assert seen[-1] == "cp/api/v1/agent/heartbeat"
+        assert Command.objects.get(id=cmd.id).acked_at is not None
+        # The gateway goes away: this lease goes to the control plane at once, and the next ones too.
+        gateway_up[0] = False
+        seen.clear()
+        before = Node.objects.get(id="node-a").last_seen
+        agent.heartbeat()
+        assert seen == ["gw/api/v1/agent/lease", "cp/api/v1/agent/lease"]
+        assert Node.objects.get(id="node-a").last_seen > before
+        seen.clear()
+        now[0] += 5
+        agent.heartbeat()
+        assert seen == ["cp/api/v1/agent/lease"]
+        # After LEASE_FALLBACK_S the gateway is tried again.
+        gateway_up[0] = True
+        now[0] += LEASE_FALLBACK_S
+        seen.clear()
+        agent.heartbeat()
+        # (A status is due at least once a minute: that one goes to the control plane.)
+        agent.heartbeat()
+        assert seen[-1] == "gw/api/v1/agent/lease"
+    finally:
+        agent.close()
+        asyncio.run_coroutine_threadsafe(endpoint.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
