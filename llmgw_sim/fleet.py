@@ -45,6 +45,7 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import llmgw_wire as wire
 from llmgw_agent.loop import backoff_delay
@@ -132,6 +133,11 @@ class Fleet:
         self.by_id = {n.node_id: n for n in self.nodes}
         self._stop: asyncio.Event | None = None
         self._connections: asyncio.Queue[Connection] | None = None
+        # Where the control plane takes leases in batches (its gateway's lease_url), as an agent learns it;
+        # the fleet's connections there, opened on first use; until when (clock) leases go to the control plane.
+        self.lease_url = ""
+        self._lease_connections: asyncio.Queue[Connection] | None = None
+        self.lease_fallback_until = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -199,6 +205,30 @@ class Fleet:
         finally:
             self._connections.put_nowait(conn)
 
+    async def _post_lease(self, body: bytes, token: str) -> Answer:
+        """A lease to the gateway the control plane named (lease_url), as an agent sends it (llmgw_agent/loop.py).
+
+        To the control plane's own endpoint when none is named, and for a minute after the gateway failed.
+        """
+        if not self.lease_url or self.clock() < self.lease_fallback_until:
+            return await self._post(wire.LEASE_PATH, body, token)
+        if self._lease_connections is None:
+            self._lease_connections = asyncio.Queue()
+            for _ in range(self.connections):
+                self._lease_connections.put_nowait(Connection(self.lease_url, timeout_s=self.timeout_s))
+        conn = await self._lease_connections.get()
+        try:
+            r = await conn.post(urlsplit(self.lease_url).path, body, token)
+        except TransportError as e:
+            log.warning("lease: %s failed (%s); the control plane's own endpoint for 60 s", self.lease_url, e)
+            r = None
+        finally:
+            self._lease_connections.put_nowait(conn)
+        if r is not None and r.status_code not in (404, 405) and r.status_code < 500:
+            return r
+        self.lease_fallback_until = self.clock() + 60.0
+        return await self._post(wire.LEASE_PATH, body, token)
+
     async def _register(self, node: VirtualNode) -> bool:
         """Register with the node's credential, or the join token when it has none or it was refused."""
         body = node.registration()
@@ -217,6 +247,7 @@ class Fleet:
         answer = r.json()
         if answer.get("credential"):
             node.credential = answer["credential"]
+        self.lease_url = answer.get("lease_url") or ""
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         node.registered = True
         node.leases, node.status = False, None
@@ -233,7 +264,10 @@ class Fleet:
         key = None if leased else node.status_key(now)
         body, acks = leased or node.heartbeat(now)
         t0 = time.perf_counter()
-        r = await self._post(wire.LEASE_PATH if leased else "/api/v1/agent/heartbeat", body, node.credential)
+        if leased:
+            r = await self._post_lease(body, node.credential)
+        else:
+            r = await self._post("/api/v1/agent/heartbeat", body, node.credential)
         if r.status_code in (401, 403, 404):
             node.registered = False
             self.stats.heartbeat_errors[str(r.status_code)] += 1
@@ -255,6 +289,7 @@ class Fleet:
                 node.status = None
         else:
             node.leases, node.status = bool(answer.get("leases")), (now, key)
+            self.lease_url = answer.get("lease_url") or ""
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         now = self.clock()
         for cmd in answer.get("commands") or []:
@@ -325,6 +360,8 @@ class Fleet:
             await asyncio.gather(*tasks, return_exceptions=True)
             for c in conns:
                 c.close()
+            while self._lease_connections is not None and not self._lease_connections.empty():
+                self._lease_connections.get_nowait().close()
             if stats is not None:
                 self.write_stats(stats)
 

@@ -21,6 +21,7 @@ from llmgw_sim.fleet import (
     EDGES,
     TERMINAL_REPORTS,
     XID_OFF_BUS,
+    Connection,
     Fleet,
     ProfileTemplate,
     histogram_percentile,
@@ -237,6 +238,60 @@ def test_connection_reads_length_and_chunked_answers_and_reconnects():
     # Three requests on the first connection; the fourth opened a new one after "Connection: close".
     assert seen == [b"Authorization: Bearer tok 1", b"Authorization: Bearer tok 22",
                     b"Authorization: Bearer tok 333", b"Authorization: Bearer tok 4444"]  # fmt: skip
+
+
+def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails():
+    import asyncio
+
+    seen: list[tuple[str, bytes]] = []
+    gateway_status = [b"200 OK"]
+
+    def server(name: str):
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    break
+                lines = head.split(b"\r\n")
+                length = int(next(h for h in lines if h.lower().startswith(b"content-length")).split(b":")[1])
+                await reader.readexactly(length)
+                seen.append((name, lines[0].split(b" ")[1]))
+                status = gateway_status[0] if name == "gw" else b"200 OK"
+                writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+
+        return serve
+
+    async def main() -> None:
+        cp = await asyncio.start_server(server("cp"), "127.0.0.1", 0)
+        gw = await asyncio.start_server(server("gw"), "127.0.0.1", 0)
+        fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
+        fleet._connections = asyncio.Queue()
+        fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
+        fleet.connections = 1
+        now = [1000.0]
+        fleet.clock = lambda: now[0]
+        assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
+        fleet.lease_url = f"http://127.0.0.1:{gw.sockets[0].getsockname()[1]}/api/v1/agent/lease"
+        assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
+        # The gateway fails: this lease and the next minute's go to the control plane.
+        gateway_status[0] = b"503 Service Unavailable"
+        assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
+        now[0] += 30
+        assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
+        gateway_status[0] = b"200 OK"
+        now[0] += 31
+        assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
+        for q in (fleet._connections, fleet._lease_connections):
+            q.get_nowait().close()
+        for srv in (cp, gw):
+            srv.close()
+            await srv.wait_closed()
+
+    asyncio.run(main())
+    lease = wire.LEASE_PATH.encode()
+    assert seen == [("cp", lease), ("gw", lease), ("gw", lease), ("cp", lease), ("cp", lease), ("gw", lease)]
 
 
 # --- against a real control plane -------------------------------------------------------------------------------
