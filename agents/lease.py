@@ -71,18 +71,28 @@ def lease_request(token: str | None, body: protocol.Body[wire.Lease], *, now: dt
     return lease_answer(renewal, token_hash=token_hash, now=now)
 
 
-def lease_answer(renewal: lease_db.Renewal, *, token_hash: str, now: dt.datetime) -> wire.LeaseResponse:
+def asks_status() -> bool:
+    """Whether this lease is one of the one in STATUS_CHECK_EVERY that checks the node's last status is kept."""
+    return random.random() * STATUS_CHECK_EVERY < 1
+
+
+def lease_answer(
+    renewal: lease_db.Renewal, *, token_hash: str, now: dt.datetime, want_status: bool | None = None
+) -> wire.LeaseResponse:
     """The answer to a renewed lease: the commands that wait, and whether to come back at once.
 
     Also what a renewal finishes: a rotation whose new secret this lease used.
     Both lease endpoints answer with it (this one, and the batched one of agents/lease_asgi.py).
+    `want_status`: whether the control plane lost the node's last status, when the caller
+    already asked the cache (a batch asks for all its leases at once); None to ask here.
     """
     if renewal.previous_hash is not None and renewal.token_hash == token_hash:
         # The agent uses the new secret of a rotation: the old one is done
         # (as agents/credentials.py does for every other request).
         NodeCredential.objects.filter(node_id=renewal.node_id, token_hash=token_hash).update(previous_hash=None)
     # About one lease in STATUS_CHECK_EVERY asks the cache (see there); the others cost it nothing.
-    want_status = random.random() * STATUS_CHECK_EVERY < 1 and not lease_db.keep_status(renewal.node_id)
+    if want_status is None:
+        want_status = asks_status() and not lease_db.keep_status(renewal.node_id)
     pending: list[outbox.WireCommand] = []
     more = False
     if renewal.waiting:

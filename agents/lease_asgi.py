@@ -53,8 +53,8 @@ from django.utils import timezone
 import llmgw_wire as wire
 from agents import credentials, protocol
 from agents.api import check_envelope, parse_message
-from agents.lease import MAX_LEASE_BODY, TABLES, lease_answer
-from agents.wakeup import ASGIApp, Receive, Scope, Send, _answer, _authenticate, _header
+from agents.lease import MAX_LEASE_BODY, TABLES, asks_status, lease_answer
+from agents.wakeup import ASGIApp, Receive, Scope, Send, _answer, _authenticate
 from inventory import lease as lease_db
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,11 @@ def write_batch(asks: Sequence[lease_db.Ask]) -> dict[str, wire.LeaseResponse]:
     try:
         renewals = lease_db.renew_batch(TABLES, asks, now=now)
         by_node = {a.node_id: a for a in asks}
+        # The leases that check their node's last status is kept (one in STATUS_CHECK_EVERY), in one round trip.
+        gone = lease_db.keep_statuses([n for n in renewals if asks_status()])
         return {
-            node_id: lease_answer(r, token_hash=by_node[node_id].token_hash, now=now) for node_id, r in renewals.items()
+            node_id: lease_answer(r, token_hash=by_node[node_id].token_hash, now=now, want_status=node_id in gone)
+            for node_id, r in renewals.items()
         }
     except Exception:
         # The next batch starts on a fresh connection rather than one in an unknown state.
@@ -207,12 +210,13 @@ class LeaseEndpoint:
             await _answer(send, 405, {"detail": f'method "{scope["method"]}" not allowed', "errors": []},
                           [(b"allow", b"POST")])  # fmt: skip
             return
-        token = credentials.bearer(_header(scope, b"authorization"))
+        headers = _headers(scope)
+        token = credentials.bearer(headers.get(b"authorization"))
         if token is None or not token.startswith(credentials.NODE_PREFIX):
             await _refuse(send, protocol.UNAUTHENTICATED)
             return
         try:
-            msg = await self._read(scope, receive)
+            msg = await self._read(headers, receive)
         except TimeoutError:
             await _refuse(send, protocol.Refused(408, f"the body did not arrive within {self.body_timeout:g} s"))
             return
@@ -238,9 +242,9 @@ class LeaseEndpoint:
         })  # fmt: skip
         await send({"type": "http.response.body", "body": data})
 
-    async def _read(self, scope: Scope, receive: Receive) -> wire.Lease:
-        content_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
-        check_envelope(content_type, _header(scope, b"content-length"), MAX_LEASE_BODY)
+    async def _read(self, headers: dict[bytes, str], receive: Receive) -> wire.Lease:
+        content_type = (headers.get(b"content-type") or "").split(";")[0].strip().lower()
+        check_envelope(content_type, headers.get(b"content-length"), MAX_LEASE_BODY)
         chunks: list[bytes] = []
         size = 0
         async with asyncio.timeout(self.body_timeout):
@@ -256,6 +260,18 @@ class LeaseEndpoint:
         msg = parse_message(wire.Lease, b"".join(chunks), max_body=MAX_LEASE_BODY)
         assert isinstance(msg, wire.Lease)
         return msg
+
+
+_WANTED = (b"authorization", b"content-type", b"content-length")
+
+
+def _headers(scope: Scope) -> dict[bytes, str]:
+    # The three headers a lease needs, in one pass (the first of each, as agents/wakeup.py's _header).
+    out: dict[bytes, str] = {}
+    for k, v in scope.get("headers", ()):
+        if k in _WANTED and k not in out:
+            out[k] = v.decode("latin-1")
+    return out
 
 
 async def _refuse(send: Send, refused: protocol.Refused) -> None:

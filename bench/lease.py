@@ -31,16 +31,22 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from bench.heartbeat import (
     _MAKE_SHARDS,
     CPUMeter,
+    _children,
     _env_int,
+    _free_port,
     _loadavg,
     _percentile,
     _post,
+    _proc_cpu,
     _server_description,
+    _wait_until_up,
     fan_out,
     heartbeat_template,
     heartbeat_values,
@@ -110,17 +116,83 @@ def _figures(label: str, leases: list, fulls: list, errors: int, elapsed: float,
     return lines
 
 
+def _tree_cpu(pid: int) -> float:
+    return sum(_proc_cpu(p) for p in (pid, *_children(pid)))
+
+
+class BothMeter(CPUMeter):
+    """CPUMeter, with the gateway's processes (the batched lease endpoint) counted apart from the web's."""
+
+    def __init__(self, server_pid: int, gateway_pid: int, db_url: str) -> None:
+        super().__init__(server_pid, db_url)
+        self.gateway_pid = gateway_pid
+
+    def sample(self) -> dict[str, float]:
+        return {**super().sample(), "gateway": _tree_cpu(self.gateway_pid)}
+
+
+@contextmanager
+def served_gateway(env: dict[str, str]) -> Iterator[tuple[int, int]]:
+    """The gateway's ASGI process as `make run` starts it (scripts/gateway.sh), on a port of its own: (port, pid)."""
+    port = _free_port()
+    proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gateway.sh"), f"127.0.0.1:{port}"], cwd=ROOT, env=env)
+    try:
+        _wait_until_up(port, proc)
+        yield port, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _per_lease(leases: list, fulls: list, errors: int, elapsed: float, cpu: dict[str, float]) -> dict[str, float]:
+    n = max(1, len(leases) + len(fulls))
+    per = {k: v / n * 1000 for k, v in cpu.items()}
+    return {
+        "served": per["server"] + per["gateway"] + per["postgres"],
+        "web": per["server"],
+        "gateway": per["gateway"],
+        "postgres": per["postgres"],
+        "redis": per["redis"],
+        "rate": n / elapsed,
+        "p99": _percentile(leases, 99) * 1000 if leases else 0.0,
+        "errors": errors,
+        # Cores the server and PostgreSQL kept busy while it ran.
+        "cores": (cpu["server"] + cpu["gateway"] + cpu["postgres"]) / elapsed,
+    }
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    ordered = sorted(values)
+    return "/".join(format(v, fmt) for v in (ordered[0], ordered[len(ordered) // 2], ordered[-1]))
+
+
+def _compared(label: str, runs: list[dict[str, float]]) -> list[str]:
+    def col(k: str, fmt: str = ".3f") -> str:
+        return _spread([r[k] for r in runs], fmt)
+
+    return [
+        f"{label}: CPU per lease, server + PostgreSQL {col('served')} ms (min/median/max of {len(runs)} runs) "
+        f"= web {col('web')} + gateway {col('gateway')} + PostgreSQL {col('postgres')}; Redis {col('redis')}",
+        f"  {col('rate', ',.0f')} leases/s, p99 {col('p99', '.1f')} ms, server + PostgreSQL busy "
+        f"{col('cores', '.2f')} cores; errors {sum(int(r['errors']) for r in runs)}",
+    ]
+
+
 def run() -> list[str]:
     n_nodes = _env_int("BENCH_LEASE_NODES", 2000)
     seconds = float(os.environ.get("BENCH_LEASE_SECONDS", 10))
     rate = float(os.environ.get("BENCH_LEASE_RATE", 2000))
     mix = _env_int("BENCH_LEASE_MIX", 12)
+    runs = _env_int("BENCH_LEASE_RUNS", 3)
     clients = _env_int("BENCH_HB_CLIENTS", 2)
     concurrency = _env_int("BENCH_HB_CONCURRENCY", 8)
 
     load_before = _loadavg()
     lines: list[str] = []
-    with served_control_plane("lease") as served:
+    with served_control_plane("lease") as served, served_gateway(served.env) as (gw_port, gw_pid):
         port, join, env = served.port, served.join, served.env
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         ids = [f"lease-{i:05d}" for i in range(n_nodes)]
@@ -144,19 +216,36 @@ def run() -> list[str]:
                 raise RuntimeError(f"status of {node_id}: {status} {answer[:300]!r}")
         conn.close()
         _drive(port, nodes, 2.0, clients, concurrency, 0, 0)
-        meter = CPUMeter(served.pid, served.db_url)
-        alone = _measured(meter, port, nodes, seconds, clients, concurrency, 0, 0)
-        paced = _measured(meter, port, nodes, seconds, clients, concurrency, rate, mix) if rate else None
-        mixed = _measured(meter, port, nodes, seconds, clients, concurrency, 0, mix) if mix else None
-        # The same machine, the same moment: what a full heartbeat costs, for comparison.
-        full = _measured(meter, port, nodes, seconds, clients, concurrency, 0, 1)
+        _drive(gw_port, nodes, 2.0, clients, concurrency, 0, 0)
+        meter = BothMeter(served.pid, gw_pid, served.db_url)
+        # The two paths side by side, run after run: the web's endpoint (Django's request cycle,
+        # a statement per lease) and the gateway's (batched), as fast as answered; then the
+        # gateway's at the offered rate.
+        django, batched, offered = [], [], []
+        for _ in range(runs):
+            django.append(_per_lease(*_measured(meter, port, nodes, seconds, clients, concurrency, 0, 0)))
+            batched.append(_per_lease(*_measured(meter, gw_port, nodes, seconds, clients, concurrency, 0, 0)))
+            if rate:
+                offered.append(_per_lease(*_measured(meter, gw_port, nodes, seconds, clients, concurrency, rate, 0)))
         lines += [
-            f"{n_nodes} nodes; server: {_server_description(env)}; load: {clients} processes x {concurrency} "
-            f"keep-alive connections, on the same {os.cpu_count()} cores (load average at the start: {load_before})",
-            *_figures("leases alone, as fast as answered", *alone),
-            *(_figures(f"1 full heartbeat in {mix}, offered {rate:,.0f}/s", *paced) if paced else []),
-            *(_figures(f"1 full heartbeat in {mix}, as fast as answered", *mixed) if mixed else []),
-            *_figures("full heartbeats alone, as fast as answered", *full),
-            f"load average at the end: {_loadavg()}",
+            f"{n_nodes} nodes; server: {_server_description(env)}; gateway: scripts/gateway.sh "
+            f"(LLMGW_LEASE_BATCH_S {env.get('LLMGW_LEASE_BATCH_S') or 'default'}); load: {clients} processes x "
+            f"{concurrency} keep-alive connections, on the same {os.cpu_count()} cores "
+            f"(load average at the start: {load_before})",
+            *_compared("web endpoint (Django), leases alone, as fast as answered", django),
+            *_compared("gateway endpoint (batched), leases alone, as fast as answered", batched),
+            *(_compared(f"gateway endpoint (batched), offered {rate:,.0f}/s", offered) if offered else []),
         ]
+        if mix:
+            meter = CPUMeter(served.pid, served.db_url)
+            paced = _measured(meter, port, nodes, seconds, clients, concurrency, rate, mix) if rate else None
+            mixed = _measured(meter, port, nodes, seconds, clients, concurrency, 0, mix)
+            # The same machine, the same moment: what a full heartbeat costs, for comparison.
+            full = _measured(meter, port, nodes, seconds, clients, concurrency, 0, 1)
+            lines += [
+                *(_figures(f"web: 1 full heartbeat in {mix}, offered {rate:,.0f}/s", *paced) if paced else []),
+                *_figures(f"web: 1 full heartbeat in {mix}, as fast as answered", *mixed),
+                *_figures("web: full heartbeats alone, as fast as answered", *full),
+            ]
+        lines.append(f"load average at the end: {_loadavg()}")
     return lines

@@ -334,3 +334,31 @@ def keep_status(node_id: str) -> bool:
     return telemetry.best_effort(
         "touch", lambda: bool(cache.touch(telemetry.key(node_id), settings.LLMGW_TELEMETRY_TTL)), True
     )
+
+
+def keep_statuses(node_ids: Sequence[str]) -> set[str]:
+    """keep_status for many nodes at once: those whose last status is gone (one Redis round trip for all).
+
+    For a batch of leases (agents/lease_asgi.py). A cache that cannot answer
+    says every status is kept, as keep_status does.
+    """
+    if not node_ids:
+        return set()
+    ttl = cache.get_backend_timeout(settings.LLMGW_TELEMETRY_TTL)
+    client = _redis_client()
+    if client is None:
+        return {n for n in node_ids if not keep_status(n)}
+
+    def touch_all() -> set[str]:
+        pipe = client.pipeline(transaction=False)
+        for n in node_ids:
+            pipe.expire(cache.make_and_validate_key(telemetry.key(n)), ttl)
+        return {n for n, kept in zip(node_ids, pipe.execute(), strict=True) if not kept}
+
+    return telemetry.best_effort("touch", touch_all, set())
+
+
+def _redis_client() -> Any:
+    # The Redis client behind Django's cache (llmgw/cache.py), None for any other cache.
+    inner = getattr(cache, "_cache", None)
+    return inner.get_client(None, write=True) if hasattr(inner, "get_client") else None

@@ -295,3 +295,16 @@ def test_keep_status_renews_the_last_status_or_says_it_is_gone(settings):
     assert lease.keep_status("node-a") is True
     assert client.ttl(redis_key) > 10
     assert telemetry.get("node-a") == {"at": 1.0}
+
+
+def test_keep_statuses_renews_many_in_one_round_trip_and_names_those_gone(settings):
+    telemetry.forget("node-b")
+    for n in ("node-a", "node-c"):
+        telemetry.put(n, {"at": 1.0})
+    client = cache._cache.get_client()
+    keys = {n: cache.make_and_validate_key(telemetry.key(n)) for n in ("node-a", "node-c")}
+    for k in keys.values():
+        client.expire(k, 10)
+    assert lease.keep_statuses(["node-a", "node-b", "node-c"]) == {"node-b"}
+    assert all(client.ttl(k) > 10 for k in keys.values())
+    assert lease.keep_statuses([]) == set()
