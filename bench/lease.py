@@ -1,24 +1,32 @@
-"""Lease renewals per second against the real stack, with full status updates mixed in.
+"""Lease renewals per second against the real stack: the web's endpoint and the gateway's batched one side by side.
 
 The stack of bench/heartbeat.py (a fresh database, the production web server
 as `make run` starts it, PostgreSQL, Redis, load-generator processes holding
-keep-alive connections on the same cores), NODES 8-GPU nodes with 4 shards
+keep-alive connections on the same cores), and the gateway's ASGI process as
+`make run` starts it (scripts/gateway.sh), NODES 8-GPU nodes with 4 shards
 each, every node's status sent once first (as an agent does after
-registering). Then three phases:
+registering). Then BENCH_LEASE_RUNS (3) runs, each of:
 
-- leases alone, as fast as answers come back: the CPU a renewal costs the
-  server, PostgreSQL and Redis (the target is 0.5 ms, all three together);
-- leases with one full heartbeat (about 9 KB) in every BENCH_LEASE_MIX
-  requests (12: a status a minute at a 5 s interval, the floor), offered at
-  BENCH_LEASE_RATE a second (2,000: ten thousand nodes at 5 s), latency
-  measured from each request's scheduled time, so queueing is charged;
-- the same mix, as fast as answered;
-- full heartbeats alone, as fast as answered: what a lease saves, measured
-  on the same machine at the same moment.
+- leases alone to the web's endpoint (Django's request cycle, a statement a
+  lease), as fast as answers come back;
+- leases alone to the gateway's endpoint (agents/lease_asgi.py: batched, a
+  statement a batch), as fast as answers come back;
+- leases to the gateway's endpoint offered at BENCH_LEASE_RATE a second
+  (2,000: ten thousand nodes at 5 s), latency measured from each request's
+  scheduled time, so queueing is charged;
+
+each reporting the CPU a lease costs the web's processes, the gateway's and
+PostgreSQL (and Redis, shared with whatever else runs), min/median/max over
+the runs, and the cores the server and PostgreSQL kept busy. Then, once,
+against the web's endpoint, unless BENCH_LEASE_MIX is 0: leases with one full
+heartbeat (about 9 KB) in every BENCH_LEASE_MIX requests (12: a status a
+minute at a 5 s interval, the floor) offered at BENCH_LEASE_RATE, the same
+mix as fast as answered, and full heartbeats alone: what a lease saves.
 
 Knobs (environment): BENCH_LEASE_NODES (2000), BENCH_LEASE_SECONDS (10 per
-phase), BENCH_LEASE_RATE (2000), BENCH_LEASE_MIX (12; 0: leases only),
-and bench/heartbeat.py's BENCH_HB_SERVER, BENCH_HB_WORKERS, BENCH_HB_THREADS,
+phase), BENCH_LEASE_RUNS (3), BENCH_LEASE_RATE (2000), BENCH_LEASE_MIX (12;
+0: leases only), LLMGW_LEASE_BATCH_S (the gateway's window), and
+bench/heartbeat.py's BENCH_HB_SERVER, BENCH_HB_WORKERS, BENCH_HB_THREADS,
 BENCH_HB_CLIENTS, BENCH_HB_CONCURRENCY. The node count does not change a
 renewal's cost (one primary-key lookup and update): each node simply renews
 more often than every 5 s here.
