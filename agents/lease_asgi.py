@@ -125,7 +125,8 @@ class LeaseWriter:
     async def renew(self, ask: lease_db.Ask) -> wire.LeaseResponse | None:
         """The lease's answer once its batch is written; None when its credential is not its node's."""
         loop = asyncio.get_running_loop()
-        if self._task is None:
+        if self._task is None or self._task.done():
+            # (Again, should the writer ever have stopped: no lease waits on a writer that is gone.)
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run())
         future: asyncio.Future[wire.LeaseResponse | None] = loop.create_future()

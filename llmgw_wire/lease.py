@@ -11,7 +11,10 @@ and renews the lease (POST /api/v1/agent/lease, agents/lease.py).
 
 An agent sends leases only to a control plane that said it takes them
 (HeartbeatResponse.leases): an older control plane keeps getting full
-heartbeats, and an older agent never sends a lease.
+heartbeats, and an older agent never sends a lease. Where the control plane
+names a `lease_url` (its gateway, which writes leases in batches:
+agents/lease_asgi.py), the agent sends its leases there, and to LEASE_PATH
+under the control plane when that fails.
 """
 
 from __future__ import annotations
