@@ -356,3 +356,46 @@ def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails
         loop.call_soon_threadsafe(loop.stop)
         runner.join(5)
         loop.close()
+
+
+@pytest.mark.slow
+def test_a_real_agent_renews_through_the_real_gateway_process_and_falls_back_when_it_stops(
+    live_server, tmp_path, settings
+):
+    # The gateway as `make run` starts it (granian, gateway.asgi:app), the control plane a live server.
+    from llmgw_agent import config as config_mod
+    from llmgw_agent.loop import Agent
+    from tests.gateway.conftest import Gateway
+    from tests.llmgw_agent.test_loop import Probe
+
+    settings.LLMGW_JOIN_TOKEN = "lease-e2e-join-token"
+    gateway = Gateway(tmp_path, "gateway")
+    gateway.start()
+    settings.LLMGW_LEASE_URL = gateway.url + LEASE_PATH
+    cfg = config_mod.parse(
+        {
+            "control_plane": live_server.url,
+            "join_token": "lease-e2e-join-token",
+            "node_id": "node-e2e",
+            "state_dir": str(tmp_path / "state"),
+            "wakeup": False,
+        }
+    )
+    agent = Agent(cfg, probe=Probe(), listening=lambda: [22])
+    try:
+        agent.step()
+        assert agent.advertised_lease == gateway.url + LEASE_PATH
+        old = _age(["node-e2e"], state="unreachable")
+        # A lease (nothing changed since the status), renewed by the gateway: no fallback began.
+        assert isinstance(agent.heartbeat(), wire.LeaseResponse)
+        node = Node.objects.get(id="node-e2e")
+        assert (node.state, node.last_seen > old, agent.lease_fallback_until) == ("ready", True, 0.0)
+        # The gateway stops: the lease goes to the control plane at once.
+        gateway.stop()
+        old = _age(["node-e2e"])
+        assert isinstance(agent.heartbeat(), wire.LeaseResponse)
+        assert Node.objects.get(id="node-e2e").last_seen > old
+        assert agent.lease_fallback_until > agent.clock()
+    finally:
+        agent.close()
+        gateway.stop()
