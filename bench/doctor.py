@@ -114,7 +114,7 @@ def _one_size(size: int, *, last: bool) -> list[str]:
             out.append(_line(f"{size:,} nodes: refresh, nothing changed", idle))
 
             step = 0
-            for count in (10, max(size // 100, 10)):
+            for count in sorted({10, size // 100}):
                 runs = []
                 for _ in range(RUNS):
                     step += 1
