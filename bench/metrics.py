@@ -8,10 +8,12 @@ a full scrape through Django's URL routing (django-prometheus' metrics,
 llmgw's families, the streamed text), plain and gzipped, within the doctor's
 cache window (the steady state: Prometheus scrapes more often than the
 window), past the window (the last results served and one refresh queued,
-inventory/doctor_refresh.py) and with no results kept (the checks run in
-the scrape, once after a flushed cache); the service-discovery document;
-the doctor's refresh as the worker runs it; the doctor alone; each with its SQL query count, body size and the
-Python memory one scrape allocates at its peak. Target: under 1 s and a few
+inventory/doctor_refresh.py) and with no results kept (an age of -1
+written and one refresh queued: no check runs in a scrape); the
+service-discovery document; the doctor's refresh as the worker runs it, full
+and with nothing changed (bench/doctor.py measures it further); the doctor
+alone; each with its SQL query count, body size and the Python memory one
+scrape allocates at its peak. Target: under 1 s and a few
 MB at 10,000 nodes.
 """
 
@@ -259,6 +261,7 @@ def run() -> list[str]:
                 settings.LLMGW_DOCTOR_CACHE = window
                 stale, q_stale, _ = _timed(scrape_stale, connection)
                 unkept, q_unkept, _ = _timed(scrape_unkept, connection, repeat=3)
+                full, q_full, _ = _timed(lambda: doctor_refresh.refresh(full=True), connection, repeat=3)
                 refresh, q_refresh, _ = _timed(doctor_refresh.refresh_doctor, connection, repeat=3)
                 sd, q_sd, doc = _timed(lambda: client.get("/api/v1/prometheus/targets").content, connection)
                 doc_runs, q_doc, results = _timed(lambda: doctor.run(now=timezone.now()), connection, repeat=3)
@@ -272,9 +275,10 @@ def run() -> list[str]:
                 f"  /metrics gzipped: {_spread(zipped)}, {len(packed) / 1e6:.2f} MB",
                 f"  /metrics when the doctor's results are past the window (the last ones served, one refresh"
                 f" queued): {_spread(stale)}, {q_stale} queries",
-                f"  /metrics with no doctor's results kept (its checks run in the scrape): {_spread(unkept)},"
+                f"  /metrics with no doctor's results kept (age -1, one refresh queued): {_spread(unkept)},"
                 f" {q_unkept} queries",
-                f"  the doctor's refresh (the worker's task): {_spread(refresh)}, {q_refresh} queries",
+                f"  the doctor's refresh in full: {_spread(full)}, {q_full} queries",
+                f"  the doctor's refresh (the worker's task), nothing changed: {_spread(refresh)}, {q_refresh} queries",
                 f"  service discovery: {_spread(sd)}, {q_sd} queries, {len(doc) / 1e6:.2f} MB",
                 f"  doctor alone: {_spread(doc_runs)}, {q_doc} queries (verdicts {sorted(verdicts)})",
             ]

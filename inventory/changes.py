@@ -36,6 +36,7 @@ from typing import Any
 from django.core.cache import cache
 from django.db import transaction
 
+from inventory import doctor_view
 from inventory.telemetry import best_effort
 
 VERSION_KEY = "placement-feed:version"
@@ -181,12 +182,15 @@ def _placement_view(entry: Mapping[str, Any] | None) -> tuple:
 
 
 def mark_telemetry(node_id: str, previous: Mapping[str, Any] | None, entry: Mapping[str, Any]) -> bool:
-    """Mark a node whose new telemetry differs from the previous in what placement reads; True when marked.
+    """Mark a node whose telemetry differs from the previous in what placement or the doctor reads; True when marked.
 
     Rates, counters, temperatures and draw change every heartbeat and are not
     placement's business; a port going down or a subnet-manager failover is.
+    The doctor's incremental refresh reads the same feed, so what its checks
+    read (inventory/doctor_view.py: error counters, wear, a skewed clock)
+    marks the node too: rare, and placement reloads such a node for nothing.
     """
-    if _placement_view(previous) == _placement_view(entry):
+    if _placement_view(previous) == _placement_view(entry) and doctor_view.view(previous) == doctor_view.view(entry):
         return False
     mark([node_id])
     return True

@@ -3,14 +3,20 @@
 A scrape that found the doctor's results older than LLMGW_DOCTOR_CACHE used
 to run every check first: 9-16 s at ten thousand nodes on a busy machine,
 longer than Prometheus' scrape timeout, so the scrape failed exactly when
-the fleet was large. Now a scrape serves the last results whatever their
-age, and a stale one queues one refresh on the Celery worker (deduplicated
-across web processes with cache.add); the results' age is exported
-(llmgw_doctor_age_seconds), so a refresh that does not happen is seen, not
-hidden. Only when no results were ever kept (a fresh install, a flushed
-cache) does a scrape run the checks itself, once.
+the fleet was large. Now a scrape never runs the checks: it serves the last
+results whatever their age, and a stale one queues one refresh on the
+Celery worker (deduplicated across web processes with cache.add); the
+results' age is exported (llmgw_doctor_age_seconds), so a refresh that does
+not happen is seen, not hidden. The last results are kept in the cache with
+no expiry, so the very first scrape after a restart serves them, with their
+age. When none were ever kept (a fresh install, a flushed cache) the scrape
+writes no check result and an age of -1 (`MISSING_AGE`: no real age is
+negative, and an alert on `llmgw_doctor_age_seconds > 600` does not fire on
+it), and queues one refresh.
 
-`GET /api/v1/doctor?fresh=1` and `manage.py doctor` still run the checks
+The worker's refresh is incremental (inventory/doctor/kept.py): it
+re-checks only the nodes whose facts changed since its last one.
+`GET /api/v1/doctor?fresh=1` and `manage.py doctor` still run every check
 now; this module only changes what a scrape waits for.
 """
 
@@ -24,21 +30,26 @@ from django.core.cache import cache
 from django.utils import timezone
 
 from inventory import doctor, telemetry
+from inventory.doctor import kept as kept_doctor
 
 log = logging.getLogger(__name__)
 
-# The last results, kept long after the doctor's own window: what a scrape serves while a refresh runs.
+# The last results, kept until replaced: what a scrape serves while a refresh runs, even days later (with their age).
 KEPT_KEY = "doctor:kept"
-KEPT_S = 24 * 3600
+KEPT_S = None
 # Held while a refresh is queued or running. It is dropped when the refresh
 # ends; the timeout only frees it after a worker died holding it.
 QUEUED_KEY = "doctor:refresh-queued"
+# The age a scrape writes while no results were ever kept.
+MISSING_AGE = -1.0
 QUEUED_S = 300
 
 
-def refresh(*, now: dt.datetime | None = None) -> tuple[dt.datetime, list[doctor.CheckResult]]:
-    """Run the checks now and keep the results for scrapes to come."""
-    at, results = doctor.latest(now=now or timezone.now(), fresh=True)
+def refresh(*, now: dt.datetime | None = None, full: bool = False) -> tuple[dt.datetime, list[doctor.CheckResult]]:
+    """Bring the checks up to date (the changed nodes, or all when `full` or it must) and keep the results."""
+    at = now or timezone.now()
+    results = kept_doctor.refresh(now=at, full=full)
+    doctor.store(at, results)
     telemetry.best_effort("doctor", lambda: cache.set(KEPT_KEY, (at, results), timeout=KEPT_S), None)
     return at, results
 
@@ -57,18 +68,16 @@ def queue_refresh() -> bool:
     return True
 
 
-def for_scrape(*, now: dt.datetime) -> tuple[dt.datetime, list[doctor.CheckResult]]:
-    """The doctor's results and when they were taken, without waiting for the checks when any are kept.
+def for_scrape(*, now: dt.datetime) -> tuple[dt.datetime, list[doctor.CheckResult]] | None:
+    """The doctor's results and when they were taken, never waiting for the checks.
 
     Within LLMGW_DOCTOR_CACHE: the doctor's cached run. Older: the last
-    kept run, and one refresh queued. None kept: the checks run now.
+    kept run, and one refresh queued. None kept: None, and one refresh queued.
     """
     hit = doctor.cached(now=now)
     if hit is not None:
         return hit
     kept = telemetry.best_effort("doctor", lambda: cache.get(KEPT_KEY), None)
-    if kept is None:
-        return refresh(now=now)
     queue_refresh()
     return kept
 
@@ -79,14 +88,18 @@ def age_seconds(at: dt.datetime, *, now: dt.datetime) -> float:
 
 
 def forget() -> None:
-    """Drop the kept results and any queued mark (tests, benchmarks): the next scrape runs the checks."""
+    """Drop the kept results, any queued mark and this process's kept doctor (tests, benchmarks).
+
+    The next scrape says the results are missing; the next refresh is a full run.
+    """
     cache.delete_many([KEPT_KEY, QUEUED_KEY])
     doctor.forget_cached()
+    kept_doctor.reset()
 
 
 @shared_task(name="inventory.refresh_doctor", time_limit=600, soft_time_limit=540, ignore_result=True)
 def refresh_doctor() -> str:
-    """Run the doctor's checks for the scrapes (queued by a scrape that found them stale); the verdict."""
+    """Refresh the doctor's results for the scrapes (queued by a scrape finding them stale or missing); the verdict."""
     try:
         _, results = refresh()
     finally:

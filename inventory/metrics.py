@@ -22,10 +22,11 @@ Writing the text was half of a scrape at ten thousand nodes, most of it
 escaping each node's name once per family and formatting the same few counts
 again and again: `Seen` does each once a scrape.
 
-The doctor's results come from `doctor_refresh.for_scrape`: a scrape within
-settings.LLMGW_DOCTOR_CACHE seconds of a run reuses its checks, a later one
-serves the last results and has the worker refresh them
-(llmgw_doctor_age_seconds says how old they are).
+The doctor's results come from `doctor_refresh.for_scrape`, and a scrape
+never runs the checks: within settings.LLMGW_DOCTOR_CACHE seconds of a run
+it reuses its checks, later it serves the last results and has the worker
+refresh them (llmgw_doctor_age_seconds says how old they are); with none
+ever kept it writes no check and an age of -1, and has the worker run them.
 """
 
 from __future__ import annotations
@@ -188,7 +189,10 @@ def _families() -> dict[str, Family]:
             ("check", "result"),
         ),
         "doctor_age": Family(
-            "llmgw_doctor_age_seconds", "gauge", "Age of the doctor's results above (refreshed out of band).", ()
+            "llmgw_doctor_age_seconds",
+            "gauge",
+            "Age of the doctor's results above (refreshed out of band); -1 while none were ever kept.",
+            (),
         ),
     }
 
@@ -202,8 +206,8 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     doctor's results are stale and its checks must run.
     """
     now = now or timezone.now()
-    # The last results at once, a stale one refreshed by the worker (inventory/doctor_refresh.py).
-    doctor_at, results = doctor_refresh.for_scrape(now=now)
+    # The last results at once, a stale or missing one refreshed by the worker (inventory/doctor_refresh.py).
+    kept_results = doctor_refresh.for_scrape(now=now)
     # The database subtracts: Django reads a timestamp through a pure-Python loader (a third
     # of a scrape's Python time at 10,000 nodes), an interval in C, to the same microsecond.
     elapsed = Value(now, output_field=DateTimeField()) - F("last_seen")
@@ -264,10 +268,15 @@ def collect_families(*, now: dt.datetime | None = None) -> list[Family]:
     if last_sweep is not None:
         f["sweep_age"].rows.append(((), max((now - last_sweep).total_seconds(), 0.0)))
     f["mass_silence"].rows.append(((), 1.0 if disruption is not None else 0.0))
-    for r in results:
-        for value in doctor.Result:
-            f["doctor"].rows.append(((r.name, str(value)), 1.0 if r.result == value else 0.0))
-    f["doctor_age"].rows.append(((), doctor_refresh.age_seconds(doctor_at, now=now)))
+    if kept_results is None:
+        # None kept yet (a fresh install, a flushed cache): no check is written, and the age says why.
+        f["doctor_age"].rows.append(((), doctor_refresh.MISSING_AGE))
+    else:
+        doctor_at, results = kept_results
+        for r in results:
+            for value in doctor.Result:
+                f["doctor"].rows.append(((r.name, str(value)), 1.0 if r.result == value else 0.0))
+        f["doctor_age"].rows.append(((), doctor_refresh.age_seconds(doctor_at, now=now)))
     return _in_order(f, added)
 
 

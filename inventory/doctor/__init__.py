@@ -15,7 +15,7 @@ can be that old, and the report's `at` says when it ran.
 
 from __future__ import annotations
 
-from inventory.doctor.caching import cached, forget_cached, latest, run
+from inventory.doctor.caching import cached, forget_cached, latest, run, store
 from inventory.doctor.gpus import check_engine_installs, check_gpu_health
 from inventory.doctor.infiniband import (
     COUNTER_WINDOW,
@@ -102,5 +102,6 @@ __all__ = [
     "report",
     "run",
     "run_checks",
+    "store",
     "verdict",
 ]

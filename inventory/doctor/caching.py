@@ -38,10 +38,15 @@ def latest(
         if hit is not None:
             return hit
     results = run_checks(inv if inv is not None else load_inventory(now=now))
-    telemetry.best_effort(
-        "doctor", lambda: cache.set(_LATEST_KEY, (now, results), timeout=settings.LLMGW_DOCTOR_CACHE), None
-    )
+    store(now, results)
     return now, results
+
+
+def store(at: dt.datetime, results: list[CheckResult]) -> None:
+    """Keep results taken at `at` for the API and the scrapes to reuse (see `latest`)."""
+    telemetry.best_effort(
+        "doctor", lambda: cache.set(_LATEST_KEY, (at, results), timeout=settings.LLMGW_DOCTOR_CACHE), None
+    )
 
 
 def cached(*, now: dt.datetime) -> tuple[dt.datetime, list[CheckResult]] | None:

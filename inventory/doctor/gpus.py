@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import llmgw_wire as wire
 from inventory import gpus as gpu_rules
+from inventory.doctor import registry
 from inventory.doctor.loader import Inventory
-from inventory.doctor.results import CheckResult, verdict
+from inventory.doctor.results import CheckResult, Findings, verdict
 
 
-def check_gpu_health(inv: Inventory) -> CheckResult:
-    """The wear and health problems agents report for their cards."""
-    found: dict[str, list[str]] = {}
-    fails: set[str] = set()
-    # What the findings call for: the card (reset, replace) and/or the engine (an application XID).
-    card_trouble = app_xids = False
+def find_gpu_health(inv: Inventory) -> Findings:
+    """Each node's findings of check_gpu_health, flagged "card" and/or "app_xid" for the action they call for."""
+    out = Findings()
+    found, fails = out.found, out.fails
     for n in inv.nodes:
+        # What the findings call for: the card (reset, replace) and/or the engine (an application XID).
+        card_trouble = app_xids = False
         sensors = {s.get("index"): s for s in (inv.telemetry.get(n.id) or {}).get("gpus") or []}
         for g in inv.gpus(n.id):
             problems = list(g.problems or [])
@@ -46,6 +47,17 @@ def check_gpu_health(inv: Inventory) -> CheckResult:
             problems.extend(extra)
             for p in problems:
                 found.setdefault(n.id, []).append(f"GPU {g.index}: {p}")
+        if card_trouble:
+            out.flag(n.id, "card")
+        if app_xids:
+            out.flag(n.id, "app_xid")
+    return out
+
+
+def verdict_gpu_health(f: Findings, inv: Inventory) -> CheckResult:
+    """The verdict of check_gpu_health over every node's findings; its action follows the flags."""
+    card_trouble = any("card" in v for v in f.flags.values())
+    app_xids = any("app_xid" in v for v in f.flags.values())
     actions = []
     if card_trouble:
         actions.append(
@@ -59,12 +71,17 @@ def check_gpu_health(inv: Inventory) -> CheckResult:
         )
     return verdict(
         "gpu_health",
-        found,
-        fails=fails,
+        f.found,
+        fails=f.fails,
         ok="no GPU reports wear or health problems",
         bad="{n} node(s) with GPU problems",
         action="; ".join(actions),
     )
+
+
+def check_gpu_health(inv: Inventory) -> CheckResult:
+    """The wear and health problems agents report for their cards."""
+    return verdict_gpu_health(find_gpu_health(inv), inv)
 
 
 def check_engine_installs(inv: Inventory) -> CheckResult:
@@ -82,3 +99,6 @@ def check_engine_installs(inv: Inventory) -> CheckResult:
         action="read the detail, fix the cause (disk space, network, a wheel for this CUDA), and reinstall "
         "the engine on the node from the admin",
     )
+
+
+registry.per_node(check_gpu_health, find=find_gpu_health, verdict=verdict_gpu_health)

@@ -18,9 +18,10 @@ from django.core.cache import cache
 
 import llmgw_wire as wire
 from inventory import fabric as fabric_rules
-from inventory import ibnetdiscover, scans, telemetry
+from inventory import scans, telemetry
+from inventory.doctor import registry
 from inventory.doctor.loader import Inventory, counter_key
-from inventory.doctor.results import CheckResult, Result, verdict
+from inventory.doctor.results import CheckResult, Findings, Result, verdict
 
 # How long one generation of counter baselines lasts (see the module docstring).
 COUNTER_WINDOW = dt.timedelta(minutes=10)
@@ -30,8 +31,8 @@ ERROR_COUNTERS = wire.IB_ERROR_COUNTERS
 FAIL_COUNTERS = frozenset({"link_downed"})
 
 
-def check_ib_physical_fabric(inv: Inventory) -> CheckResult:
-    """A declared fabric whose adapters are cabled to two physical fabrics."""
+def find_ib_physical_fabric(inv: Inventory) -> Findings:
+    """Each node's findings of check_ib_physical_fabric, before the verdict."""
     found: dict[str, list[str]] = {}
     for n in inv.nodes:
         ports = inv.ports(n.id)
@@ -39,10 +40,15 @@ def check_ib_physical_fabric(inv: Inventory) -> CheckResult:
             pf = fabric_rules.physical_fabric(f.hcas, ports, inv.canon)
             if pf.known and not pf.consistent:
                 found.setdefault(n.id, []).append(f"fabric {f.name}: adapters on {', '.join(pf.keys)}")
+    return Findings(found, set(found))
+
+
+def verdict_ib_physical_fabric(f: Findings, inv: Inventory) -> CheckResult:
+    """The verdict of check_ib_physical_fabric over every node's findings."""
     return verdict(
         "ib_physical_fabric",
-        found,
-        fails=set(found),
+        f.found,
+        fails=f.fails,
         ok="every declared fabric sits on one physical fabric",
         bad="{n} node(s) with a declared fabric cabled to two physical fabrics",
         action="fix the cabling or the node's agent.yaml (fabrics: name, hcas): NCCL handed adapters on "
@@ -50,8 +56,13 @@ def check_ib_physical_fabric(inv: Inventory) -> CheckResult:
     )
 
 
-def check_ib_ports(inv: Inventory) -> CheckResult:
-    """Ports of a declared fabric that are not active, or slower than the declared rate."""
+def check_ib_physical_fabric(inv: Inventory) -> CheckResult:
+    """A declared fabric whose adapters are cabled to two physical fabrics."""
+    return verdict_ib_physical_fabric(find_ib_physical_fabric(inv), inv)
+
+
+def find_ib_ports(inv: Inventory) -> Findings:
+    """Each node's findings of check_ib_ports, before the verdict."""
     found: dict[str, list[str]] = {}
     fails: set[str] = set()
     for n in inv.nodes:
@@ -69,10 +80,15 @@ def check_ib_ports(inv: Inventory) -> CheckResult:
                         found.setdefault(n.id, []).append(
                             f"{label} ({f.name}) at {p.rate_gbps} Gb/s, declared {f.rate_gbps} Gb/s"
                         )
+    return Findings(found, fails)
+
+
+def verdict_ib_ports(f: Findings, inv: Inventory) -> CheckResult:
+    """The verdict of check_ib_ports over every node's findings."""
     return verdict(
         "ib_ports",
-        found,
-        fails=fails,
+        f.found,
+        fails=f.fails,
         ok="every declared port is active at its declared rate",
         bad="{n} node(s) with ports down or slow",
         action="check the cable and the switch port (ibstat, ibportstate); a port that trains below its rate "
@@ -80,8 +96,13 @@ def check_ib_ports(inv: Inventory) -> CheckResult:
     )
 
 
-def check_ib_subnet_manager(inv: Inventory) -> CheckResult:
-    """InfiniBand ports that see no master subnet manager, and recent SM failovers."""
+def check_ib_ports(inv: Inventory) -> CheckResult:
+    """Ports of a declared fabric that are not active, or slower than the declared rate."""
+    return verdict_ib_ports(find_ib_ports(inv), inv)
+
+
+def find_ib_subnet_manager(inv: Inventory) -> Findings:
+    """Each node's ports that see no master subnet manager (the failovers are the verdict's: they are the fleet's)."""
     found: dict[str, list[str]] = {}
     fails: set[str] = set()
     for n in inv.nodes:
@@ -90,19 +111,29 @@ def check_ib_subnet_manager(inv: Inventory) -> CheckResult:
                 why = f": {p.sm_error}" if p.sm_error else ""
                 found.setdefault(n.id, []).append(f"{scans.port_label(p.hca, p.port)} sees no master SM{why}")
                 fails.add(n.id)
+    return Findings(found, fails)
+
+
+def verdict_ib_subnet_manager(f: Findings, inv: Inventory) -> CheckResult:
+    """The verdict of check_ib_subnet_manager over every node's findings and the recent failovers."""
+    found = dict(f.found)
     for c in inv.sm_changes:
-        found.setdefault(c.node_id, []).append(
-            f"{c.port} master SM {c.from_guid or '?'} -> {c.to_guid or '?'} at {c.at:%Y-%m-%d %H:%M:%S}"
-        )
+        line = f"{c.port} master SM {c.from_guid or '?'} -> {c.to_guid or '?'} at {c.at:%Y-%m-%d %H:%M:%S}"
+        found[c.node_id] = [*found.get(c.node_id, ()), line]
     return verdict(
         "ib_subnet_manager",
         found,
-        fails=fails,
+        fails=f.fails,
         ok="every InfiniBand port sees a master subnet manager, and none failed over in the last hour",
         bad="{n} node(s) with subnet-manager trouble",
         action="with no master SM the fabric cannot route new paths: start opensm (or the switch's SM) on "
         "a standby; after a failover, find why the old master went (sminfo, the SM's log)",
     )
+
+
+def check_ib_subnet_manager(inv: Inventory) -> CheckResult:
+    """InfiniBand ports that see no master subnet manager, and recent SM failovers."""
+    return verdict_ib_subnet_manager(find_ib_subnet_manager(inv), inv)
 
 
 def _counter_snapshot(ports: list[Any]) -> dict[str, dict[str, int]]:
@@ -112,10 +143,10 @@ def _counter_snapshot(ports: list[Any]) -> dict[str, dict[str, int]]:
     }
 
 
-def check_ib_errors(inv: Inventory) -> CheckResult:
-    """Error counters that rose since the baseline (see the module docstring).
+def find_ib_errors(inv: Inventory) -> Findings:
+    """Each node's error counters that rose since its baseline (see the module docstring).
 
-    The baselines are rolled and written back to the cache.
+    The baselines are rolled and written back to the cache (and into `inv`).
     """
     now_s = inv.now.timestamp()
     window = COUNTER_WINDOW.total_seconds()
@@ -150,10 +181,15 @@ def check_ib_errors(inv: Inventory) -> CheckResult:
             None,
         )
         inv.counter_baselines.update(updates)
+    return Findings(found, fails)
+
+
+def verdict_ib_errors(f: Findings, inv: Inventory) -> CheckResult:
+    """The verdict of check_ib_errors over every node's findings."""
     return verdict(
         "ib_errors",
-        found,
-        fails=fails,
+        f.found,
+        fails=f.fails,
         ok="no InfiniBand error counter is rising",
         bad="{n} node(s) with rising InfiniBand error counters",
         action="reseat or replace the cable of these ports (perfquery shows the counters; ibqueryerrors the "
@@ -161,33 +197,54 @@ def check_ib_errors(inv: Inventory) -> CheckResult:
     )
 
 
-def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
-    """Active InfiniBand ports that their fabric's latest ibnetdiscover map does not show."""
-    maps: dict[str, ibnetdiscover.FabricMap] = {}
-    found: dict[str, list[str]] = {}
-    # Fabrics with active ports and no map yet, and the nodes on them: "ok"
-    # there would claim coverage nobody has checked.
-    unscanned: dict[str, set[str]] = {}
+def check_ib_errors(inv: Inventory) -> CheckResult:
+    """Error counters that rose since the baseline (see the module docstring).
+
+    The baselines are rolled and written back to the cache.
+    """
+    return verdict_ib_errors(find_ib_errors(inv), inv)
+
+
+def find_ib_scan_coverage(inv: Inventory) -> Findings:
+    """Each node's active ports missing from their fabric's scan; flagged with the fabrics it is on.
+
+    "on:<key>" for every scanned-or-not InfiniBand fabric the node's ports
+    are on (a new scan of it re-checks the node), "unscanned:<key>" for one
+    never scanned.
+    """
+    out = Findings()
+    found = out.found
     for n in inv.nodes:
         for p in inv.ports(n.id):
             key = fabric_rules.fabric_key(p, inv.canon)
             if not key.startswith("sm:"):
                 continue
+            out.flag(n.id, f"on:{key}")
             scan = inv.scans.get(key)
             if scan is None or not scan.output:
-                unscanned.setdefault(key, set()).add(n.id)
+                # Fabrics with active ports and no map yet, and the nodes on them: "ok"
+                # there would claim coverage nobody has checked.
+                out.flag(n.id, f"unscanned:{key}")
                 continue
-            if key not in maps:
-                maps[key] = ibnetdiscover.fabric_map(key, scan.output)
-            if maps[key].has_port(port_guid=p.port_guid, node_guid=p.node_guid) is False:
+            if inv.fabric_map(key, scan).has_port(port_guid=p.port_guid, node_guid=p.node_guid) is False:
                 when = scan.output_at or scan.at
                 found.setdefault(n.id, []).append(
                     f"{scans.port_label(p.hca, p.port)} ({p.port_guid or p.node_guid}) absent from the scan of "
                     f"{key} taken {when:%Y-%m-%d %H:%M:%S}"
                 )
+    return out
+
+
+def verdict_ib_scan_coverage(f: Findings, inv: Inventory) -> CheckResult:
+    """The verdict of check_ib_scan_coverage over every node's findings and the fabrics never scanned."""
+    unscanned: dict[str, set[str]] = {}
+    for node_id, flags in f.flags.items():
+        for flag in flags:
+            if flag.startswith("unscanned:"):
+                unscanned.setdefault(flag.removeprefix("unscanned:"), set()).add(node_id)
     result = verdict(
         "ib_scan_coverage",
-        found,
+        f.found,
         fails=set(),
         ok="every active InfiniBand port appears in its fabric's latest scan",
         bad="{n} node(s) with ports missing from their fabric's map",
@@ -217,3 +274,25 @@ def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
         sorted(set(result.nodes) | {i for ids in unscanned.values() for i in ids}),
         result.details + never,
     )
+
+
+def check_ib_scan_coverage(inv: Inventory) -> CheckResult:
+    """Active InfiniBand ports that their fabric's latest ibnetdiscover map does not show."""
+    return verdict_ib_scan_coverage(find_ib_scan_coverage(inv), inv)
+
+
+registry.per_node(
+    check_ib_physical_fabric,
+    find=find_ib_physical_fabric,
+    verdict=verdict_ib_physical_fabric,
+    shares=frozenset({"canon"}),
+)
+registry.per_node(check_ib_ports, find=find_ib_ports, verdict=verdict_ib_ports)
+registry.per_node(check_ib_subnet_manager, find=find_ib_subnet_manager, verdict=verdict_ib_subnet_manager)
+registry.per_node(check_ib_errors, find=find_ib_errors, verdict=verdict_ib_errors, shares=frozenset({"baselines"}))
+registry.per_node(
+    check_ib_scan_coverage,
+    find=find_ib_scan_coverage,
+    verdict=verdict_ib_scan_coverage,
+    shares=frozenset({"canon", "scans"}),
+)

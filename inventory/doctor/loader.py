@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from django.core.cache import cache
 
 from inventory import fabric as fabric_rules
-from inventory import scans, telemetry
+from inventory import ibnetdiscover, scans, telemetry
 from inventory.doctor import registry
 from inventory.models import (
     GPU,
@@ -77,6 +77,10 @@ class Inventory:
     # What the loaders of checks registered by other apps read, by their key
     # (placement's pending replicas): the inventory does not know their types.
     extra: dict[str, Any] = field(default_factory=dict)
+    # Each fabric's parsed scan, by key, with what it was parsed from: the
+    # kept doctor hands its own to every snapshot it checks, so a map is
+    # parsed once per scan, not once per refresh.
+    fabric_maps: dict[str, tuple[tuple, Any]] = field(default_factory=dict)
     _ports: dict[str, list[Any]] | None = None
     _canon: dict[str, str] | None = None
 
@@ -93,6 +97,14 @@ class Inventory:
         if self._ports is None:
             self._ports = {n: scans.ports_of(d) for n, d in self.telemetry.items()}
         return self._ports.get(node_id, [])
+
+    def fabric_map(self, key: str, scan: FabricScan) -> ibnetdiscover.FabricMap:
+        """The map a fabric's scan draws (parsed once per scan text)."""
+        made_of = (scan.at, scan.output_at, len(scan.output))
+        hit = self.fabric_maps.get(key)
+        if hit is None or hit[0] != made_of:
+            hit = self.fabric_maps[key] = (made_of, ibnetdiscover.fabric_map(key, scan.output))
+        return hit[1]
 
     @property
     def canon(self) -> dict[str, str]:
@@ -124,14 +136,50 @@ def load_inventory(*, now: dt.datetime, checks: bool = True) -> Inventory:
         return inv
     fabrics = FabricAttachment.objects.order_by("node_id", "name").values_list("node_id", *_FABRIC_FIELDS)
     inv.node_fabrics = _grouped(fabrics, FabricRow)
-    inv.scans = {s.key: s for s in FabricScan.objects.all()}
-    inv.sm_changes = list(SMChange.objects.filter(at__gte=now - SM_CHANGE_RECENT))
+    inv.counter_baselines = load_baselines(ids)
+    load_fleet(inv)
+    return inv
+
+
+def load_fleet(inv: Inventory, *, scans: bool = True) -> None:
+    """Read into `inv` what belongs to no one node (scans unless told not).
+
+    The scans, recent failovers, failed installs, the liveness clock, and
+    what the registered loaders read.
+    """
+    if scans:
+        inv.scans = {s.key: s for s in FabricScan.objects.all()}
+    inv.sm_changes = list(SMChange.objects.filter(at__gte=inv.now - SM_CHANGE_RECENT))
     inv.failed_installs = list(EngineInstall.objects.filter(state=EngineInstallState.FAILED).order_by("node_id"))
-    inv.counter_baselines = _load_baselines(ids)
     inv.clock = LivenessClock.objects.filter(id=1).first()
     for load in registry.loaders():
         load(inv)
-    return inv
+
+
+def load_nodes(*, now: dt.datetime, node_ids: Collection[str]) -> Inventory:
+    """What the per-node checks read of these nodes alone (rows, GPUs, fabrics, telemetry, counter baselines).
+
+    Four queries and two cache round trips however many; the rest of a full
+    snapshot (scans, failovers, installs, the liveness clock, what other
+    apps load) is the fleet's, and left empty.
+    """
+    ids = sorted(node_ids)
+    nodes = list(Node.objects.only(*_NODE_FIELDS).filter(id__in=ids).order_by("id"))
+    gpus = GPU.objects.filter(node_id__in=ids).order_by("node_id", "index").values_list("node_id", *_GPU_FIELDS)
+    fabrics = (
+        FabricAttachment.objects.filter(node_id__in=ids)
+        .order_by("node_id", "name")
+        .values_list("node_id", *_FABRIC_FIELDS)
+    )
+    present = [n.id for n in nodes]
+    return Inventory(
+        now=now,
+        nodes=nodes,
+        telemetry=telemetry.get_many(present),
+        node_gpus=_grouped(gpus, GPURow),
+        node_fabrics=_grouped(fabrics, FabricRow),
+        counter_baselines=load_baselines(present),
+    )
 
 
 def counter_key(node_id: str) -> str:
@@ -139,6 +187,7 @@ def counter_key(node_id: str) -> str:
     return _COUNTER_KEY + node_id
 
 
-def _load_baselines(node_ids: list[str]) -> dict[str, dict[str, Any]]:
+def load_baselines(node_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """The IB counter baselines the cache holds for these nodes (see doctor/infiniband.py), by node."""
     found = telemetry.best_effort("doctor_baselines", lambda: cache.get_many([counter_key(n) for n in node_ids]), {})
     return {k[len(_COUNTER_KEY) :]: v for k, v in found.items()}

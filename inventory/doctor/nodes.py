@@ -6,36 +6,45 @@ import datetime as dt
 
 from django.conf import settings
 
+from inventory import doctor_view
+from inventory.doctor import registry
 from inventory.doctor.loader import Inventory
-from inventory.doctor.results import CheckResult, Result, verdict
+from inventory.doctor.results import CheckResult, Findings, Result, verdict
+from inventory.doctor_view import SKEW_FAIL_S, SKEW_WARN_S
 from inventory.models import NodeState
 
-# Clock skew between an agent and the control plane: a few seconds is noise,
-# half a minute breaks liveness and makes log timelines lie.
-SKEW_WARN_S = 2.0
-SKEW_FAIL_S = 30.0
+__all__ = ["SKEW_FAIL_S", "SKEW_WARN_S", "check_clock_skew", "check_control_plane_liveness", "check_nodes_reachable"]
 
 
-def check_nodes_reachable(inv: Inventory) -> CheckResult:
-    """Nodes whose heartbeats stopped: unreachable is a warning, lost a failure."""
-    found: dict[str, list[str]] = {}
-    fails: set[str] = set()
+def find_nodes_reachable(inv: Inventory) -> Findings:
+    """Each node that is lost (a failure) or unreachable."""
+    f = Findings()
     for n in inv.nodes:
         if n.state == NodeState.LOST:
-            found[n.id] = ["lost: its replicas were declared dead"]
-            fails.add(n.id)
+            f.found[n.id] = ["lost: its replicas were declared dead"]
+            f.fails.add(n.id)
         elif n.state == NodeState.UNREACHABLE or n.unreachable_since is not None:
             since = n.unreachable_since or n.last_seen
-            found[n.id] = [f"no heartbeat since {since:%Y-%m-%d %H:%M:%S}" if since else "no heartbeat"]
+            f.found[n.id] = [f"no heartbeat since {since:%Y-%m-%d %H:%M:%S}" if since else "no heartbeat"]
+    return f
+
+
+def verdict_nodes_reachable(f: Findings, inv: Inventory) -> CheckResult:
+    """The reachability verdict over every node's findings."""
     return verdict(
         "nodes_reachable",
-        found,
-        fails=fails,
+        f.found,
+        fails=f.fails,
         ok="every node is heartbeating",
         bad="{n} node(s) not heartbeating",
         action="check the agent service and the management network on these nodes; a lost node's replicas "
         "are rebuilt elsewhere, and it returns to ready by itself when heartbeats resume",
     )
+
+
+def check_nodes_reachable(inv: Inventory) -> CheckResult:
+    """Nodes whose heartbeats stopped: unreachable is a warning, lost a failure."""
+    return verdict_nodes_reachable(find_nodes_reachable(inv), inv)
 
 
 # How long a blind window of the liveness sweep stays a warning after it ended.
@@ -83,25 +92,35 @@ def check_control_plane_liveness(inv: Inventory) -> CheckResult:
     return CheckResult(name, Result.PASS, "the liveness sweep runs and hears the fleet")
 
 
-def check_clock_skew(inv: Inventory) -> CheckResult:
-    """The agent's clock against the control plane's, read from the latest heartbeat."""
-    found: dict[str, list[str]] = {}
-    fails: set[str] = set()
+def find_clock_skew(inv: Inventory) -> Findings:
+    """Each node whose agent's clock is off by more than SKEW_WARN_S (SKEW_FAIL_S fails)."""
+    f = Findings()
     for node_id, data in sorted(inv.telemetry.items()):
-        at, agent_at = data.get("at"), data.get("agent_at")
-        if at is None or agent_at is None:
-            continue
-        skew = float(agent_at) - float(at)
-        if abs(skew) > SKEW_WARN_S:
-            found[node_id] = [f"agent clock {'ahead' if skew > 0 else 'behind'} by {abs(skew):.1f} s"]
-            if abs(skew) > SKEW_FAIL_S:
-                fails.add(node_id)
+        skewed = doctor_view.skew(data)
+        if skewed is not None:
+            f.found[node_id] = [skewed[0]]
+            if skewed[1]:
+                f.fails.add(node_id)
+    return f
+
+
+def verdict_clock_skew(f: Findings, inv: Inventory) -> CheckResult:
+    """The clock-skew verdict over every node's findings."""
     return verdict(
         "clock_skew",
-        found,
-        fails=fails,
+        f.found,
+        fails=f.fails,
         ok=f"every agent's clock is within {SKEW_WARN_S:g} s",
         bad="{n} node(s) with a skewed clock",
         action="enable time synchronisation (chrony or systemd-timesyncd) on these nodes against the "
         "control plane's time source",
     )
+
+
+def check_clock_skew(inv: Inventory) -> CheckResult:
+    """The agent's clock against the control plane's, read from the latest heartbeat."""
+    return verdict_clock_skew(find_clock_skew(inv), inv)
+
+
+registry.per_node(check_nodes_reachable, find=find_nodes_reachable, verdict=verdict_nodes_reachable)
+registry.per_node(check_clock_skew, find=find_clock_skew, verdict=verdict_clock_skew)

@@ -9,17 +9,56 @@ AppConfig.ready(), with a loader that reads its data into the snapshot's
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from inventory.doctor.loader import Inventory
-    from inventory.doctor.results import CheckResult
+    from inventory.doctor.results import CheckResult, Findings
 
 Check = Callable[["Inventory"], "CheckResult"]
 Loader = Callable[["Inventory"], None]
 
 _CHECKS: list[Check] = []
 _LOADERS: list[Loader] = []
+
+
+@dataclass(frozen=True)
+class PerNode:
+    """A check made of per-node findings and a verdict over them (see results.Findings).
+
+    `shares`: what beyond a node's own facts its findings depend on
+    ("canon": the canonical subnet managers, "scans": the fabric scans,
+    "baselines": the IB counter baselines, which roll with time), so the
+    kept doctor re-checks the nodes concerned when that changes.
+    """
+
+    find: Callable[[Inventory], Findings]
+    verdict: Callable[[Findings, Inventory], CheckResult]
+    shares: frozenset[str] = frozenset()
+
+
+_PER_NODE: dict[Check, PerNode] = {}
+
+
+def per_node(
+    check: Check,
+    *,
+    find: Callable[[Inventory], Findings],
+    verdict: Callable[[Findings, Inventory], CheckResult],
+    shares: frozenset[str] = frozenset(),
+) -> None:
+    """Say that `check` is `verdict(find(inv), inv)`, node by node: the kept doctor then re-checks only changed nodes.
+
+    A check not declared so runs whole at every refresh, over what the kept
+    doctor holds (inventory/doctor/kept.py says what that is).
+    """
+    _PER_NODE[check] = PerNode(find, verdict, frozenset(shares))
+
+
+def per_node_of(check: Check) -> PerNode | None:
+    """How a check splits into per-node findings, None when it does not."""
+    return _PER_NODE.get(check)
 
 
 def register(check: Check, *, load: Loader | None = None) -> Check:

@@ -48,6 +48,37 @@ def verdict(name: str, found: dict[str, list[str]], *, fails: set[str], ok: str,
     return CheckResult(name, result, bad.format(n=len(nodes)), action, nodes, details)
 
 
+@dataclass
+class Findings:
+    """What a per-node check found, node by node, before it is made a verdict.
+
+    `found`: each node's details, in the order the check found them; `fails`:
+    the nodes that make it a failure; `flags`: what else the verdict reads of
+    a node (an action it calls for, a fabric it is on). A node's entries
+    depend on that node's facts alone (and on what the whole snapshot shares:
+    the canonical subnet managers, the scans), which is what lets the kept
+    doctor re-check a few nodes and merge (`replace`).
+    """
+
+    found: dict[str, list[str]] = field(default_factory=dict)
+    fails: set[str] = field(default_factory=set)
+    flags: dict[str, set[str]] = field(default_factory=dict)
+
+    def flag(self, node_id: str, what: str) -> None:
+        """Note something the verdict reads about a node."""
+        self.flags.setdefault(node_id, set()).add(what)
+
+    def replace(self, node_ids: Iterable[str], other: Findings) -> None:
+        """Drop what was found on these nodes and take `other`'s findings (about those nodes) instead."""
+        for n in node_ids:
+            self.found.pop(n, None)
+            self.fails.discard(n)
+            self.flags.pop(n, None)
+        self.found.update(other.found)
+        self.fails |= other.fails
+        self.flags.update(other.flags)
+
+
 def overall(results: Iterable[CheckResult]) -> Result:
     """The worst verdict among the results (pass when there are none)."""
     worst = Result.PASS

@@ -11,6 +11,7 @@ import pytest
 from django.utils import timezone
 from prometheus_client import CollectorRegistry, generate_latest
 
+from inventory import doctor_refresh
 from inventory.metrics import Family, LlmgwCollector, render
 from inventory.models import GPU, AllocatedGPU, Allocation, Node, NodeState
 
@@ -131,6 +132,8 @@ def ours(body: bytes) -> str:
 
 
 def test_the_scrape_writes_exactly_these_lines_plain_and_gzipped(client, odd_cluster):
+    # The worker's refresh, at this same clock (a scrape never runs the checks).
+    doctor_refresh.refresh()
     plain = b"".join(client.get("/metrics").streaming_content)
     zipped = client.get("/metrics", headers={"accept-encoding": "gzip"})
     assert zipped["Content-Encoding"] == "gzip"
@@ -140,9 +143,9 @@ def test_the_scrape_writes_exactly_these_lines_plain_and_gzipped(client, odd_clu
     text = ours(plain)
     assert text == ours(unzipped)
     assert text.startswith(NODE_FAMILIES)
-    # The doctor's results ran in the first scrape (none were kept), at this same clock.
     assert text.endswith(
-        "# HELP llmgw_doctor_age_seconds Age of the doctor's results above (refreshed out of band).\n"
+        "# HELP llmgw_doctor_age_seconds Age of the doctor's results above (refreshed out of band); -1 while none "
+        "were ever kept.\n"
         "# TYPE llmgw_doctor_age_seconds gauge\n"
         "llmgw_doctor_age_seconds 0.0\n"
     )
