@@ -97,9 +97,8 @@ def _parse(buf: bytearray, end: int) -> tuple[Answer | None, int]:
     if not chunked:
         if len(buf) < pos + length:
             return None, 0
-        return _Closing(status, bytes(buf[pos : pos + length])) if close else Answer(
-            status, bytes(buf[pos : pos + length])
-        ), pos + length
+        kind = _Closing if close else Answer
+        return kind(status, bytes(buf[pos : pos + length])), pos + length
     content = bytearray()
     while True:
         eol = buf.find(b"\r\n", pos)
