@@ -358,7 +358,7 @@ def _phases(loop: Loop) -> Iterator[str]:
         f"join storm: {s['registered']:,} of {n:,} registered in {joined:.1f} s ({in_db:,} nodes in the database); "
         f"registration p50 {_ms(histogram_percentile(reg, 50))}, p99 {_ms(histogram_percentile(reg, 99))}; "
         f"refusals {s['register_refused'] or 'none'}; transport errors {s['unreachable']}; "
-        f"never let in: {n - min(n, in_db)}"
+        f"never let in: {n - min(n, in_db)}; load average {_loadavg()}"
     )
     if s["registered"] < n:
         yield f"  the join storm was cut at {join_timeout:.0f} s: the steady state below has nodes still joining"
@@ -389,6 +389,7 @@ def _phases(loop: Loop) -> Iterator[str]:
     )
     yield "  CPU per heartbeat (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in per_beat.items())
     yield "  memory: " + "; ".join(loop.memory())
+    yield f"  false verdicts (no node was silenced yet): {_verdicts(loop)}; load average {_loadavg()}"
     # 3. Scale-up.
     replicas = int(_env("BENCH_FLEET_REPLICAS", min(1000, n)))
     if replicas <= 0 or loop.left(budget) <= 0:
@@ -439,6 +440,18 @@ def _phases(loop: Loop) -> Iterator[str]:
     elif silent_n:
         yield _silence(loop, dep, replicas, silent_n, timeout)
     yield from _scrape(loop)
+
+
+def _verdicts(loop: Loop) -> str:
+    """How many times the sweep moved a node to unreachable and to lost so far, and how many nodes it was."""
+    rows = loop.sql(
+        "SELECT data->>'to', count(*), count(DISTINCT node_id) FROM inventory_nodeevent "
+        "WHERE kind = 'state' AND data->>'to' IN ('unreachable', 'lost') GROUP BY 1"
+    )
+    got = {to: (k, nodes) for to, k, nodes in rows}
+    return ", ".join(
+        f"{to} {got.get(to, (0, 0))[0]:,} ({got.get(to, (0, 0))[1]:,} nodes)" for to in ("unreachable", "lost")
+    )
 
 
 def _silence(loop: Loop, dep: int, replicas: int, silent_n: int, timeout: float) -> str:

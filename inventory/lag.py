@@ -22,6 +22,7 @@ really died is judged up to MAX_STRETCH times later.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from dataclasses import dataclass
 
 from django.conf import settings
@@ -67,3 +68,45 @@ def hearing(*, now: dt.datetime) -> Hearing:
         return Hearing(nodes, heard, 1.0)
     stretch = MAX_STRETCH if heard == 0 else min(MAX_STRETCH, WINDOW_INTERVALS * nodes / heard)
     return Hearing(nodes, heard, stretch)
+
+
+# The intake's lag is read from the late nodes the sweep has not judged yet: at least this many of them,
+LATE_MIN = 3
+# and at least this share of the fleet, so that a few nodes dying one after another do not count as lag.
+LATE_SHARE = 0.005
+
+
+def intake_lag(*, now: dt.datetime, nodes: int) -> float:
+    """Seconds by which the fleet's late tail, short of the unreachable delay, trails an on-time heartbeat.
+
+    A fleet heard by a web tier that keeps up has no node between an on-time
+    heartbeat's age (WINDOW_INTERVALS intervals: agents jitter by up to 10 %)
+    and the unreachable delay other than nodes that died in the last few
+    seconds. A backlog puts many there: each heartbeat waits its turn, so
+    while 80 % or more of the fleet is still heard within the window (no
+    stretch above), its slowest nodes wait past the delay. The age of the
+    k-th oldest node not yet due (k: LATE_MIN, or LATE_SHARE of `nodes` if
+    more) less an on-time age is that wait; the sweep adds it to its delays.
+
+    A node already past the delay is not among them, so nodes that died
+    together are all past the delay at the same sweep and judged on time; it
+    is bounded by the delay itself (the unreachable delay less an on-time
+    age). The cost: k or more nodes dying one after another within the
+    unreachable delay are judged when the last of them is due, up to that
+    bound later. 0.0 for a fleet under MIN_NODES (one query otherwise).
+    """
+    if nodes < MIN_NODES:
+        return 0.0
+    on_time = WINDOW_INTERVALS * settings.LLMGW_HEARTBEAT_INTERVAL
+    due = now - dt.timedelta(seconds=settings.LLMGW_UNREACHABLE_AFTER)
+    k = max(LATE_MIN, math.ceil(LATE_SHARE * nodes))
+    kth = (
+        Node.objects.exclude(state=NodeState.LOST)
+        .filter(unreachable_since__isnull=True, last_seen__gte=due)
+        .order_by("last_seen")
+        .values_list("last_seen", flat=True)[k - 1 : k]
+    )
+    seen = next(iter(kth), None)
+    if seen is None:
+        return 0.0
+    return max(0.0, (now - seen).total_seconds() - on_time)

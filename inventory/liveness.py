@@ -16,7 +16,8 @@ in a window when it could not listen (a gap between sweeps: the database or
 beat was down; most of the fleet silent at once: the web tier or the network
 in front of it) does not count against any node, a control plane hearing
 only part of its fleet (a backlog: too little CPU) waits longer before it
-judges (inventory/lag.py), and nodes are declared lost at a bounded rate
+judges, and one whose late heartbeats trail by some seconds adds that lag to
+its delays (inventory/lag.py), and nodes are declared lost at a bounded rate
 (check_own_health, lost_budget).
 """
 
@@ -52,6 +53,8 @@ class SweepResult:
     suspended: bool = False
     # The delays were this many times the configured ones: the control plane lagged (inventory/lag.py).
     stretch: float = 1.0
+    # Seconds added to the delays: the late tail of the heartbeats still coming in (lag.intake_lag).
+    lag_s: float = 0.0
 
 
 def _silence(now: dt.datetime, cutoff: dt.datetime) -> str:
@@ -289,8 +292,17 @@ def sweep(*, now: dt.datetime) -> SweepResult:
             heard.nodes,
             heard.stretch,
         )
-    unreachable_cutoff = cutoff(settings.LLMGW_UNREACHABLE_AFTER * heard.stretch, now=now, clock=clock)
-    lost_cutoff = cutoff(settings.LLMGW_LOST_AFTER * heard.stretch, now=now, clock=clock)
+    # A backlog whose late tail is short of the share above still holds some nodes past the delay:
+    # silence counts only past the intake's own lag.
+    result.lag_s = lag.intake_lag(now=now, nodes=heard.nodes)
+    if result.lag_s > 0.0:
+        log.info("liveness: the intake's late tail trails by %.1f s: delays + that", result.lag_s)
+    unreachable_after = max(
+        settings.LLMGW_UNREACHABLE_AFTER * heard.stretch, settings.LLMGW_UNREACHABLE_AFTER + result.lag_s
+    )
+    lost_after = max(settings.LLMGW_LOST_AFTER * heard.stretch, settings.LLMGW_LOST_AFTER + result.lag_s)
+    unreachable_cutoff = cutoff(unreachable_after, now=now, clock=clock)
+    lost_cutoff = cutoff(lost_after, now=now, clock=clock)
     for node_id in Node.objects.filter(state=NodeState.READY, last_seen__lt=unreachable_cutoff).values_list(
         "id", flat=True
     ):

@@ -199,7 +199,9 @@ def upsert_node(reg: wire.Register, *, now: dt.datetime) -> tuple[Node, bool]:
         "storage_reported": reg.storage is not None,
         "weights_reported": reg.weights is not None,
     }
-    with transaction.atomic():
+    # No savepoint of its own: a registration is one transaction, and under a join storm
+    # every statement saved is a round trip fewer for each of thousands of nodes.
+    with transaction.atomic(savepoint=False):
         node = Node.objects.select_for_update().filter(id=reg.node_id).first()
         created = node is None
         if created:
@@ -210,7 +212,8 @@ def upsert_node(reg: wire.Register, *, now: dt.datetime) -> tuple[Node, bool]:
         node.labels = label_rules.merge(node.agent_labels, node.operator_labels)
         if previous_state in (NodeState.UNREACHABLE, NodeState.LOST):
             node.state = NodeState.READY
-        node.save()
+        # A new node is inserted at once (Django would try an UPDATE of the id first).
+        node.save(force_insert=created)
         changes.mark([node.id])
         if created:
             record_event(node.id, "registered", "node joined", now=now, actor_name="agent")
@@ -225,7 +228,7 @@ def upsert_node(reg: wire.Register, *, now: dt.datetime) -> tuple[Node, bool]:
                     actor_name="agent",
                     data={"from": str(previous_state), "to": str(node.state)},
                 )
-        _replace_hardware(node, reg)
+        _replace_hardware(node, reg, created=created)
     return node, created
 
 
@@ -240,27 +243,36 @@ class _Fabric:
         self.fabric_health = fabric.health if fabric else ""
 
 
-def _replace_hardware(node: Node, reg: wire.Register) -> None:
-    existing = {g.index: g for g in node.gpus.all()} if not node._state.adding else {}
-    keep = set()
+def _replace_hardware(node: Node, reg: wire.Register, *, created: bool) -> None:
+    """The node's GPUs, fabrics, storage, weights and engine installs as the registration says.
+
+    A new node has none yet: its rows are inserted, one statement per table,
+    with nothing read or deleted first (a join storm is mostly new nodes).
+    """
+    existing = {} if created else {g.index: g for g in node.gpus.all()}
+    keep, new = set(), []
     for g in reg.gpus:
         keep.add(g.index)
         values = _gpu_fields(g)
         row = existing.get(g.index)
         if row is None:
-            GPU.objects.create(node=node, index=g.index, **values)
+            new.append(GPU(node=node, index=g.index, **values))
         elif any(getattr(row, k) != v for k, v in values.items()):
             GPU.objects.filter(pk=row.pk).update(**values)
     gone = set(existing) - keep
     if gone:
         GPU.objects.filter(node=node, index__in=gone).delete()
+    if new:
+        GPU.objects.bulk_create(new)
 
-    FabricAttachment.objects.filter(node=node).delete()
+    if not created:
+        FabricAttachment.objects.filter(node=node).delete()
     FabricAttachment.objects.bulk_create(
         [FabricAttachment(node=node, name=f.name, hcas=list(f.hcas), rate_gbps=f.rate_gbps) for f in reg.fabrics]
     )
     if reg.storage is not None:
-        Storage.objects.filter(node=node).delete()
+        if not created:
+            Storage.objects.filter(node=node).delete()
         Storage.objects.bulk_create(
             [
                 Storage(
@@ -275,7 +287,8 @@ def _replace_hardware(node: Node, reg: wire.Register) -> None:
             ]
         )
     if reg.weights is not None:
-        LocalWeights.objects.filter(node=node).delete()
+        if not created:
+            LocalWeights.objects.filter(node=node).delete()
         LocalWeights.objects.bulk_create(
             [
                 LocalWeights(node=node, path=w.path, size_bytes=w.size_bytes, shared=w.shared)
@@ -283,12 +296,22 @@ def _replace_hardware(node: Node, reg: wire.Register) -> None:
             ]
         )
     if reg.engine_installs is not None:
-        replace_engine_installs(node.id, reg.engine_installs)
+        replace_engine_installs(node.id, reg.engine_installs, created=created)
 
 
-def replace_engine_installs(node_id: str, installs: list[wire.EngineInstall]) -> None:
-    """Record where each engine's installation stands, as the agent last said."""
+def replace_engine_installs(node_id: str, installs: list[wire.EngineInstall], *, created: bool = False) -> None:
+    """Record where each engine's installation stands, as the agent last said (a new node's in one INSERT)."""
     by_engine = {(wire_engines.canonical(i.engine) or i.engine): i for i in installs}
+    if created:
+        EngineInstall.objects.bulk_create(
+            [
+                EngineInstall(
+                    node_id=node_id, engine=engine, version=i.version, variant=i.variant, state=i.state, detail=i.detail
+                )
+                for engine, i in by_engine.items()
+            ]
+        )
+        return
     EngineInstall.objects.filter(node_id=node_id).exclude(engine__in=list(by_engine)).delete()
     for engine, i in by_engine.items():
         EngineInstall.objects.update_or_create(

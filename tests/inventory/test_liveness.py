@@ -285,10 +285,88 @@ def test_the_same_late_heartbeats_without_the_stretch_would_mark_live_nodes(now,
     sweeps(now, 0)
     heartbeats_behind(now, 10, ids, 18)
     monkeypatch.setattr(lag, "MAX_STRETCH", 1.0)
+    monkeypatch.setattr(lag, "LATE_MIN", 10**6)  # nor the intake's lag (below)
     marked = liveness.sweep(now=at(now, 10)).unreachable
     # Ages 11 to 17 s: 7 of each 18 nodes (node-011 ... node-017, node-029 ... , node-119), none of them silent.
     assert len(marked) == 7 * 6 + 1
     assert "node-011" in marked and "node-010" not in marked
+
+
+def heard_at(now, t: int, ages: dict[str, float]) -> None:
+    """Each node last heard `ages[node]` seconds before t."""
+    for node_id, age in ages.items():
+        Node.objects.filter(id=node_id).update(last_seen=now + dt.timedelta(seconds=t - age))
+
+
+def backlog(ids: list[str]) -> dict[str, float]:
+    """A web tier behind by a few seconds while 100 of 120 nodes (83 %, over the share that stretches) are heard
+    within 1.25 intervals: 15 nodes 7 to 9 s late, waiting their turn, and 5 past the 10 s delay (11 and 12 s)."""
+    ages = {node_id: float(i % 5) for i, node_id in enumerate(ids[:100])}
+    ages |= {node_id: 7.0 + i % 3 for i, node_id in enumerate(ids[100:115])}
+    ages |= {node_id: 11.0 + i % 2 for i, node_id in enumerate(ids[115:])}
+    return ages
+
+
+@pytest.fixture
+def short_delays(settings):
+    settings.LLMGW_HEARTBEAT_INTERVAL = 5
+    settings.LLMGW_UNREACHABLE_AFTER = 10
+    settings.LLMGW_LOST_AFTER = 20
+
+
+def test_a_late_tail_while_most_of_the_fleet_is_heard_marks_no_live_node(now, short_delays):
+    """The tail the share misses: 83 % heard, yet 5 live nodes past the delay behind a backlog."""
+    ids = _fleet(now, 120)
+    sweeps(now, 0)
+    heard_at(now, 10, backlog(ids))
+    assert lag.hearing(now=at(now, 10)) == lag.Hearing(nodes=120, heard=100, stretch=1.0)
+    # The third oldest node not yet due is 9 s old: 2.75 s past an on-time 6.25 s.
+    assert lag.intake_lag(now=at(now, 10), nodes=120) == 2.75
+    result = liveness.sweep(now=at(now, 10))
+    assert (result.unreachable, result.lost, result.lag_s, result.stretch) == ([], [], 2.75, 1.0)
+    assert Node.objects.filter(state=NodeState.READY).count() == 120
+
+
+def test_the_same_tail_without_the_intakes_lag_would_mark_five_live_nodes(now, short_delays, monkeypatch):
+    ids = _fleet(now, 120)
+    sweeps(now, 0)
+    heard_at(now, 10, backlog(ids))
+    monkeypatch.setattr(lag, "LATE_MIN", 10**6)
+    assert sorted(liveness.sweep(now=at(now, 10)).unreachable) == ids[115:]
+
+
+def test_nodes_that_die_together_are_judged_on_time_beside_a_backlog(now, short_delays):
+    """Past the delay they leave the tail the lag is read from: the same sweep judges them."""
+    ids = _fleet(now, 120)
+    sweeps(now, 0)
+    ages = {node_id: float(i % 5) for i, node_id in enumerate(ids[:110])}
+    ages |= {node_id: 10.5 for node_id in ids[110:]}  # a rack's ten trays, silent since the same moment
+    heard_at(now, 10, ages)
+    result = liveness.sweep(now=at(now, 10))
+    assert (sorted(result.unreachable), result.lag_s) == (ids[110:], 0.0)
+
+
+def test_nodes_dying_one_after_another_wait_while_three_are_late(now, short_delays):
+    """The trade-off: three or more nodes dying within the delay read as lag; the first waits for the third."""
+    ids = _fleet(now, 120)
+    sweeps(now, 0)
+    healthy = {node_id: float(i % 5) for i, node_id in enumerate(ids[:116])}
+    dead = dict(zip(ids[116:], [10.5, 9.0, 8.0, 7.0], strict=True))  # last heard 0.5, 2, 3 and 4 s before 10 s
+    marked = {}
+    for t in (10, 11, 12, 13, 13.5):
+        heard_at(now, t, healthy | {n: age + t - 10 for n, age in dead.items()})
+        result = liveness.sweep(now=at(now, t))
+        marked[t] = (sorted(result.unreachable), result.lag_s)
+    assert (
+        marked
+        == {
+            10: ([], 0.75),  # the three others 7 to 9 s old: the first (10.5 s) waits
+            11: ([], 1.75),
+            12: (ids[116:118], 0.0),  # the third is at the delay: two late ones left, no lag; 2 s late for the first
+            13: ([ids[118]], 0.0),
+            13.5: ([ids[119]], 0.0),  # the last on time
+        }
+    )
 
 
 def test_a_fleet_heard_in_full_or_too_small_to_read_judges_on_time(now, settings):

@@ -294,6 +294,53 @@ def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails()
     assert seen == [("cp", lease), ("gw", lease), ("gw", lease), ("cp", lease), ("cp", lease), ("gw", lease)]
 
 
+def test_a_lease_is_spliced_yet_valid_on_the_wire():
+    fleet = _fleet(nodes=2)
+    node = fleet.nodes[1]
+    node.leases, node.status = True, (100.0, node.status_key(100.0))
+    body, acks = node.lease(101.25)
+    assert wire.Lease.model_validate_json(body) == wire.Lease(node_id=node.node_id, at=101.25, acks=[])
+    assert acks == []
+    node.apply({"kind": "install_engine", "id": "c7", "engine": "vllm"}, 101.5)
+    body, acks = node.lease(102.0)
+    assert wire.Lease.model_validate_json(body) == wire.Lease(node_id=node.node_id, at=102.0, acks=["c7"])
+    assert acks == ["c7"]
+
+
+def test_a_watched_connection_fails_a_request_past_its_timeout_and_reconnects():
+    import asyncio
+
+    from llmgw_sim.fleet import Connection, TransportError
+
+    async def main() -> tuple:
+        first = asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            if not first.is_set():
+                first.set()  # the first request is never answered
+                await asyncio.sleep(30)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = Connection(f"http://127.0.0.1:{port}", timeout_s=0.2, watched=True)
+        pending = asyncio.ensure_future(conn.post("/x", b"{}", "tok"))
+        await first.wait()
+        conn.expire(time.monotonic())  # not yet past 0.2 s: nothing happens
+        assert not pending.done()
+        await asyncio.sleep(0.3)
+        conn.expire(time.monotonic())
+        with pytest.raises(TransportError, match=r"no answer within 0\.2 s"):
+            await pending
+        answer = await conn.post("/x", b"{}", "tok")  # a new connection
+        server.close()
+        return answer.status_code, answer.json()
+
+    assert asyncio.run(main()) == (200, {})
+
+
 # --- against a real control plane -------------------------------------------------------------------------------
 
 
