@@ -9,6 +9,7 @@ updates the node. PostgreSQL aborts the heartbeat, which waited first.
 from __future__ import annotations
 
 import threading
+import time
 
 import psycopg
 import pytest
@@ -42,8 +43,10 @@ def test_a_heartbeat_that_loses_a_deadlock_is_run_again(client, joined):
             with transaction.atomic():
                 Replica.objects.select_for_update().get(id=shard.replica_id)
                 locked.set()
-                # Until the heartbeat waits for this replica (its commit checks the event's key)...
-                for _ in range(400):
+                # Until the heartbeat waits for this replica (its commit checks the event's key): a
+                # condition, however long a loaded machine takes to reach it; the bound only ends a hang.
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
                     if _waiting_on_locks(url):
                         break
                     threading.Event().wait(0.025)
@@ -58,10 +61,10 @@ def test_a_heartbeat_that_loses_a_deadlock_is_run_again(client, joined):
 
     t = threading.Thread(target=writer)
     t.start()
-    assert locked.wait(10)
+    assert locked.wait(120)
     shards = [{"shard_id": str(shard.id), "replica_id": str(shard.replica_id), "state": "ready"}]
     resp = post(client, "heartbeat", heartbeat_payload(shards=shards), joined)
-    t.join(30)
+    t.join(150)
     assert errors == []
     assert resp.status_code == 200, resp.content
     # Both writes stand: the heartbeat's run again, after the writer's.
