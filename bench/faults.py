@@ -84,12 +84,14 @@ class Lost:
     nodes: set[str] = field(default_factory=set)
     failed: int = 0
     requests: int = 0
+    # Of the failed, those whose connection was refused (no server listening on the port).
+    refused: int = 0
 
     def line(self, name: str, did: str) -> str:
         """The scenario's line in the table."""
         return (
             f"{name:<24} {did:<62} lost: {len(self.nodes)} nodes left ready, "
-            f"{self.failed} of {self.requests} gateway requests failed"
+            f"{self.failed} of {self.requests} gateway requests failed ({self.refused} refused)"
         )
 
 
@@ -120,6 +122,9 @@ class Watch:
                 self.lost.requests += 1
                 try:
                     ok = http.post("/v1/chat/completions", json=body).status_code == 200
+                except httpx.ConnectError:
+                    self.lost.refused += 1
+                    ok = False
                 except httpx.HTTPError:
                     ok = False
                 if not ok:
@@ -286,9 +291,15 @@ KINDS = [
 ]
 
 
-def victim(pids: list[int], leaves: list[int], *, leaf: bool) -> int:
-    """The process to kill among those of a kind: a worker (a leaf), or the oldest that is not one (the master)."""
-    pool = leaves if leaf else [p for p in pids if p not in leaves] or pids
+def victim(pids: list[int], leaves: list[int], *, leaf: bool, parents: dict[int, int]) -> int:
+    """The process to kill among those of a kind: a worker (a leaf), or the workers' parent (the master).
+
+    `parents` maps each pid to its parent's. Above a server's master is the
+    process that holds its socket (llmgw/listen.py), whose command line names
+    the application too: the master is the one the workers were started by.
+    """
+    masters = sorted({parents[p] for p in leaves if parents.get(p) in pids})
+    pool = leaves if leaf else masters or [p for p in pids if p not in leaves] or pids
     if not pool:
         raise RuntimeError("no such process")
     return pool[0]
@@ -302,7 +313,7 @@ def kill_each_kind(stack: Stack) -> list[tuple[str, str, Lost]]:
         with Watch(stack) as lost:
             time.sleep(3)
             pids, leaves = procs.find(root, needle), procs.find(root, needle, leaf=True)
-            pid = victim(pids, leaves, leaf=leaf)
+            pid = victim(pids, leaves, leaf=leaf, parents={p: procs.parent(p) for p in pids})
             os.kill(pid, signal.SIGKILL)
             started = time.monotonic()
             wait(lambda: pid not in procs.find(root, needle) and len(procs.find(root, needle)) >= len(pids),  # noqa: B023

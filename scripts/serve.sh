@@ -16,8 +16,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ADDR="${1:?usage: scripts/serve.sh HOST:PORT}"
-HOST="${ADDR%:*}"
-PORT="${ADDR##*:}"
 PY="${PYTHON:-.venv/bin/python}"
 # granian binds with SO_REUSEPORT: refuse a port another program already holds.
 "$PY" scripts/port_free.py "$ADDR" || exit 1
@@ -30,17 +28,21 @@ export WEB_CONCURRENCY="${WEB_CONCURRENCY:-$(nproc)}"
 export LLMGW_WEB_THREADS="${LLMGW_WEB_THREADS:-4}"
 export DATABASE_POOL_MAX="${DATABASE_POOL_MAX:-0}"
 export DATABASE_CONN_MAX_AGE="${DATABASE_CONN_MAX_AGE:-600}"
+# The listening socket is bound once, by a process that keeps it (llmgw/listen.py): a master or a
+# worker that dies is replaced without a connection refused meanwhile.
+HOLD=("$PY" -m llmgw.listen hold "$ADDR" --)
 case "${LLMGW_WEB_SERVER:-granian}" in
 granian)
     # ASGI in front of the WSGI application (llmgw/front.py): a body is read whole, within
     # LLMGW_BODY_TIMEOUT, before one of the LLMGW_WEB_THREADS threads is given to it. A worker
     # that dies is started again; one whose master died stops itself (llmgw/orphans.py).
-    exec "$PY" -m granian --interface asgi llmgw.web:app --host "$HOST" --port "$PORT" \
+    exec "${HOLD[@]}" "$PY" -m llmgw.listen serve --interface asgi llmgw.web:app \
         --workers "$WEB_CONCURRENCY" --no-ws --respawn-failed-workers --respawn-interval 1 \
         --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
     ;;
 gunicorn)
-    exec "$PY" -m gunicorn llmgw.wsgi:application --config gunicorn.conf.py --bind "$ADDR" \
+    # gunicorn.conf.py binds to the held socket (LLMGW_LISTEN_FD).
+    exec "${HOLD[@]}" "$PY" -m gunicorn llmgw.wsgi:application --config gunicorn.conf.py \
         --log-level "${LLMGW_WEB_LOG_LEVEL:-info}"
     ;;
 *)
