@@ -44,7 +44,8 @@ def test_the_victim_is_a_worker_or_the_master_as_named():
     assert {k for k, _, _ in faults.KINDS} == {
         "web worker", "web master", "gateway worker", "gateway master", "Celery worker", "Celery beat",
     }  # fmt: skip
-    assert set(faults.SCENARIOS) == {"trickle", "kill", "web-outage", "redis"}
+    assert set(faults.SCENARIOS) == {"trickle", "kill", "web-outage", "redis", "web-outage-100"}
+    assert set(faults.FLEET_SCENARIOS) == {"web-outage-100"}
 
 
 def test_the_process_tree_is_read_from_proc():
