@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llmgw's production web server on HOST:PORT, in the foreground (make run, the benchmark).
-#   LLMGW_WEB_SERVER   granian (default) or gunicorn (with gunicorn.conf.py)
+#   LLMGW_WEB_SERVER   granian (default), granian-wsgi (without the front) or gunicorn (gunicorn.conf.py)
 #   WEB_CONCURRENCY    worker processes (default: one per core)
 #   LLMGW_WEB_THREADS  threads per worker running the WSGI application (default 4)
 #   LLMGW_BODY_TIMEOUT seconds a client has to send a body (default 10; then 408)
@@ -40,13 +40,21 @@ granian)
         --workers "$WEB_CONCURRENCY" --no-ws --respawn-failed-workers --respawn-interval 1 \
         --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
     ;;
+granian-wsgi)
+    # granian serving the WSGI application itself, without the front: no body deadline, no
+    # orphan watch. For measuring what the front costs (python -m bench heartbeat), or behind
+    # a proxy that buffers request bodies.
+    exec "${HOLD[@]}" "$PY" -m llmgw.listen serve --interface wsgi llmgw.wsgi:application \
+        --workers "$WEB_CONCURRENCY" --blocking-threads "$LLMGW_WEB_THREADS" --no-ws \
+        --respawn-failed-workers --respawn-interval 1 --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
+    ;;
 gunicorn)
     # gunicorn.conf.py binds to the held socket (LLMGW_LISTEN_FD).
     exec "${HOLD[@]}" "$PY" -m gunicorn llmgw.wsgi:application --config gunicorn.conf.py \
         --log-level "${LLMGW_WEB_LOG_LEVEL:-info}"
     ;;
 *)
-    echo "LLMGW_WEB_SERVER must be granian or gunicorn, not ${LLMGW_WEB_SERVER}" >&2
+    echo "LLMGW_WEB_SERVER must be granian, granian-wsgi or gunicorn, not ${LLMGW_WEB_SERVER}" >&2
     exit 2
     ;;
 esac
