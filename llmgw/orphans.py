@@ -62,12 +62,14 @@ def watch_parent(*, check_s: float = CHECK_S, grace_s: float = GRACE_S, handover
     if ready is not None:
         with contextlib.suppress(OSError):
             (ready / str(os.getpid())).touch()
+    # Without the hand-over, a master watching the socket's holder (llmgw/listen.py).
+    what = "the server's master" if handover else "the process holding the server's socket"
     threading.Thread(
-        target=_watch, args=(parent, check_s, grace_s, ready, holder), name="orphan-watch", daemon=True
+        target=_watch, args=(parent, check_s, grace_s, ready, holder, what), name="orphan-watch", daemon=True
     ).start()
 
 
-def _watch(parent: int, check_s: float, grace_s: float, ready: Path | None, holder: int) -> None:
+def _watch(parent: int, check_s: float, grace_s: float, ready: Path | None, holder: int, what: str) -> None:
     while os.getppid() == parent:
         time.sleep(check_s)
     if ready is not None and holder:
@@ -76,7 +78,7 @@ def _watch(parent: int, check_s: float, grace_s: float, ready: Path | None, hold
             time.sleep(0.2)
         with contextlib.suppress(OSError):
             (ready / str(os.getpid())).unlink()
-    log.warning("the server's master (pid %d) is gone: worker %d stops", parent, os.getpid())
+    log.warning("%s (pid %d) is gone: process %d stops", what, parent, os.getpid())
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(grace_s)
     os._exit(1)
