@@ -18,4 +18,7 @@ keepalive = 30
 # Far more connections than threads can be idle in keep-alive at once.
 worker_connections = 10000
 # Off by default: an agent's lease every few seconds per node would bury what happened.
+# scripts/serve.sh runs gunicorn on a socket held apart from it (llmgw/listen.py), which outlives its master.
+if os.environ.get("LLMGW_LISTEN_FD"):
+    bind = [f"fd://{int(os.environ['LLMGW_LISTEN_FD'])}"]
 accesslog = "-" if os.environ.get("LLMGW_ACCESS_LOG", "").strip().lower() in {"1", "true", "yes", "on"} else None

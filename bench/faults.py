@@ -13,7 +13,10 @@ ready. Each scenario prints one line: what was done, and what was lost
     python -m bench faults                  # every scenario
     python -m bench faults trickle redis    # some (by name; see SCENARIOS)
 
-BENCH_FAULTS_NODES sets the fleet's size (default 6).
+BENCH_FAULTS_NODES sets the fleet's size (default 6). The `web-outage-100`
+scenario runs on a stack of its own with a fleet of BENCH_FAULTS_FLEET_NODES
+(default 100): the web server stopped for 45 s, and with BENCH_FAULTS_LONG=1
+for 6 minutes too (past the lost delay).
 """
 
 from __future__ import annotations
@@ -84,12 +87,14 @@ class Lost:
     nodes: set[str] = field(default_factory=set)
     failed: int = 0
     requests: int = 0
+    # Of the failed, those whose connection was refused (no server listening on the port).
+    refused: int = 0
 
     def line(self, name: str, did: str) -> str:
         """The scenario's line in the table."""
         return (
             f"{name:<24} {did:<62} lost: {len(self.nodes)} nodes left ready, "
-            f"{self.failed} of {self.requests} gateway requests failed"
+            f"{self.failed} of {self.requests} gateway requests failed ({self.refused} refused)"
         )
 
 
@@ -120,6 +125,9 @@ class Watch:
                 self.lost.requests += 1
                 try:
                     ok = http.post("/v1/chat/completions", json=body).status_code == 200
+                except httpx.ConnectError:
+                    self.lost.refused += 1
+                    ok = False
                 except httpx.HTTPError:
                     ok = False
                 if not ok:
@@ -234,7 +242,7 @@ class Stack:
                            profiles=["hgx-h100"])  # fmt: skip
         self.fleet.start()
         wait(lambda: [s for (s,) in self.sql("SELECT state FROM inventory_node")] == ["ready"] * self.n_nodes,
-             timeout=120, what="the fleet ready")  # fmt: skip
+             timeout=max(120, 3 * self.n_nodes), what="the fleet ready")  # fmt: skip
         wait(self.gateway_answers, timeout=180, what="the gateway routing to the echo replicas")
 
     def gateway_answers(self) -> bool:
@@ -286,9 +294,15 @@ KINDS = [
 ]
 
 
-def victim(pids: list[int], leaves: list[int], *, leaf: bool) -> int:
-    """The process to kill among those of a kind: a worker (a leaf), or the oldest that is not one (the master)."""
-    pool = leaves if leaf else [p for p in pids if p not in leaves] or pids
+def victim(pids: list[int], leaves: list[int], *, leaf: bool, parents: dict[int, int]) -> int:
+    """The process to kill among those of a kind: a worker (a leaf), or the workers' parent (the master).
+
+    `parents` maps each pid to its parent's. Above a server's master is the
+    process that holds its socket (llmgw/listen.py), whose command line names
+    the application too: the master is the one the workers were started by.
+    """
+    masters = sorted({parents[p] for p in leaves if parents.get(p) in pids})
+    pool = leaves if leaf else masters or [p for p in pids if p not in leaves] or pids
     if not pool:
         raise RuntimeError("no such process")
     return pool[0]
@@ -302,7 +316,7 @@ def kill_each_kind(stack: Stack) -> list[tuple[str, str, Lost]]:
         with Watch(stack) as lost:
             time.sleep(3)
             pids, leaves = procs.find(root, needle), procs.find(root, needle, leaf=True)
-            pid = victim(pids, leaves, leaf=leaf)
+            pid = victim(pids, leaves, leaf=leaf, parents={p: procs.parent(p) for p in pids})
             os.kill(pid, signal.SIGKILL)
             started = time.monotonic()
             wait(lambda: pid not in procs.find(root, needle) and len(procs.find(root, needle)) >= len(pids),  # noqa: B023
@@ -366,28 +380,49 @@ def redis_outage(stack: Stack, seconds: float = 20.0) -> list[tuple[str, str, Lo
     ]
 
 
+def web_outage_fleet(stack: Stack) -> list[tuple[str, str, Lost]]:
+    """The web outage on a full-sized fleet: 45 s, and 6 minutes with BENCH_FAULTS_LONG=1."""
+    out = web_outage(stack, 45.0)
+    if os.environ.get("BENCH_FAULTS_LONG", "") == "1":
+        out += web_outage(stack, 360.0)
+    return [(f"{label}, {stack.n_nodes} nodes", did, lost) for label, did, lost in out]
+
+
 SCENARIOS: dict[str, Callable[[Stack], list[tuple[str, str, Lost]]]] = {
     "trickle": trickle,
     "kill": kill_each_kind,
     "web-outage": web_outage,
     "redis": redis_outage,
+    "web-outage-100": web_outage_fleet,
 }
+# Scenarios that need a fleet of their own size, each on a stack of its own.
+FLEET_SCENARIOS = {"web-outage-100"}
 
 
 def lines(names: list[str] | None = None) -> Iterator[str]:
-    """Run the named scenarios (all by default) on a fresh stack; one line each, as each ends."""
+    """Run the named scenarios (all by default) on fresh stacks; one line each, as each ends."""
     unknown = [n for n in names or [] if n not in SCENARIOS]
     if unknown:
         raise SystemExit(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(SCENARIOS)}")
     if PG_BIN is None or shutil.which("redis-server") is None:
         raise SystemExit("the fault suite needs PostgreSQL's server binaries and redis-server")
+    chosen = names or list(SCENARIOS)
+    small = [n for n in chosen if n not in FLEET_SCENARIOS]
+    if small:
+        yield from _on_a_stack(small, nodes=int(os.environ.get("BENCH_FAULTS_NODES", "6")))
+    for name in chosen:
+        if name in FLEET_SCENARIOS:
+            yield from _on_a_stack([name], nodes=int(os.environ.get("BENCH_FAULTS_FLEET_NODES", "100")))
+
+
+def _on_a_stack(names: list[str], *, nodes: int) -> Iterator[str]:
     root = Path(tempfile.mkdtemp(prefix="llmgw-faults-"))
     os.chmod(root, 0o755)
-    stack = Stack(root, nodes=int(os.environ.get("BENCH_FAULTS_NODES", "6")))
+    stack = Stack(root, nodes=nodes)
     try:
         stack.start()
         yield f"stack: {stack.n_nodes} simulated nodes, default thresholds, 2 web and 2 gateway workers"
-        for name in names or list(SCENARIOS):
+        for name in names:
             for label, did, lost in SCENARIOS[name](stack):
                 yield lost.line(label, did)
     except Exception as exc:  # the stack's own failure: said, with where its logs are (kept)

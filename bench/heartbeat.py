@@ -46,6 +46,7 @@ from typing import NamedTuple
 from urllib.parse import urlsplit, urlunsplit
 
 import llmgw_wire as wire
+from bench import procs
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -468,7 +469,8 @@ class CPUMeter:
         return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
     def sample(self) -> dict[str, float]:
-        server = [self.server_pid, *_children(self.server_pid)]
+        # Every process below the script: the socket's holder, the master and its workers (llmgw/listen.py).
+        server = [self.server_pid, *procs.descendants(self.server_pid)]
         t = os.times()
         return {
             "server": sum(_proc_cpu(p) for p in server),

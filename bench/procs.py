@@ -45,3 +45,8 @@ def find(pid: int, needle: str, *, leaf: bool = False) -> list[int]:
         return hits
     table = _table()
     return [p for p in hits if not any(table.get(c, (0, ""))[0] == p for c in hits)]
+
+
+def parent(pid: int) -> int:
+    """The parent of a live process (0 when it is gone)."""
+    return _table().get(pid, (0, ""))[0]

@@ -159,6 +159,16 @@ class Deployment(models.Model):
                 condition=Q(autoscale_metric__in=AutoscaleMetric.values),
                 name="placement_deployment_autoscale_metric_valid",
             ),
+            # The bounds are within the replica bound whether autoscaling is on or not: a policy
+            # turned on later starts from what was stored.
+            models.CheckConstraint(
+                condition=Q(autoscale_min__gte=0) & Q(autoscale_min__lte=MAX_REPLICAS),
+                name="placement_deployment_autoscale_min_bounded",
+            ),
+            models.CheckConstraint(
+                condition=Q(autoscale_max__gte=0) & Q(autoscale_max__lte=MAX_REPLICAS),
+                name="placement_deployment_autoscale_max_bounded",
+            ),
             models.CheckConstraint(
                 condition=Q(autoscale_metric="") | (Q(autoscale_max__gte=F("autoscale_min")) & Q(autoscale_max__gte=1)),
                 name="placement_deployment_autoscale_bounds",

@@ -3,12 +3,11 @@
 # It also answers the agents' wakeup long-poll, GET /api/v1/agent/wait (agents/wakeup.py).
 #   LLMGW_GATEWAY_WORKERS  data plane processes (default 1; they agree through Redis)
 #   LLMGW_ACCESS_LOG       1: log every request (off by default)
-# A worker that dies is started again; one whose master died stops itself (llmgw/orphans.py).
+# A worker or a master that dies is started again, the socket kept open meanwhile (llmgw/listen.py);
+# a worker whose master died stops itself (llmgw/orphans.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ADDR="${1:?usage: scripts/gateway.sh HOST:PORT}"
-HOST="${ADDR%:*}"
-PORT="${ADDR##*:}"
 PY="${PYTHON:-.venv/bin/python}"
 # granian binds with SO_REUSEPORT: a second gateway on this port would share it with the first
 # (traffic split between two control planes). Refuse a port already held instead.
@@ -18,5 +17,8 @@ case "${LLMGW_ACCESS_LOG:-}" in
 1 | [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn]) access_log=--access-log ;;
 *) access_log=--no-access-log ;;
 esac
-exec "$PY" -m granian --interface asgi gateway.asgi:app --host "$HOST" --port "$PORT" \
-    --workers "${LLMGW_GATEWAY_WORKERS:-1}" --no-ws --respawn-failed-workers --respawn-interval 1 --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
+# The listening socket is bound once, by a process that keeps it (llmgw/listen.py): a master or a
+# worker that dies is replaced without a connection refused meanwhile.
+exec "$PY" -m llmgw.listen hold "$ADDR" -- "$PY" -m llmgw.listen serve --interface asgi gateway.asgi:app \
+    --workers "${LLMGW_GATEWAY_WORKERS:-1}" --no-ws --respawn-failed-workers --respawn-interval 1 \
+    --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"

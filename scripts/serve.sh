@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llmgw's production web server on HOST:PORT, in the foreground (make run, the benchmark).
-#   LLMGW_WEB_SERVER   granian (default) or gunicorn (with gunicorn.conf.py)
+#   LLMGW_WEB_SERVER   granian (default), granian-wsgi (without the front) or gunicorn (gunicorn.conf.py)
 #   WEB_CONCURRENCY    worker processes (default: one per core)
 #   LLMGW_WEB_THREADS  threads per worker running the WSGI application (default 4)
 #   LLMGW_BODY_TIMEOUT seconds a client has to send a body (default 10; then 408)
@@ -16,8 +16,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ADDR="${1:?usage: scripts/serve.sh HOST:PORT}"
-HOST="${ADDR%:*}"
-PORT="${ADDR##*:}"
 PY="${PYTHON:-.venv/bin/python}"
 # granian binds with SO_REUSEPORT: refuse a port another program already holds.
 "$PY" scripts/port_free.py "$ADDR" || exit 1
@@ -30,21 +28,33 @@ export WEB_CONCURRENCY="${WEB_CONCURRENCY:-$(nproc)}"
 export LLMGW_WEB_THREADS="${LLMGW_WEB_THREADS:-4}"
 export DATABASE_POOL_MAX="${DATABASE_POOL_MAX:-0}"
 export DATABASE_CONN_MAX_AGE="${DATABASE_CONN_MAX_AGE:-600}"
+# The listening socket is bound once, by a process that keeps it (llmgw/listen.py): a master or a
+# worker that dies is replaced without a connection refused meanwhile.
+HOLD=("$PY" -m llmgw.listen hold "$ADDR" --)
 case "${LLMGW_WEB_SERVER:-granian}" in
 granian)
     # ASGI in front of the WSGI application (llmgw/front.py): a body is read whole, within
     # LLMGW_BODY_TIMEOUT, before one of the LLMGW_WEB_THREADS threads is given to it. A worker
     # that dies is started again; one whose master died stops itself (llmgw/orphans.py).
-    exec "$PY" -m granian --interface asgi llmgw.web:app --host "$HOST" --port "$PORT" \
+    exec "${HOLD[@]}" "$PY" -m llmgw.listen serve --interface asgi llmgw.web:app \
         --workers "$WEB_CONCURRENCY" --no-ws --respawn-failed-workers --respawn-interval 1 \
         --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
     ;;
+granian-wsgi)
+    # granian serving the WSGI application itself, without the front: no body deadline, no
+    # orphan watch. For measuring what the front costs (python -m bench heartbeat), or behind
+    # a proxy that buffers request bodies.
+    exec "${HOLD[@]}" "$PY" -m llmgw.listen serve --interface wsgi llmgw.wsgi:application \
+        --workers "$WEB_CONCURRENCY" --blocking-threads "$LLMGW_WEB_THREADS" --no-ws \
+        --respawn-failed-workers --respawn-interval 1 --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
+    ;;
 gunicorn)
-    exec "$PY" -m gunicorn llmgw.wsgi:application --config gunicorn.conf.py --bind "$ADDR" \
+    # gunicorn.conf.py binds to the held socket (LLMGW_LISTEN_FD).
+    exec "${HOLD[@]}" "$PY" -m gunicorn llmgw.wsgi:application --config gunicorn.conf.py \
         --log-level "${LLMGW_WEB_LOG_LEVEL:-info}"
     ;;
 *)
-    echo "LLMGW_WEB_SERVER must be granian or gunicorn, not ${LLMGW_WEB_SERVER}" >&2
+    echo "LLMGW_WEB_SERVER must be granian, granian-wsgi or gunicorn, not ${LLMGW_WEB_SERVER}" >&2
     exit 2
     ;;
 esac

@@ -23,20 +23,29 @@ def test_a_scenarios_line_says_what_was_done_and_what_was_lost():
     lost = faults.Lost(nodes={"gpu-2", "gpu-1"}, failed=3, requests=412)
     line = lost.line("kill web master", "SIGKILL one web master under load; replaced in 4 s")
     assert line.startswith("kill web master          SIGKILL one web master under load; replaced in 4 s")
-    assert line.endswith("lost: 2 nodes left ready, 3 of 412 gateway requests failed")
-    assert faults.Lost().line("x", "y").endswith("lost: 0 nodes left ready, 0 of 0 gateway requests failed")
+    assert line.endswith("lost: 2 nodes left ready, 3 of 412 gateway requests failed (0 refused)")
+    assert (
+        faults.Lost(failed=2, refused=1)
+        .line("x", "y")
+        .endswith("0 nodes left ready, 2 of 0 gateway requests failed (1 refused)")
+    )
+    assert faults.Lost().line("x", "y").endswith("lost: 0 nodes left ready, 0 of 0 gateway requests failed (0 refused)")
 
 
 def test_the_victim_is_a_worker_or_the_master_as_named():
-    # A master (10) with two workers (11, 12): a worker is a leaf, the master the one that is not.
-    assert faults.victim([10, 11, 12], [11, 12], leaf=True) == 11
-    assert faults.victim([10, 11, 12], [11, 12], leaf=False) == 10
+    # The socket's holder (9), its master (10) with two workers (11, 12): a worker is a leaf, the master their parent.
+    parents = {9: 1, 10: 9, 11: 10, 12: 10}
+    assert faults.victim([9, 10, 11, 12], [11, 12], leaf=True, parents=parents) == 11
+    assert faults.victim([9, 10, 11, 12], [11, 12], leaf=False, parents=parents) == 10
     # A kind with one process (Celery beat): that one, whatever it is called.
-    assert faults.victim([20], [20], leaf=False) == 20
+    assert faults.victim([20], [20], leaf=False, parents={20: 1}) == 20
+    # A master and its worker, the master's parent not of the kind (Celery's worker): the master.
+    assert faults.victim([30, 31], [31], leaf=False, parents={30: 5, 31: 30}) == 30
     assert {k for k, _, _ in faults.KINDS} == {
         "web worker", "web master", "gateway worker", "gateway master", "Celery worker", "Celery beat",
     }  # fmt: skip
-    assert set(faults.SCENARIOS) == {"trickle", "kill", "web-outage", "redis"}
+    assert set(faults.SCENARIOS) == {"trickle", "kill", "web-outage", "redis", "web-outage-100"}
+    assert set(faults.FLEET_SCENARIOS) == {"web-outage-100"}
 
 
 def test_the_process_tree_is_read_from_proc():

@@ -24,6 +24,7 @@ import pytest
 from django.conf import settings
 from django.db import connection
 
+from bench import procs
 from bench.hostile import Trickle, request_head
 from tests.agents.conftest import JOIN, heartbeat_payload
 from tests.cleanenv import free_port, wait_until
@@ -58,6 +59,8 @@ class Server:
             "PYTHON": sys.executable,
             **extra,
         }
+        if "LLMGW_WEB_SERVER" not in extra:
+            env.pop("LLMGW_WEB_SERVER", None)  # the default, whatever this environment says
         self.log = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
@@ -95,10 +98,10 @@ def server(tmp_path) -> Iterator[Server]:
     s.stop()
 
 
-def _credential(url: str) -> str:
+def _credential(url: str, node: str = "node-a") -> str:
     resp = httpx.post(
         f"{url}/api/v1/agent/register",
-        json=register_payload("node-a"),
+        json=register_payload(node),
         headers={"Authorization": f"Bearer {JOIN}"},
         timeout=10,
     )
@@ -107,6 +110,9 @@ def _credential(url: str) -> str:
 
 
 def test_a_hundred_trickled_bodies_stall_no_heartbeat_and_no_admin_page(server):
+    # The default server is granian with the front (llmgw/web.py), not gunicorn.
+    served = procs.descendants(server.proc.pid).values()
+    assert any("llmgw.web:app" in cmd for cmd in served) and not any("gunicorn" in cmd for cmd in served), served
     auth = {"Authorization": f"Bearer {_credential(server.url)}"}
     # A token of the right shape, so that the front must read the body before Django may look the token up.
     forged = request_head("/api/v1/agent/heartbeat", headers={"Authorization": "Bearer llmgw-node-forged"})
@@ -150,5 +156,54 @@ def test_an_agent_request_without_a_credential_is_refused_before_its_body(tmp_pa
                 answer = s.recv(65536)
             assert answer.startswith(b"HTTP/1.1 401"), answer
             assert time.monotonic() - started < 5
+    finally:
+        server.stop()
+
+
+def test_gunicorn_cuts_a_trickled_body_off_within_the_deadline_while_other_requests_are_served(tmp_path):
+    """Under gunicorn a trickled body holds a thread, but only until LLMGW_BODY_TIMEOUT (llmgw/deadline.py)."""
+    deadline_s = 10  # long enough for the requests served meanwhile on a busy machine
+    server = Server(
+        tmp_path / "serve.log", LLMGW_WEB_SERVER="gunicorn", LLMGW_WEB_THREADS="3", LLMGW_BODY_TIMEOUT=str(deadline_s)
+    )
+    try:
+        auth = {"Authorization": f"Bearer {_credential(server.url)}"}
+        # Another node's body, its credential good (so the body is read), and an admin form's.
+        other = {"Authorization": f"Bearer {_credential(server.url, 'node-b')}"}
+        agent = Trickle(
+            "127.0.0.1", server.port, request_head("/api/v1/agent/heartbeat", length=5000, headers=other), n=1
+        )
+        form = (
+            b"POST /admin/login/ HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 5000\r\n"
+            # A CSRF cookie, so that the view reads the form (for its token) rather than refusing at once.
+            b"Cookie: csrftoken=" + b"a" * 32 + b"\r\n\r\nusername="
+        )
+        admin = Trickle("127.0.0.1", server.port, form, n=1)
+        agent.start()
+        admin.start()
+        try:
+            wait_until(lambda: agent.open() == 1 and admin.open() == 1, timeout=5, what="two trickling connections")
+            # Two of the three threads held: the third serves the fleet and the admin meanwhile.
+            with httpx.Client(base_url=server.url, timeout=10) as http:
+                for i in range(2):
+                    resp = http.post("/api/v1/agent/heartbeat", json=heartbeat_payload(at=float(i)), headers=auth)
+                    assert resp.status_code == 200, resp.text
+                assert http.get("/admin/login/").status_code == 200
+            # ... while both trickles were still held.
+            assert agent.open() == 1 and admin.open() == 1, (agent.statuses(), admin.statuses())
+            wait_until(
+                lambda: agent.open() == 0 and admin.open() == 0, timeout=deadline_s + 10,
+                what="the trickles cut off", context=lambda: str((agent.statuses(), admin.statuses())),
+            )  # fmt: skip
+            assert agent.statuses() == {408: 1} and admin.statuses() == {408: 1}
+            # Counted from when the application is handed the request (its headers parsed by then).
+            assert max(agent.held_s(), admin.held_s()) < deadline_s + 5
+            # The threads are free again: answered at once.
+            with httpx.Client(base_url=server.url, timeout=3) as http:
+                assert http.get("/admin/login/").status_code == 200
+        finally:
+            agent.stop()
+            admin.stop()
     finally:
         server.stop()

@@ -151,8 +151,9 @@ def test_a_host_outside_allowed_hosts_is_400(app):
 def test_the_project_application_uses_the_fast_path():
     from llmgw import wsgi
 
-    # The health probes are answered first (llmgw/health.py), then the agent's fast path.
-    assert isinstance(wsgi.application.__wrapped__.agent_handler, AgentHandler)
+    # The health probes are answered first (llmgw/health.py), then the body deadline (llmgw/deadline.py),
+    # then the agent's fast path.
+    assert isinstance(wsgi.application.__wrapped__.__wrapped__.agent_handler, AgentHandler)
 
 
 @pytest.mark.django_db(transaction=True)

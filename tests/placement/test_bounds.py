@@ -122,6 +122,67 @@ def test_the_database_refuses_a_replica_count_past_the_bound():
         Deployment.objects.create(name="d", served_model="d", profile=prof, replicas=bounds.MAX_REPLICAS + 1)
 
 
+@pytest.mark.parametrize(
+    ("fields", "constraint"),
+    [
+        ({"autoscale_min": bounds.MAX_REPLICAS + 1}, "placement_deployment_autoscale_min_bounded"),
+        ({"autoscale_max": bounds.MAX_REPLICAS + 1}, "placement_deployment_autoscale_max_bounded"),
+        # Off or on, the stored bounds stay within the replica bound.
+        (
+            {"autoscale_metric": "inflight", "autoscale_target": 1.0, "autoscale_min": 1, "autoscale_max": 10_001},
+            "placement_deployment_autoscale_max_bounded",
+        ),
+        (
+            {"autoscale_metric": "inflight", "autoscale_target": 1.0, "autoscale_min": 5, "autoscale_max": 4},
+            "placement_deployment_autoscale_bounds",
+        ),
+    ],
+)
+def test_the_database_refuses_autoscaling_bounds_past_the_replica_bound_or_inverted(fields, constraint):
+    prof = EngineProfile.objects.create(name="p", engine="echo")
+    with pytest.raises(IntegrityError, match=constraint), transaction.atomic():
+        Deployment.objects.create(name="d", served_model="d", profile=prof, **fields)
+
+
+def test_the_database_refuses_a_negative_autoscaling_bound_by_name():
+    # The ORM's PositiveIntegerField is not the guard: a raw update past it meets the named constraint.
+    prof = EngineProfile.objects.create(name="p", engine="echo")
+    d = Deployment.objects.create(name="d", served_model="d", profile=prof)
+    for column in ("autoscale_min", "autoscale_max"):
+        with (
+            pytest.raises(IntegrityError, match=f"placement_deployment_{column}_bounded|{column}"),
+            transaction.atomic(),
+        ):
+            Deployment.objects.filter(pk=d.pk).update(**{column: -1})
+
+
+def test_autoscaling_bounds_past_the_replica_bound_are_mended_by_their_migration():
+    if connection.vendor != "postgresql":
+        pytest.skip("the constraints are dropped for the test by PostgreSQL's transactional DDL")
+    table = Deployment._meta.db_table
+    _drop((table, "placement_deployment_autoscale_min_bounded"), (table, "placement_deployment_autoscale_max_bounded"))
+    prof = EngineProfile.objects.create(name="p", engine="echo")
+    on = Deployment.objects.create(name="on", served_model="on", profile=prof, autoscale_metric="inflight",
+                                   autoscale_target=1.0, autoscale_min=20_000, autoscale_max=2_000_000)  # fmt: skip
+    off = Deployment.objects.create(name="off", served_model="off", profile=prof, autoscale_min=3, autoscale_max=99_999)
+    importlib.import_module("placement.migrations.0012_autoscale_bounds_constraints").mend(apps, None)
+    on.refresh_from_db()
+    off.refresh_from_db()
+    assert (on.autoscale_min, on.autoscale_max) == (bounds.MAX_REPLICAS, bounds.MAX_REPLICAS)
+    assert (off.autoscale_min, off.autoscale_max) == (3, bounds.MAX_REPLICAS)
+    # What the migration leaves, the constraints take (the rows' deferred foreign-key checks first).
+    with connection.cursor() as cur:
+        cur.execute("SET CONSTRAINTS ALL IMMEDIATE")
+        cur.execute(
+            f"ALTER TABLE {table} ADD CONSTRAINT placement_deployment_autoscale_min_bounded "
+            "CHECK (autoscale_min >= 0 AND autoscale_min <= 10000)"
+        )
+        cur.execute(
+            f"ALTER TABLE {table} ADD CONSTRAINT placement_deployment_autoscale_max_bounded "
+            "CHECK (autoscale_max >= 0 AND autoscale_max <= 10000)"
+        )
+
+
 def _drop(*constraints: str) -> None:
     # Inside the test's transaction (PostgreSQL's DDL is transactional): rolled back after the test.
     with connection.cursor() as cur:

@@ -1,0 +1,130 @@
+"""The socket's holder (llmgw/listen.py): one bind, the server its child, a killed server started again on it.
+
+The servers themselves (granian's master and workers killed under load, no
+request refused) are tests/test_process_deaths.py; here the holder's own
+rules, with a small Python server as its child.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmgw import listen, orphans
+from tests.cleanenv import free_port, wait_until
+
+# A child that serves "pid\n" to each connection on the inherited socket, until killed.
+CHILD = (
+    "import os, socket\n"
+    "s = socket.socket(fileno=int(os.environ['LLMGW_LISTEN_FD']))\n"
+    "while True:\n"
+    "    c, _ = s.accept()\n"
+    "    c.sendall(f'{os.getpid()}\\n'.encode())\n"
+    "    c.close()\n"
+)
+
+
+def _ask(port: int) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+        return int(c.makefile().readline())
+
+
+def test_the_inherited_socket_is_ours_or_systemds_first():
+    assert listen.inherited_fd({"LLMGW_LISTEN_FD": "7"}) == 7
+    assert listen.inherited_fd({"LISTEN_FDS": "1", "LISTEN_PID": "42"}, pid=42) == 3
+    # Passed to another process (the variables inherited by a child): not ours.
+    assert listen.inherited_fd({"LISTEN_FDS": "1", "LISTEN_PID": "41"}, pid=42) is None
+    assert listen.inherited_fd({}) is None
+    with pytest.raises(ValueError, match="LISTEN_FDS is 2"):
+        listen.inherited_fd({"LISTEN_FDS": "2", "LISTEN_PID": "42"}, pid=42)
+
+
+def test_a_port_held_by_another_program_is_refused_naming_it():
+    port = free_port()
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", port))
+    other.listen()
+    try:
+        with pytest.raises(OSError, match=re.escape(f"127.0.0.1:{port} cannot be listened on")):
+            listen.bind(f"127.0.0.1:{port}")
+    finally:
+        other.close()
+    with pytest.raises(OSError, match=r"nohost\.invalid:x is not an address"):
+        listen.bind("nohost.invalid:x")
+
+
+def test_a_killed_server_is_started_again_on_the_same_socket_and_nothing_is_refused(tmp_path):
+    port = free_port()
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "llmgw.listen", "hold", f"127.0.0.1:{port}", "--", sys.executable, "-c", CHILD],
+        cwd=Path(__file__).resolve().parents[2],
+        stderr=open(tmp_path / "err", "wb"),  # noqa: SIM115 - the child keeps it
+    )
+    try:
+        first = wait_until(lambda: _try(port), timeout=30, what="the first server")
+        os.kill(first, signal.SIGKILL)
+        # Asked at once, before the new child runs: the connection waits in the backlog, it is not refused.
+        second = _ask(port)
+        assert second != first and holder.poll() is None
+        assert "was killed (SIGKILL); starting it again" in (tmp_path / "err").read_text()
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(10) == 0
+    finally:
+        holder.kill()
+        holder.wait(10)
+
+
+def _try(port: int) -> int | None:
+    try:
+        return _ask(port)
+    except OSError:
+        return None
+
+
+def test_a_server_that_exits_by_itself_ends_the_hold_with_its_status(tmp_path):
+    port = free_port()
+    done = subprocess.run(
+        [sys.executable, "-m", "llmgw.listen", "hold", f"127.0.0.1:{port}", "--", sys.executable, "-c",
+         "import sys; sys.exit(3)"],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 3
+    assert f"the server on 127.0.0.1:{port} exited (status 3)" in done.stderr
+
+
+def test_an_orphan_waits_for_a_successor_of_its_holder_and_not_for_itself(tmp_path):
+    # This process stands for the holder; a child shell for a new master; its child for a ready worker.
+    me = os.getpid()
+    assert not orphans.successor_ready(tmp_path, holder=me, dead=12345)
+    master = subprocess.Popen(["bash", "-c", "sleep 60 & wait"])
+    try:
+        worker = wait_until(lambda: _child_of(master.pid), timeout=10, what="the worker")
+        # An orphan's own mark (or a mark of the dead master's workers) is no successor.
+        (tmp_path / str(worker)).touch()
+        assert not orphans.successor_ready(tmp_path, holder=me, dead=master.pid)
+        assert orphans.successor_ready(tmp_path, holder=me, dead=12345)
+    finally:
+        master.kill()
+        master.wait(10)
+    # The holder gone: no successor will come, the orphan leaves.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert orphans.successor_ready(tmp_path, holder=gone.pid, dead=12345)
+
+
+def _child_of(pid: int) -> int | None:
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                return int(proc.name)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
