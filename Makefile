@@ -16,6 +16,13 @@ MIGRATIONS_CHECK_DB ?= postgres://postgres@127.0.0.1:5432/postgres
 # outside the checkout (the script says where; see `make llama-server`).
 LLAMA_SERVER := $(shell ./scripts/llama-server.sh --path 2>/dev/null)
 
+# pytest-xdist workers for `make test`: the suite mostly waits on the processes it starts, so four
+# keep two cores busy (docs/tests.md has the measurements). Each worker has its own test database,
+# Redis database (REDIS_URL's + worker number: 12 to 15 by default), cache prefix and var/.
+# `make test PYTEST_WORKERS=2` for fewer.
+PYTEST_WORKERS := 4
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
 # OpenAI's JavaScript SDK, for tests/gateway/test_openai_sdk.py's Node smoke test.
 OPENAI_JS := 7.59.0
 JS_SDK := var/js-sdk
@@ -52,9 +59,10 @@ test: $(VENV)/.installed-dev services browser prometheus js-sdk llama-server
 	$(BIN)/ruff format --check .
 	$(TEST_ENV) $(PY) manage.py check
 	$(TEST_ENV) DATABASE_URL=$(MIGRATIONS_CHECK_DB) DATABASE_POOL_MAX=0 $(PY) manage.py makemigrations --check --dry-run
-	$(TEST_ENV) LLMGW_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/pytest
-	# The end-to-end subset again on the embedded default (SQLite, the file cache).
-	DJANGO_SETTINGS_MODULE=llmgw.settings_test_sqlite LLMGW_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/pytest -m e2e --ds=llmgw.settings_test_sqlite
+	$(TEST_ENV) LLMGW_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/pytest $(PYTEST_XDIST)
+	# The end-to-end subset again on the embedded default (SQLite, the file cache; a folder per worker).
+	DJANGO_SETTINGS_MODULE=llmgw.settings_test_sqlite LLMGW_LLAMA_SERVER=$(LLAMA_SERVER) $(BIN)/pytest $(PYTEST_XDIST) \
+		-m e2e --ds=llmgw.settings_test_sqlite
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check --fix .

@@ -13,6 +13,9 @@ from pathlib import Path
 
 # Everything the embedded default keeps on disk, apart from any developer's var/.
 _VAR = Path(os.environ.get("LLMGW_TEST_SQLITE_DIR") or Path(__file__).resolve().parents[1] / "var" / "test-sqlite")
+# Under `pytest -n N` each worker (gw0, gw1, ...) has a folder of its own: its database, cache and broker.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _VAR = _VAR / os.environ["PYTEST_XDIST_WORKER"]
 os.environ["LLMGW_VAR_DIR"] = str(_VAR)
 os.environ["DATABASE_URL"] = f"sqlite:///{_VAR / 'llmgw.sqlite3'}"
 # The embedded default has no Redis: the cache is the file cache the web process and the worker share.

@@ -21,6 +21,51 @@ from tests.llamacpp import llama_server, llama_server_bin, tiny_model  # noqa: F
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, 0, tzinfo=dt.UTC)
 
+# The slowest modules, with the seconds all their tests took in a full `pytest -n 4` run on two busy
+# cores (docs/tests.md). Under `pytest -n` they run first: a long test handed out last keeps the whole
+# run waiting on the one worker that drew it, while first it overlaps the many short ones.
+SLOWEST_MODULES = {
+    "tests/test_faults.py": 710,
+    "tests/test_packaging.py": 605,
+    "tests/test_newcomer.py": 417,
+    "tests/browser/test_cockpit.py": 221,
+    "tests/gateway/test_dataplane.py": 207,
+    "tests/test_makefile.py": 182,
+    "tests/inventory/test_liveness.py": 149,
+    "tests/agents/test_property.py": 102,
+    "tests/gateway/test_openai_sdk.py": 91,
+    "tests/test_docs_runnable.py": 86,
+    "tests/agents/test_wakeup_e2e.py": 85,
+    "tests/placement/test_e2e.py": 85,
+    "tests/gateway/test_redis_outage.py": 81,
+    "tests/inventory/test_fleet_silence.py": 81,
+    "tests/llmgw_sim/test_fleet.py": 79,
+    "tests/test_process_deaths.py": 76,
+    "tests/gateway/test_budgets.py": 75,
+    "tests/llmgw/test_connection_pool.py": 69,
+    "tests/test_prometheus.py": 68,
+    "tests/test_control_plane_restart.py": 62,
+    "tests/gateway/test_autoscale_e2e.py": 58,
+    "tests/test_api_fuzz.py": 46,
+    "tests/gateway/test_drain.py": 42,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n`, the slowest modules first, then the other tests marked slow, then the rest.
+
+    Only in xdist's workers (each sorts its collection the same way, and the
+    scheduler hands tests out in that order): one process runs in file order.
+    """
+    if not hasattr(config, "workerinput"):
+        return
+
+    def key(item) -> tuple[int, bool]:
+        seconds = SLOWEST_MODULES.get(item.nodeid.split("::", 1)[0], 0)
+        return -seconds, item.get_closest_marker("slow") is None
+
+    items.sort(key=key)  # stable: in file order within each rank
+
 
 @pytest.fixture
 def now() -> dt.datetime:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -9,6 +10,22 @@ import socket
 # there was taken at any moment by an outgoing connection (the test's own HTTP
 # clients, PostgreSQL, Redis), and a shard placed on it exited with "address in use".
 LOW, HIGH = 20000, 32000
+
+
+def worker_span() -> tuple[int, int]:
+    """This test process's share of [LOW, HIGH): under `pytest -n N` worker gwK takes the K-th of N slices.
+
+    Free now is not free in a second: two workers reserving ranges at once
+    could both find the same ports free, and the second to bind loses. Slices
+    of their own never overlap, whatever the timing.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return LOW, HIGH
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    width = (HIGH - LOW) // count
+    low = LOW + int(worker.removeprefix("gw")) * width
+    return low, low + width
 
 
 def _free(port: int) -> bool:
@@ -21,10 +38,11 @@ def _free(port: int) -> bool:
 
 
 def free_port_range(count: int = 16) -> int:
-    """The first of `count` consecutive ports free on 127.0.0.1 now, outside the ephemeral range."""
+    """The first of `count` consecutive ports free on 127.0.0.1 now, in this worker's slice of the low range."""
+    low, high = worker_span()
     pick = random.SystemRandom()
     for _ in range(500):
-        base = pick.randrange(LOW, HIGH - count)
+        base = pick.randrange(low, high - count)
         if all(_free(p) for p in range(base, base + count)):
             return base
-    raise RuntimeError(f"no {count} consecutive free ports between {LOW} and {HIGH}")
+    raise RuntimeError(f"no {count} consecutive free ports between {low} and {high}")

@@ -99,7 +99,7 @@ class ControlPlane:
             "DJANGO_SETTINGS_MODULE": "llmgw.settings",
             "DEBUG": "0",
             "DATABASE_URL": _database_url(),
-            "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15"),
+            "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12"),
             "LLMGW_CACHE_PREFIX": os.environ.get("LLMGW_CACHE_PREFIX", "llmgw-test"),
             "SECRET_KEY": os.environ.get("SECRET_KEY", "llmgw-test-key"),
             "CELERY_BROKER_URL": "memory://",

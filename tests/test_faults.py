@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import signal
 import socket
@@ -38,9 +37,12 @@ import httpx
 import psycopg
 import pytest
 
+from tests.ports import free_port_range
 from tests.test_control_plane_restart import _wait
 
-pytestmark = pytest.mark.slow
+# One cluster for the whole module, its tests in order: under `pytest -n` they all go to one worker
+# (--dist loadgroup), which starts the cluster once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("faults")]
 
 REPO = Path(__file__).resolve().parents[1]
 JOIN = "llmgw-join-fault-suite-token"
@@ -54,22 +56,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _free_range(n: int) -> int:
-    """The first of n consecutive ports free now, below the ephemeral range (where other tests' sockets come and go)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 32000 - n)
-        try:
-            with contextlib.ExitStack() as stack:
-                for p in range(base, base + n):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError("no free port range")
 
 
 def _as_postgres() -> list[str]:
@@ -203,7 +189,7 @@ class Cluster:
             "LLMGW_LIVENESS_INTERVAL": "1",
             "LLMGW_RECONCILE_INTERVAL": "1",
             "LLMGW_SHARD_PORTS_UNIQUE": "1",
-            "LLMGW_SHARD_PORT_BASE": str(_free_range(40)),
+            "LLMGW_SHARD_PORT_BASE": str(free_port_range(40)),
             # A shard that fails to start (a port taken by a stranger) is retried within seconds here.
             "LLMGW_START_BACKOFF_BASE": "1",
             # Beat's "Sending due task" lines are routine (DEBUG): the two-beats test reads them.

@@ -52,12 +52,15 @@ def test_serve_script_runs_the_agent_fast_path(server):
     try:
         base = f"http://127.0.0.1:{port}/api/v1/agent"
         with httpx.Client(base_url=base, timeout=10) as http:
-            for _ in range(200):
+            # Until it answers, not for a count of tries: on busy cores granian took over 10 s to start.
+            deadline = time.monotonic() + 60
+            while True:
                 assert proc.poll() is None, "the server exited"
                 try:
                     http.get("/heartbeat")
                     break
                 except httpx.TransportError:
+                    assert time.monotonic() < deadline, "the server did not answer within 60 s"
                     time.sleep(0.05)
             resp = http.post("/register", json=register_payload("node-a"), headers={"Authorization": f"Bearer {JOIN}"})
             assert resp.status_code == 200, resp.text

@@ -70,7 +70,7 @@ class Gateway:
             "DEBUG": "0",
             "SECRET_KEY": "llmgw-test-key",
             "DATABASE_URL": database_url(),
-            "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15"),
+            "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12"),
             "LLMGW_CACHE_PREFIX": os.environ.get("LLMGW_CACHE_PREFIX", "llmgw-test"),
             # Long, so that a test seeing a change within a second proves the push, not the refresh.
             "LLMGW_GATEWAY_REFRESH": str(refresh_s),

@@ -86,7 +86,7 @@ def test_the_run_requirements_closure_follows_extras_and_leaves_test_tools_out()
 
 
 def test_beat_sends_its_tasks_on_a_redis_broker_with_only_the_run_requirements(tmp_path):
-    broker_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+    broker_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/12")
     queue = redis.Redis.from_url(broker_url)
     queue.delete("celery")
     env = {
