@@ -279,8 +279,8 @@ class Stack:
 KINDS = [
     ("web worker", "llmgw.web:app", True),
     ("web master", "llmgw.web:app", False),
-    ("gateway worker", "gateway.rsgi:app", True),
-    ("gateway master", "gateway.rsgi:app", False),
+    ("gateway worker", "gateway.asgi:app", True),
+    ("gateway master", "gateway.asgi:app", False),
     ("Celery worker", "worker --loglevel", False),
     ("Celery beat", "beat --loglevel", False),
 ]

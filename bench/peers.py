@@ -15,9 +15,9 @@ such and left out, and the others still run. Everything listens on loopback.
    and no errors, streamed, and its throughput with BENCH_PEERS_CLIENTS (64)
    clients streaming back to back. Each front's CPU per request (its
    processes' user + system time over the requests it answered) in the
-   offered-rate phases. llmgw runs over granian's RSGI interface (as
-   scripts/gateway.sh serves it) and, as "llmgw asgi", over ASGI
-   (BENCH_PEERS_INTERFACES, default "rsgi,asgi").
+   offered-rate phases. llmgw runs over granian's ASGI interface (as
+   scripts/gateway.sh serves it) and, as "llmgw rsgi", over RSGI
+   (BENCH_PEERS_INTERFACES, default "asgi,rsgi").
 2. Routing quality: bench.gateway's workloads (BENCH_PEERS_WORKLOADS, default
    "short,sessions,long,shared") over 4 fresh echo replicas per front:
    prefix-cache hit ratio from the replicas' own counters, mean time to first
@@ -152,7 +152,7 @@ def cpu_seconds(pgid: int) -> float:
 
 def _fronts(
     env: dict[str, str], procs: Procs, peers: dict[str, Path], urls: list[str], model: str, workdir: Path,
-    policies: tuple[str, ...] = ("prefix",), interfaces: tuple[str, ...] = ("rsgi",),
+    policies: tuple[str, ...] = ("prefix",), interfaces: tuple[str, ...] = ("asgi",),
 ) -> dict[str, tuple[str, str, int]]:  # fmt: skip
     """Start llmgw's gateway (one per policy and interface) and every installed peer in front of `urls`.
 
@@ -246,8 +246,8 @@ def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir
     rate = float(os.environ.get("BENCH_PEERS_RATE", 500))
     seconds = float(os.environ.get("BENCH_PEERS_SECONDS", 3))
     echo = procs.echo(env, "bench", "--token-seconds", "0", "--prefill-tokens-per-s", "0", "--max-batch", "0")
-    # The gateway over granian's RSGI interface (as scripts/gateway.sh serves it) and, beside it, over ASGI.
-    interfaces = tuple(os.environ.get("BENCH_PEERS_INTERFACES", "rsgi,asgi").split(","))
+    # The gateway over granian's ASGI interface (as scripts/gateway.sh serves it) and, beside it, over RSGI.
+    interfaces = tuple(os.environ.get("BENCH_PEERS_INTERFACES", "asgi,rsgi").split(","))
     fronts = _fronts(env, procs, peers, [echo], "bench", workdir, interfaces=interfaces)
     out: dict[str, list[float]] = {}
     for stream in (False, True):

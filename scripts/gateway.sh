@@ -2,8 +2,8 @@
 # The gateway's data plane (granian) on HOST:PORT, in the foreground (make run, the benchmark).
 # It also answers the agents' wakeup long-poll, GET /api/v1/agent/wait (agents/wakeup.py).
 #   LLMGW_GATEWAY_WORKERS    data plane processes (default 1; they agree through Redis)
-#   LLMGW_GATEWAY_INTERFACE  rsgi (default: granian's own interface, less CPU a request, gateway/rsgi.py)
-#                            or asgi (gateway/asgi.py); the same application and paths either way
+#   LLMGW_GATEWAY_INTERFACE  asgi (default, gateway/asgi.py) or rsgi (granian's own interface,
+#                            gateway/rsgi.py: the same application and paths, less CPU a streamed request)
 #   LLMGW_ACCESS_LOG       1: log every request (off by default)
 # A worker that dies is started again; one whose master died stops itself (llmgw/orphans.py).
 set -euo pipefail
@@ -20,9 +20,9 @@ case "${LLMGW_ACCESS_LOG:-}" in
 1 | [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn]) access_log=--access-log ;;
 *) access_log=--no-access-log ;;
 esac
-case "${LLMGW_GATEWAY_INTERFACE:-rsgi}" in
-rsgi) target=(--interface rsgi gateway.rsgi:app) ;;
+case "${LLMGW_GATEWAY_INTERFACE:-asgi}" in
 asgi) target=(--interface asgi gateway.asgi:app) ;;
+rsgi) target=(--interface rsgi gateway.rsgi:app) ;;
 *)
     echo "scripts/gateway.sh: LLMGW_GATEWAY_INTERFACE must be rsgi or asgi, not '$LLMGW_GATEWAY_INTERFACE'" >&2
     exit 2

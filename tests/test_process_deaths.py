@@ -130,7 +130,7 @@ def test_a_gateway_worker_that_dies_is_replaced_and_a_dead_masters_workers_leave
         proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gateway.sh"), f"127.0.0.1:{port}"], cwd=ROOT,
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
-        _kill_a_worker_then_the_master(proc.pid, "gateway.rsgi:app", f"http://127.0.0.1:{port}/health")
+        _kill_a_worker_then_the_master(proc.pid, "gateway.asgi:app", f"http://127.0.0.1:{port}/health")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)

@@ -58,7 +58,7 @@ def database_url() -> str:
 
 
 class Gateway:
-    """One data plane process, as `make run` starts it (granian, RSGI by default; ASGI on request)."""
+    """One data plane process, as `make run` starts it (granian, ASGI by default; RSGI on request)."""
 
     def __init__(
         self,
@@ -67,7 +67,7 @@ class Gateway:
         *,
         refresh_s: float = 30.0,
         extra_env: dict | None = None,
-        interface: str = "rsgi",
+        interface: str = "asgi",
     ) -> None:
         self.interface = interface
         self.port = free_port()
