@@ -15,7 +15,7 @@ BENCHES: list[str] = ["heartbeat", "lease", "planner", "reconcile", "kept", "met
 # Run only when named: the whole loop with a simulated fleet takes minutes, and
 # the gateway's peers are installed from PyPI (make bench-peers); autoscale runs a
 # load of minutes.
-ON_REQUEST: list[str] = ["fleet", "peers", "autoscale", "faults"]
+ON_REQUEST: list[str] = ["fleet", "peers", "autoscale", "faults", "serving"]
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,9 @@ such and left out, and the others still run. Everything listens on loopback.
    and no errors, streamed, and its throughput with BENCH_PEERS_CLIENTS (64)
    clients streaming back to back. Each front's CPU per request (its
    processes' user + system time over the requests it answered) in the
-   offered-rate phases.
+   offered-rate phases. llmgw runs over granian's ASGI interface (as
+   scripts/gateway.sh serves it) and, as "llmgw rsgi", over RSGI
+   (BENCH_PEERS_INTERFACES, default "asgi,rsgi").
 2. Routing quality: bench.gateway's workloads (BENCH_PEERS_WORKLOADS, default
    "short,sessions,long,shared") over 4 fresh echo replicas per front:
    prefix-cache hit ratio from the replicas' own counters, mean time to first
@@ -150,19 +152,26 @@ def cpu_seconds(pgid: int) -> float:
 
 def _fronts(
     env: dict[str, str], procs: Procs, peers: dict[str, Path], urls: list[str], model: str, workdir: Path,
-    policies: tuple[str, ...] = ("prefix",),
+    policies: tuple[str, ...] = ("prefix",), interfaces: tuple[str, ...] = ("asgi",),
 ) -> dict[str, tuple[str, str, int]]:  # fmt: skip
-    """Start llmgw's gateway (one per policy) and every installed peer in front of `urls`; name -> (URL, key, pid)."""
+    """Start llmgw's gateway (one per policy and interface) and every installed peer in front of `urls`.
+
+    name -> (URL, key, pid). The default interface's gateway is "llmgw" (or "llmgw <policy>"), another's
+    "llmgw <interface>".
+    """
     out: dict[str, tuple[str, str]] = {}
     pids: dict[str, int] = {}
     key = subprocess.run([sys.executable, "-c", _SETUP], cwd=ROOT, env=env, input=json.dumps({model: urls}),
                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     for policy in policies:
-        port = _free_port()
-        name = "llmgw" if policy == "prefix" else f"llmgw {policy}"
-        pids[name] = procs.start(["bash", "scripts/gateway.sh", f"127.0.0.1:{port}"],
-                                 {**env, "LLMGW_GATEWAY_POLICY": policy}, f"llmgw-{policy}-{port}").pid  # fmt: skip
-        out[name] = (f"http://127.0.0.1:{port}", key)
+        for interface in interfaces:
+            port = _free_port()
+            name = "llmgw" if policy == "prefix" else f"llmgw {policy}"
+            name = name if interface == interfaces[0] else f"{name} {interface}"
+            pids[name] = procs.start(["bash", "scripts/gateway.sh", f"127.0.0.1:{port}"],
+                                     {**env, "LLMGW_GATEWAY_POLICY": policy, "LLMGW_GATEWAY_INTERFACE": interface},
+                                     f"llmgw-{policy}-{interface}-{port}").pid  # fmt: skip
+            out[name] = (f"http://127.0.0.1:{port}", key)
     if "vllm-router" in peers:
         out["vllm-router"] = (_start_vllm_router(procs, peers["vllm-router"], urls, workdir), key)
         pids["vllm-router"] = procs.procs[-1].pid
@@ -237,7 +246,9 @@ def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir
     rate = float(os.environ.get("BENCH_PEERS_RATE", 500))
     seconds = float(os.environ.get("BENCH_PEERS_SECONDS", 3))
     echo = procs.echo(env, "bench", "--token-seconds", "0", "--prefill-tokens-per-s", "0", "--max-batch", "0")
-    fronts = _fronts(env, procs, peers, [echo], "bench", workdir)
+    # The gateway over granian's ASGI interface (as scripts/gateway.sh serves it) and, beside it, over RSGI.
+    interfaces = tuple(os.environ.get("BENCH_PEERS_INTERFACES", "asgi,rsgi").split(","))
+    fronts = _fronts(env, procs, peers, [echo], "bench", workdir, interfaces=interfaces)
     out: dict[str, list[float]] = {}
     for stream in (False, True):
         kind = "streamed" if stream else "not streamed"

@@ -50,6 +50,8 @@ WIRING = frozenset(
         # The gateway's process entry point: the data plane, and the agents'
         # long-poll beside it (agents/wakeup.py), in one ASGI process.
         "gateway.asgi",
+        # The same process over granian's RSGI interface: gateway.asgi's application, carried.
+        "gateway.rsgi",
     }
 )
 # Who may import whom (besides itself): the one-way direction.

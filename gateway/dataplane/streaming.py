@@ -126,12 +126,13 @@ class Relay:
         ctype = response.headers.get("content-type", "application/json")
         headers.append((b"content-type", ctype.encode()))
         sse = ctype.startswith("text/event-stream")
-        if sse:
-            headers.append((b"cache-control", b"no-cache"))
+        if not sse:
+            await self._whole(send, response, headers, out, started)
+            return
+        headers.append((b"cache-control", b"no-cache"))
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
         tail = b""
-        whole: list[bytes] = []
-        strip = UsageStripper() if sse and ask.strip_usage else None
+        strip = UsageStripper() if ask.strip_usage else None
         async for chunk in response.aiter_raw():
             if out.ttft is None:
                 out.ttft = time.monotonic() - started
@@ -141,15 +142,34 @@ class Relay:
                     await send({"type": "http.response.body", "body": passed, "more_body": True})
             except Exception as e:
                 raise ClientGone from e
-            if sse:
-                tail = self._scan_sse(tail + chunk, out)
-            else:
-                whole.append(chunk)
-        if not sse and whole:
-            with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError, TypeError):
-                self._take_usage(json.loads(b"".join(whole)).get("usage"), out)
+            tail = self._scan_sse(tail + chunk, out)
         await out.settle_once()
         await send({"type": "http.response.body", "body": strip.end() if strip else b"", "more_body": False})
+
+    async def _whole(
+        self, send: Send, response: Response, headers: list[tuple[bytes, bytes]], out: Outcome, started: float
+    ) -> None:
+        """An answer that is not a stream, sent whole with its length: one write to the client, not one per read.
+
+        The client can use none of it before its end (a JSON document), so
+        holding it costs no latency, and its usage is read from it on the way.
+        """
+        parts: list[bytes] = []
+        async for chunk in response.aiter_raw():
+            if out.ttft is None:
+                out.ttft = time.monotonic() - started
+            parts.append(chunk)
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        if body:
+            with contextlib.suppress(ValueError, UnicodeDecodeError, AttributeError, TypeError):
+                self._take_usage(json.loads(body).get("usage"), out)
+        await out.settle_once()
+        headers.append((b"content-length", b"%d" % len(body)))
+        try:
+            await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+        except Exception as e:
+            raise ClientGone from e
 
     def _scan_sse(self, buf: bytes, out: Outcome) -> bytes:
         """Read usage from complete `data:` lines; return the incomplete rest."""

@@ -58,9 +58,18 @@ def database_url() -> str:
 
 
 class Gateway:
-    """One data plane process, as `make run` starts it (granian, ASGI)."""
+    """One data plane process, as `make run` starts it (granian, ASGI by default; RSGI on request)."""
 
-    def __init__(self, workdir: Path, name: str, *, refresh_s: float = 30.0, extra_env: dict | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        name: str,
+        *,
+        refresh_s: float = 30.0,
+        extra_env: dict | None = None,
+        interface: str = "asgi",
+    ) -> None:
+        self.interface = interface
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / f"{name}.log"
@@ -89,14 +98,14 @@ class Gateway:
                     "-m",
                     "granian",
                     "--interface",
-                    "asgi",
+                    self.interface,
                     "--host",
                     "127.0.0.1",
                     "--port",
                     str(self.port),
                     "--workers",
                     "1",
-                    "gateway.asgi:app",
+                    f"gateway.{self.interface}:app",
                 ],
                 cwd=REPO,
                 env=self.env,
