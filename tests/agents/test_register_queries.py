@@ -54,6 +54,9 @@ def test_a_new_node_is_written_one_statement_per_table(client, join_token, djang
     # Nothing of a new node is read back, updated or deleted first, nor its shards or commands read:
     # the savepoint pair of the test's transaction, the credential check, the node's row lock, the INSERT.
     assert len(sql) == 2 + 1 + 1 + 1
+    # The node's row is locked before anything is written (two registrations of one node queue there).
+    assert [s for s in sql if s.endswith("FOR UPDATE")] == [sql[2]]
+    assert sql[2].startswith("SELECT ") and ' FROM "inventory_node" WHERE id = ' in sql[2]
     assert GPU.objects.filter(node_id="node-a").count() == 8
     assert list(EngineInstall.objects.filter(node_id="node-a").order_by("engine").values_list("engine", "state")) == [
         ("sglang", "ready"),
@@ -79,6 +82,8 @@ def test_a_re_registration_replaces_what_changed(client, join_token):
     body["gpus"][0]["name"] = "NVIDIA H200"
     body["engine_installs"] = INSTALLS[:1]
     sql = _statements(client, body, credential)
+    # The known node's row is locked first, then only what changed is written.
+    assert sql[2].startswith("SELECT ") and sql[2].endswith("FOR UPDATE")
     # One GPU changed, two gone; the fabrics and the installs replaced.
     assert sum(s.startswith('UPDATE "inventory_gpu"') for s in sql) == 1
     assert sum(s.startswith('DELETE FROM "inventory_gpu"') for s in sql) == 1
