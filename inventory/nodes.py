@@ -263,6 +263,9 @@ def _locked(node_id: str) -> Node | None:
     Hand-written SQL: every registration of a storm asks, and building the
     ORM's SELECT of every column cost more than the rest of a new node's work.
     """
+    if connection.vendor != "postgresql":
+        # The embedded default's SQLite: its values want the backend's own converters.
+        return Node.objects.select_for_update().filter(id=node_id).first()
     fields = Node._meta.concrete_fields
     quote = connection.ops.quote_name
     columns = ", ".join(quote(f.column) for f in fields)
