@@ -30,9 +30,9 @@ from django.db.models import F, Q
 
 from agents.models import JoinToken, NodeCredential
 from inventory.heartbeat import NodeLookup, Touched, touch_found
-from inventory.models import Node
+from inventory.models import Node, NodeEvent
 from inventory.node_view import CredentialBox
-from inventory.nodes import record_event
+from inventory.nodes import event_row, record_event
 from llmgw.db import prepared_cursor
 
 NODE_PREFIX = "llmgw-node-"
@@ -186,21 +186,38 @@ def consume_join_token(auth: JoinAuth, *, now: dt.datetime) -> bool:
 
 def has_credential(node_id: str) -> bool:
     """Whether a node holds a credential (a join token cannot then take it over)."""
-    return NodeCredential.objects.filter(node_id=node_id).exists()
+    # Hand-written SQL: every join of a storm asks, and the ORM's query building cost more than the lookup.
+    with prepared_cursor() as cur:
+        cur.execute(f"SELECT 1 FROM {NodeCredential._meta.db_table} WHERE node_id = %s LIMIT 1", [node_id])
+        return cur.fetchone() is not None
 
 
 def issue(node_id: str, *, now: dt.datetime, issued_by: str, join_nonce: str | None = None) -> str:
     """Give a node a new credential, replacing none (the caller checked there is none); returns the secret."""
+    secret, rows = new_credential(node_id, now=now, issued_by=issued_by, join_nonce=join_nonce)
+    for row in rows:
+        row.save(force_insert=True)
+    return secret
+
+
+def new_credential(
+    node_id: str, *, now: dt.datetime, issued_by: str, join_nonce: str | None = None
+) -> tuple[str, list[NodeCredential | NodeEvent]]:
+    """A new credential for a node that has none: the secret, and the rows to insert (the credential, its event).
+
+    Unsaved, so that a registration writes them with the new node's own rows
+    in one statement (inventory/nodes.py upsert_node).
+    """
     secret = new_secret(NODE_PREFIX)
-    NodeCredential.objects.create(
+    cred = NodeCredential(
         node_id=node_id,
         token_hash=hash_secret(secret),
         issued_at=now,
         issued_by=issued_by,
         join_nonce_hash=hash_secret(join_nonce) if join_nonce else "",
     )
-    record_event(node_id, "credential", f"credential issued ({issued_by})", now=now, actor_name="agent")
-    return secret
+    event = event_row(node_id, "credential", f"credential issued ({issued_by})", now=now, actor_name="agent")
+    return secret, [cred, event]
 
 
 def rejoin(node_id: str, *, join: JoinAuth, join_nonce: str | None, now: dt.datetime) -> str | None:

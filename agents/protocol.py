@@ -136,13 +136,19 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
                         raise NOT_YOURS
                 elif not credentials.consume_join_token(caller.join, now=now):
                     raise UNAUTHENTICATED
-            upsert_node(reg, now=now)
+            issued = []
             if caller.join is not None and secret is None:
-                secret = credentials.issue(reg.node_id, now=now, issued_by=caller.join.name, join_nonce=reg.join_nonce)
-            sync = agent_sync.adopt_running(reg.node_id, reg.running_shards, now=now)
+                secret, issued = credentials.new_credential(
+                    reg.node_id, now=now, issued_by=caller.join.name, join_nonce=reg.join_nonce
+                )
+            # The credential's rows go with the node's: a new node is one INSERT statement.
+            _, created = upsert_node(reg, now=now, with_rows=issued)
+            sync = agent_sync.adopt_running(reg.node_id, reg.running_shards, now=now, new_node=created)
             if sync.changed:
                 queueing.queue_reconcile()
-            pending = outbox.pending(reg.node_id, now=now)
+            # A node inserted by this transaction has no commands (a command's node is a foreign
+            # key) but the StopShards just queued for what it runs: a join storm is mostly new nodes.
+            pending = outbox.pending(reg.node_id, now=now) if sync.fenced or not created else []
     except IntegrityError as exc:
         # Two registrations of one new node id racing: the loser retries.
         raise Refused(409, "a concurrent registration of this node won; retry") from exc

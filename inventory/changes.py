@@ -68,15 +68,25 @@ def _start() -> None:
     cache.add(VERSION_KEY, random.randrange(1, 1 << 40) << 20, timeout=None)
 
 
+def _incr_then_set(ids: list[str]) -> int:
+    # The project's caches take the next version and write its entry in one round trip
+    # (a registration marks twice); another backend, in two.
+    both = getattr(cache, "incr_then_set", None)
+    if both is not None:
+        return both(VERSION_KEY, ENTRY_PREFIX, ids, timeout=ENTRY_TTL_S)
+    version = cache.incr(VERSION_KEY)
+    cache.set(_entry_key(version), ids, timeout=ENTRY_TTL_S)
+    return version
+
+
 def _publish(ids: list[str]) -> None:
     def write() -> None:
         try:
-            version = cache.incr(VERSION_KEY)
+            version = _incr_then_set(ids)
         except ValueError:
             # No counter yet (or a flushed cache): one more round trip, once.
             _start()
-            version = cache.incr(VERSION_KEY)
-        cache.set(_entry_key(version), ids, timeout=ENTRY_TTL_S)
+            version = _incr_then_set(ids)
         log = getattr(_here, "log", None)
         if log is None:
             log = _here.log = []

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from django.db import transaction
+from django.db import connection, transaction
+from django.db.models import Model
 
 from inventory import changes
 from inventory import gpus as gpu_rules
@@ -28,6 +29,7 @@ from inventory.models import (
     Storage,
 )
 from llmgw import logs
+from llmgw.db import insert_together, prepared_cursor
 from llmgw_wire import engines as wire_engines
 
 if TYPE_CHECKING:
@@ -53,9 +55,25 @@ def record_event(
     data: Mapping | None = None,
 ) -> NodeEvent:
     """Write one audit row for a node, and its INFO line once the caller commits."""
+    event = event_row(node_id, kind, message, now=now, actor=actor, actor_name=actor_name, data=data)
+    event.save(force_insert=True)
+    return event
+
+
+def event_row(
+    node_id: str,
+    kind: str,
+    message: str,
+    *,
+    now: dt.datetime,
+    actor: AbstractBaseUser | None = None,
+    actor_name: str = "",
+    data: Mapping | None = None,
+) -> NodeEvent:
+    """One audit row for a node, unsaved (the caller writes it), and its INFO line once the transaction commits."""
     name = actor_name or (actor.get_username() if actor is not None else "system")
     logs.after_commit(log, "node %s: %s: %s (by %s)", node_id, kind, message, name)
-    return NodeEvent.objects.create(
+    return NodeEvent(
         node_id=node_id,
         node_name=node_id,
         at=now,
@@ -163,13 +181,16 @@ def _gpu_fields(g: wire.GPU) -> dict:
     }
 
 
-def upsert_node(reg: wire.Register, *, now: dt.datetime) -> tuple[Node, bool]:
+def upsert_node(reg: wire.Register, *, now: dt.datetime, with_rows: Sequence[Model] = ()) -> tuple[Node, bool]:
     """Record a registration, preserving what the operator decided.
 
     An agent reconnecting must not silently undo a cordon or a drain, nor the
     operator's labels; an unreachable or lost node that registers is back.
     Returns the node and whether it was new. The hardware lists are replaced
     whole: the agent's report is the truth about its own machine.
+
+    `with_rows`: unsaved rows of other tables about this node (a credential
+    and its event) to insert with it, in the same statement when the node is new.
     """
     host = reg.host
     fields = {
@@ -202,7 +223,7 @@ def upsert_node(reg: wire.Register, *, now: dt.datetime) -> tuple[Node, bool]:
     # No savepoint of its own: a registration is one transaction, and under a join storm
     # every statement saved is a round trip fewer for each of thousands of nodes.
     with transaction.atomic(savepoint=False):
-        node = Node.objects.select_for_update().filter(id=reg.node_id).first()
+        node = _locked(reg.node_id)
         created = node is None
         if created:
             node = Node(id=reg.node_id, state=NodeState.READY)
@@ -212,24 +233,53 @@ def upsert_node(reg: wire.Register, *, now: dt.datetime) -> tuple[Node, bool]:
         node.labels = label_rules.merge(node.agent_labels, node.operator_labels)
         if previous_state in (NodeState.UNREACHABLE, NodeState.LOST):
             node.state = NodeState.READY
-        # A new node is inserted at once (Django would try an UPDATE of the id first).
-        node.save(force_insert=created)
-        changes.mark([node.id])
         if created:
-            record_event(node.id, "registered", "node joined", now=now, actor_name="agent")
-        else:
-            record_event(node.id, "registered", "agent re-registered", now=now, actor_name="agent")
-            if previous_state != node.state:
-                record_event(
-                    node.id,
-                    "state",
-                    f"{previous_state} -> {node.state}: agent registered",
-                    now=now,
-                    actor_name="agent",
-                    data={"from": str(previous_state), "to": str(node.state)},
-                )
-        _replace_hardware(node, reg, created=created)
+            # A join storm is mostly new nodes: everything about one is a single statement.
+            joined = event_row(node.id, "registered", "node joined", now=now, actor_name="agent")
+            insert_together([node, joined, *_hardware_rows(node, reg), *with_rows])
+            changes.mark([node.id])
+            return node, created
+        node.save()
+        changes.mark([node.id])
+        record_event(node.id, "registered", "agent re-registered", now=now, actor_name="agent")
+        if previous_state != node.state:
+            record_event(
+                node.id,
+                "state",
+                f"{previous_state} -> {node.state}: agent registered",
+                now=now,
+                actor_name="agent",
+                data={"from": str(previous_state), "to": str(node.state)},
+            )
+        _replace_hardware(node, reg)
+        if with_rows:
+            insert_together(with_rows)
     return node, created
+
+
+def _locked(node_id: str) -> Node | None:
+    """The node's row, locked for this transaction (select_for_update), None when there is none.
+
+    Hand-written SQL: every registration of a storm asks, and building the
+    ORM's SELECT of every column cost more than the rest of a new node's work.
+    """
+    if connection.vendor != "postgresql":
+        # The embedded default's SQLite: its values want the backend's own converters.
+        return Node.objects.select_for_update().filter(id=node_id).first()
+    fields = Node._meta.concrete_fields
+    quote = connection.ops.quote_name
+    columns = ", ".join(quote(f.column) for f in fields)
+    with prepared_cursor() as cur:
+        cur.execute(f"SELECT {columns} FROM {quote(Node._meta.db_table)} WHERE id = %s FOR UPDATE", [node_id])
+        row = cur.fetchone()
+    if row is None:
+        return None
+    # As the ORM's compiler does: each field's own conversion (JSON decoded).
+    values = [
+        f.from_db_value(v, None, connection) if hasattr(f, "from_db_value") else v
+        for f, v in zip(fields, row, strict=True)
+    ]
+    return Node.from_db(connection.alias, [f.attname for f in fields], values)
 
 
 class _Fabric:
@@ -243,13 +293,53 @@ class _Fabric:
         self.fabric_health = fabric.health if fabric else ""
 
 
-def _replace_hardware(node: Node, reg: wire.Register, *, created: bool) -> None:
-    """The node's GPUs, fabrics, storage, weights and engine installs as the registration says.
+def _fabric_rows(node: Node, reg: wire.Register) -> list[FabricAttachment]:
+    return [FabricAttachment(node=node, name=f.name, hcas=list(f.hcas), rate_gbps=f.rate_gbps) for f in reg.fabrics]
 
-    A new node has none yet: its rows are inserted, one statement per table,
-    with nothing read or deleted first (a join storm is mostly new nodes).
+
+def _storage_rows(node: Node, reg: wire.Register) -> list[Storage]:
+    return [
+        Storage(
+            node=node, path=s.path, free_bytes=s.free_bytes, total_bytes=s.total_bytes, shared=s.shared, fstype=s.fstype
+        )
+        for s in {s.path: s for s in reg.storage or []}.values()
+    ]
+
+
+def _weights_rows(node: Node, reg: wire.Register) -> list[LocalWeights]:
+    return [
+        LocalWeights(node=node, path=w.path, size_bytes=w.size_bytes, shared=w.shared)
+        for w in {w.path: w for w in reg.weights or []}.values()
+    ]
+
+
+def _install_rows(node_id: str, installs: list[wire.EngineInstall]) -> list[EngineInstall]:
+    by_engine = {(wire_engines.canonical(i.engine) or i.engine): i for i in installs}
+    return [
+        EngineInstall(
+            node_id=node_id, engine=engine, version=i.version, variant=i.variant, state=i.state, detail=i.detail
+        )
+        for engine, i in by_engine.items()
+    ]
+
+
+def _hardware_rows(node: Node, reg: wire.Register) -> list:
+    """A new node's GPUs, fabrics, storage, weights and engine installs as the registration says, unsaved."""
+    return [
+        *(GPU(node=node, index=g.index, **_gpu_fields(g)) for g in reg.gpus),
+        *_fabric_rows(node, reg),
+        *_storage_rows(node, reg),
+        *_weights_rows(node, reg),
+        *_install_rows(node.id, reg.engine_installs or []),
+    ]
+
+
+def _replace_hardware(node: Node, reg: wire.Register) -> None:
+    """A known node's GPUs, fabrics, storage, weights and engine installs as the registration says.
+
+    A GPU is written only when it changed; the other lists are replaced whole.
     """
-    existing = {} if created else {g.index: g for g in node.gpus.all()}
+    existing = {g.index: g for g in node.gpus.all()}
     keep, new = set(), []
     for g in reg.gpus:
         keep.add(g.index)
@@ -265,53 +355,21 @@ def _replace_hardware(node: Node, reg: wire.Register, *, created: bool) -> None:
     if new:
         GPU.objects.bulk_create(new)
 
-    if not created:
-        FabricAttachment.objects.filter(node=node).delete()
-    FabricAttachment.objects.bulk_create(
-        [FabricAttachment(node=node, name=f.name, hcas=list(f.hcas), rate_gbps=f.rate_gbps) for f in reg.fabrics]
-    )
+    FabricAttachment.objects.filter(node=node).delete()
+    FabricAttachment.objects.bulk_create(_fabric_rows(node, reg))
     if reg.storage is not None:
-        if not created:
-            Storage.objects.filter(node=node).delete()
-        Storage.objects.bulk_create(
-            [
-                Storage(
-                    node=node,
-                    path=s.path,
-                    free_bytes=s.free_bytes,
-                    total_bytes=s.total_bytes,
-                    shared=s.shared,
-                    fstype=s.fstype,
-                )
-                for s in {s.path: s for s in reg.storage}.values()
-            ]
-        )
+        Storage.objects.filter(node=node).delete()
+        Storage.objects.bulk_create(_storage_rows(node, reg))
     if reg.weights is not None:
-        if not created:
-            LocalWeights.objects.filter(node=node).delete()
-        LocalWeights.objects.bulk_create(
-            [
-                LocalWeights(node=node, path=w.path, size_bytes=w.size_bytes, shared=w.shared)
-                for w in {w.path: w for w in reg.weights}.values()
-            ]
-        )
+        LocalWeights.objects.filter(node=node).delete()
+        LocalWeights.objects.bulk_create(_weights_rows(node, reg))
     if reg.engine_installs is not None:
-        replace_engine_installs(node.id, reg.engine_installs, created=created)
+        replace_engine_installs(node.id, reg.engine_installs)
 
 
-def replace_engine_installs(node_id: str, installs: list[wire.EngineInstall], *, created: bool = False) -> None:
-    """Record where each engine's installation stands, as the agent last said (a new node's in one INSERT)."""
+def replace_engine_installs(node_id: str, installs: list[wire.EngineInstall]) -> None:
+    """Record where each engine's installation stands, as the agent last said."""
     by_engine = {(wire_engines.canonical(i.engine) or i.engine): i for i in installs}
-    if created:
-        EngineInstall.objects.bulk_create(
-            [
-                EngineInstall(
-                    node_id=node_id, engine=engine, version=i.version, variant=i.variant, state=i.state, detail=i.detail
-                )
-                for engine, i in by_engine.items()
-            ]
-        )
-        return
     EngineInstall.objects.filter(node_id=node_id).exclude(engine__in=list(by_engine)).delete()
     for engine, i in by_engine.items():
         EngineInstall.objects.update_or_create(

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from django.core.cache.backends.base import DEFAULT_TIMEOUT
 from django.core.cache.backends.filebased import FileBasedCache
 
 LOCK_NAME = ".llmgw-lock"
@@ -50,3 +51,13 @@ class FileCache(FileBasedCache):
         """Add `delta` to the stored number, atomically; raises ValueError when the key is absent."""
         with self._locked():
             return super().incr(key, delta, version)
+
+    def incr_then_set(self, counter: str, entry_prefix: str, value: Any, timeout: Any = DEFAULT_TIMEOUT) -> int:
+        """Add one to `counter` and store `value` under `entry_prefix` + the new number, atomically.
+
+        As llmgw/cache.py's: ValueError when the counter is absent.
+        """
+        with self._locked():
+            version = super().incr(counter)
+            self.set(f"{entry_prefix}{version}", value, timeout)
+        return version

@@ -295,7 +295,9 @@ def record_shard_states(
     return result
 
 
-def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt.datetime) -> SyncResult:
+def adopt_running(
+    node_id: str, running: Iterable[wire.RunningShard], *, now: dt.datetime, new_node: bool = False
+) -> SyncResult:
     """At registration: adopt the shards the control plane knows, fence the rest, fail what vanished.
 
     A known shard of a live replica, placed on this node, is adopted as it
@@ -306,6 +308,10 @@ def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt
     otherwise hold GPUs the planner has given away. A shard the control plane
     thinks runs here but the agent does not report is dead, unless its
     StartShard is still waiting for the agent.
+
+    `new_node`: the node's row was inserted in this transaction, so no shard
+    can be placed on it yet (a shard's node is a foreign key) and its shards
+    are not read: under a join storm that is a statement fewer a node.
     """
     result = SyncResult()
     reports: dict[uuid.UUID, wire.RunningShard] = {}
@@ -317,7 +323,7 @@ def adopt_running(node_id: str, running: Iterable[wire.RunningShard], *, now: dt
             fence.append((r.shard_id, r.replica_id, UNKNOWN, wire.ShardState(r.state)))
         else:
             reports[sid] = r
-    rows = {row.id: row for row in _orm_rows(Shard.objects.filter(node_id=node_id))}
+    rows = {} if new_node else {row.id: row for row in _orm_rows(Shard.objects.filter(node_id=node_id))}
     changes = []
     for sid, r in reports.items():
         row = rows.get(sid)

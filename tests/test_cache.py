@@ -44,3 +44,37 @@ def test_a_connection_redis_closed_is_replaced():
     redis.Redis.from_url(settings.REDIS_URL).client_kill_filter(_id=own)
     assert cache.get("k") == 1
     assert client.client_id() != own
+
+
+def test_incr_then_set_takes_the_next_number_and_stores_its_entry_in_one_round_trip(monkeypatch):
+    cache.set("counter", 40, timeout=None)
+    # The first call in a Redis that never saw the script loads it (a round trip more, once).
+    assert cache.incr_then_set("counter", "entry:", [], timeout=30) == 41
+    client = cache._cache.get_client(write=True)
+    sent = []
+    send = client.execute_command
+    monkeypatch.setattr(client, "execute_command", lambda *args, **kw: sent.append(args[0]) or send(*args, **kw))
+    assert cache.incr_then_set("counter", "entry:", ["node-a", "node-b"], timeout=30) == 42
+    assert cache.incr_then_set("counter", "entry:", ["node-c"], timeout=30) == 43
+    # Each call one round trip: the script by its hash.
+    assert sent == ["EVALSHA", "EVALSHA"]
+    monkeypatch.undo()
+    assert cache.get("entry:42") == ["node-a", "node-b"]
+    assert cache.get("entry:43") == ["node-c"]
+    assert cache.get("counter") == 43
+    assert 0 < client.ttl(cache.make_key("entry:42")) <= 30
+
+
+def test_incr_then_set_without_the_counter_raises_and_stores_nothing():
+    with pytest.raises(ValueError):
+        cache.incr_then_set("absent", "entry:", ["node-a"], timeout=30)
+    assert cache.get("absent") is None
+    assert cache.get("entry:1") is None
+
+
+def test_incr_then_set_keeps_every_digit_of_a_large_counter():
+    # The change feed's versions start near 2**60: past what a double holds exactly.
+    start = (1 << 60) + 1
+    cache.set("counter", start, timeout=None)
+    assert cache.incr_then_set("counter", "entry:", ["node-a"], timeout=30) == start + 1
+    assert cache.get(f"entry:{start + 1}") == ["node-a"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
-from django.db import connection, transaction
+import datetime as dt
 
-from llmgw.db import PREPARE_THRESHOLD, prepared_cursor, trust_idle_connection
+import pytest
+from django.db import DataError, IntegrityError, connection, transaction
+
+from llmgw.db import PREPARE_THRESHOLD, insert_together, prepared_cursor, trust_idle_connection
 
 pytestmark = pytest.mark.django_db
 
@@ -125,3 +127,75 @@ def test_a_pooled_connection_is_not_trusted_but_checked_by_the_pool():
     connection.close_if_unusable_or_obsolete()
     assert connection.connection is None
     assert trust_idle_connection() is False
+
+
+# insert_together: a new node's rows of several tables in one statement.
+
+
+def test_rows_of_several_tables_go_in_one_statement_exactly_as_given(django_assert_num_queries):
+    from inventory.models import GPU, Node, NodeEvent
+
+    at = dt.datetime(2026, 3, 4, 5, 6, 7, 891234, tzinfo=dt.UTC)
+    node = Node(
+        id="node-a",
+        hostname="a.example",
+        last_seen=at,
+        features=["adoption"],
+        agent_labels={"rack": "7"},
+        cpu_flags=[],
+        memory_total_mb=2**40,
+        storage_reported=True,
+    )
+    rows = [
+        node,
+        NodeEvent(node_id="node-a", node_name="node-a", at=at, kind="registered", message="first", data={"n": [1]}),
+        GPU(node=node, index=0, name="NVIDIA H100 80GB HBM3", nvlink_peers=[1], nic_paths={"mlx5_0": "PIX"}),
+        GPU(node=node, index=1, name="NVIDIA H100 80GB HBM3", numa_node=1),
+        NodeEvent(node_id="node-a", node_name="node-a", at=at, kind="credential", message="second"),
+    ]
+    with django_assert_num_queries(1):
+        insert_together(rows)
+    got = Node.objects.get(id="node-a")
+    assert (got.hostname, got.last_seen, got.features, got.agent_labels, got.memory_total_mb) == (
+        "a.example",
+        at,
+        ["adoption"],
+        {"rack": "7"},
+        2**40,
+    )
+    # Defaults and auto_now fields are filled in as save() fills them.
+    assert (got.state, got.operator_labels, got.unreachable_since, got.storage_reported) == ("ready", {}, None, True)
+    assert got.created_at is not None and got.updated_at is not None and got.created_at <= got.updated_at
+    # Rows of one table in the order given (their ids are drawn in that order).
+    assert list(NodeEvent.objects.filter(node_id="node-a").order_by("id").values_list("message", "data")) == [
+        ("first", {"n": [1]}),
+        ("second", {}),
+    ]
+    assert list(
+        GPU.objects.filter(node_id="node-a")
+        .order_by("index")
+        .values_list("index", "nvlink_peers", "nic_paths", "numa_node")
+    ) == [
+        (0, [1], {"mlx5_0": "PIX"}, -1),
+        (1, [], {}, 1),
+    ]
+
+
+def test_a_constraint_broken_by_one_row_writes_none_of_them():
+    from inventory.models import GPU, Node
+
+    node = Node(id="node-a")
+    with pytest.raises(IntegrityError), transaction.atomic():
+        insert_together([node, GPU(node=node, index=0), GPU(node=node, index=0)])
+    assert not Node.objects.filter(id="node-a").exists()
+    with pytest.raises(IntegrityError), transaction.atomic():
+        insert_together([Node(id="node-b", cpu_count=-1)])
+    assert not Node.objects.filter(id="node-b").exists()
+
+
+def test_a_value_too_long_for_its_column_is_refused_not_cut():
+    from inventory.models import Node
+
+    with pytest.raises(DataError), transaction.atomic():
+        insert_together([Node(id="node-a", arch="x" * 65)])
+    assert not Node.objects.filter(id="node-a").exists()

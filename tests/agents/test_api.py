@@ -36,6 +36,37 @@ def test_join_with_bootstrap_token_issues_a_credential_stored_hashed(client, joi
     assert GPU.objects.filter(node_id="node-a").count() == 8
 
 
+def test_a_new_node_running_shards_it_cannot_know_gets_their_stops_in_its_first_answer(client, join_token):
+    # A new node's shards and commands are not read (it can have none in the database),
+    # but what it reports running is still fenced, and the fence delivered at once.
+    running = {"replica_id": "r1", "shard_id": "00000000-0000-0000-0000-000000000001", "state": "ready"}
+    resp = post(client, "register", register_payload("node-a", running_shards=[running]), join_token)
+    assert resp.status_code == 200, resp.content
+    body = resp.json()
+    assert body["adopted"] == []
+    assert [(c["kind"], c["shard_id"], c["reason"]) for c in body["commands"]] == [
+        ("stop_shard", "00000000-0000-0000-0000-000000000001", "shard unknown to the control plane")
+    ]
+    assert list(Command.objects.filter(node_id="node-a").values_list("kind", "deliveries")) == [("stop_shard", 1)]
+    assert list(NodeEvent.objects.filter(node_id="node-a").order_by("id").values_list("kind", "message")) == [
+        ("registered", "node joined"),
+        ("credential", "credential issued (bootstrap token)"),
+    ]
+
+
+def test_a_known_node_whose_credential_was_reset_joins_again_with_a_new_one(client, join_token, joined, now):
+    assert credentials.reset("node-a", now=now)
+    resp = post(client, "register", register_payload("node-a", hostname="reinstalled"), join_token)
+    assert resp.status_code == 200, resp.content
+    secret = resp.json()["credential"]
+    assert NodeCredential.objects.get(node_id="node-a").token_hash == credentials.hash_secret(secret)
+    assert Node.objects.get(id="node-a").hostname == "reinstalled"
+    assert list(NodeEvent.objects.filter(node_id="node-a").order_by("id").values_list("message", flat=True))[-2:] == [
+        "agent re-registered",
+        "credential issued (bootstrap token)",
+    ]
+
+
 def test_reregistration_with_own_credential_issues_none(client, joined):
     resp = post(client, "register", register_payload("node-a", hostname="renamed"), joined)
     assert resp.status_code == 200

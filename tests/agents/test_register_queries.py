@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
@@ -34,26 +36,27 @@ def test_a_new_node_is_written_one_statement_per_table(client, join_token, djang
         "node-a", gpus=8, fabrics=FABRICS, storage=STORAGE, weights=WEIGHTS, engine_installs=INSTALLS
     )
     sql = _statements(client, body, join_token)
-    inserts = [s.split('"')[1] for s in sql if s.startswith("INSERT")]
-    # One INSERT per table (the node's two events: joined, credential issued), however many GPUs.
-    assert sorted(inserts) == sorted(
-        [
-            "inventory_node",
-            "inventory_nodeevent",
-            "inventory_gpu",
-            "inventory_fabricattachment",
-            "inventory_storage",
-            "inventory_localweights",
-            "inventory_engineinstall",
-            "agents_nodecredential",
-            "inventory_nodeevent",
-        ]
-    )
-    # Nothing of a new node is read back, updated or deleted first.
-    assert [s for s in sql if s.startswith(("UPDATE", "DELETE"))] == []
-    # The savepoint pair of the test's transaction, the credential check, the node's row lock,
-    # the nine INSERTs, the shards to adopt, the pending commands: 15.
-    assert len(sql) == 2 + 1 + 1 + 9 + 2
+    writes = [s for s in sql if s.startswith(("WITH", "INSERT", "UPDATE", "DELETE"))]
+    # One statement inserts everything, however many GPUs: one INSERT per table (the node's two
+    # events, joined and credential issued, in one), joined as CTEs.
+    assert len(writes) == 1
+    inserts = re.findall(r'INSERT INTO "(\w+)"', writes[0])
+    assert inserts == [
+        "inventory_node",
+        "inventory_nodeevent",
+        "inventory_gpu",
+        "inventory_fabricattachment",
+        "inventory_storage",
+        "inventory_localweights",
+        "inventory_engineinstall",
+        "agents_nodecredential",
+    ]
+    # Nothing of a new node is read back, updated or deleted first, nor its shards or commands read:
+    # the savepoint pair of the test's transaction, the credential check, the node's row lock, the INSERT.
+    assert len(sql) == 2 + 1 + 1 + 1
+    # The node's row is locked before anything is written (two registrations of one node queue there).
+    assert [s for s in sql if s.endswith("FOR UPDATE")] == [sql[2]]
+    assert sql[2].startswith("SELECT ") and ' FROM "inventory_node" WHERE id = ' in sql[2]
     assert GPU.objects.filter(node_id="node-a").count() == 8
     assert list(EngineInstall.objects.filter(node_id="node-a").order_by("engine").values_list("engine", "state")) == [
         ("sglang", "ready"),
@@ -68,7 +71,7 @@ def test_a_new_node_is_written_one_statement_per_table(client, join_token, djang
 def test_the_statement_count_does_not_grow_with_the_gpus(client, join_token):
     one = _statements(client, register_payload("node-a", gpus=1), join_token)
     eight = _statements(client, register_payload("node-b", gpus=8), join_token)
-    assert len(one) == len(eight) == 2 + 1 + 1 + 5 + 2
+    assert len(one) == len(eight) == 2 + 1 + 1 + 1
     assert GPU.objects.filter(node_id="node-b").count() == 8
 
 
@@ -79,6 +82,8 @@ def test_a_re_registration_replaces_what_changed(client, join_token):
     body["gpus"][0]["name"] = "NVIDIA H200"
     body["engine_installs"] = INSTALLS[:1]
     sql = _statements(client, body, credential)
+    # The known node's row is locked first, then only what changed is written.
+    assert sql[2].startswith("SELECT ") and sql[2].endswith("FOR UPDATE")
     # One GPU changed, two gone; the fabrics and the installs replaced.
     assert sum(s.startswith('UPDATE "inventory_gpu"') for s in sql) == 1
     assert sum(s.startswith('DELETE FROM "inventory_gpu"') for s in sql) == 1

@@ -68,3 +68,13 @@ def test_incr_of_a_missing_key_still_raises_and_the_lock_file_is_no_entry(tmp_pa
     cache.clear()
     assert cache.get("a") is None
     assert (tmp_path / LOCK_NAME).exists()
+
+
+def test_incr_then_set_takes_the_next_number_and_stores_its_entry(tmp_path):
+    cache = _cache("file_cache", str(tmp_path))
+    with pytest.raises(ValueError):
+        cache.incr_then_set("counter", "entry:", ["node-a"], timeout=30)
+    assert cache.get("entry:1") is None
+    cache.set("counter", 6)
+    assert cache.incr_then_set("counter", "entry:", ["node-a"], timeout=30) == 7
+    assert (cache.get("counter"), cache.get("entry:7")) == (7, ["node-a"])
