@@ -38,6 +38,7 @@ import yaml
 from django.utils import timezone
 
 from inventory import liveness
+from inventory.doctor_refresh import refresh_doctor
 from inventory.models import GPU, Node
 from llmgw_agent import config as agent_config
 from llmgw_agent.loop import Agent, DiscoveryProbe
@@ -236,6 +237,9 @@ def stack(live_server, tmp_path, settings, django_user_model):
         booting.result()
         key = make_key(django_user_model.objects.create_user("prom", password="pw-prom-1"))
         gateway.wait_ready(key, MODEL, 2)
+        # A scrape only serves the doctor's kept results and queues their refresh for the worker; no
+        # worker runs here, so the task runs as the worker would, before the first scrape.
+        refresh_doctor()
         files = tmp_path / "prometheus"
         files.mkdir()
         (files / "llmgw-metrics-token").write_text(SCRAPE_TOKEN)
