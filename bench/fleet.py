@@ -47,7 +47,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from bench.heartbeat import _children, _free_port, _loadavg, _proc_cpu, _recreate_database, _wait_until_up
+import llmgw_wire as wire
+from bench import procs
+from bench.heartbeat import _free_port, _loadavg, _proc_cpu, _recreate_database, _wait_until_up
 from llmgw_sim.fleet import EDGES, histogram_percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,12 +79,7 @@ def _rss_mb(pid: int) -> float:
 
 def _tree(pid: int) -> list[int]:
     """A process and all its descendants."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(_children(p))
-    return out
+    return [pid, *procs.descendants(pid)]
 
 
 _CREATE = """
@@ -143,10 +140,18 @@ class Loop:
                 "LLMGW_WEB_LOG_LEVEL": "warning",
             }
         )
+        # The gateway's process takes the leases in batches (agents/lease_asgi.py), as `make run` has it
+        # on PostgreSQL; BENCH_FLEET_GATEWAY=0 sends every lease to the web server instead.
+        self.gateway_port = _free_port() if _env("BENCH_FLEET_GATEWAY", 1) else None
+        if self.gateway_port is not None:
+            self.env["LLMGW_LEASE_URL"] = f"http://127.0.0.1:{self.gateway_port}{wire.LEASE_PATH}"
+        else:
+            self.env["LLMGW_LEASE_URL"] = "off"
         for knob, var in (("BENCH_FLEET_WORKERS", "WEB_CONCURRENCY"), ("BENCH_FLEET_THREADS", "LLMGW_WEB_THREADS")):
             if os.environ.get(knob):
                 self.env[var] = os.environ[knob]
         self.server: subprocess.Popen | None = None
+        self.gateway: subprocess.Popen | None = None
         self.worker: subprocess.Popen | None = None
         self.fleet: list[subprocess.Popen] = []
         self.control = work / "control.json"
@@ -177,6 +182,13 @@ class Loop:
             cwd=ROOT, env=self.env, stdout=wlog, stderr=subprocess.STDOUT,
         )  # fmt: skip
         _wait_until_up(self.port, self.server)
+        if self.gateway_port is not None:
+            glog = open(self.work / "gateway.log", "ab")  # noqa: SIM115
+            self.gateway = subprocess.Popen(
+                ["bash", str(ROOT / "scripts" / "gateway.sh"), f"127.0.0.1:{self.gateway_port}"],
+                cwd=ROOT, env=self.env, stdout=glog, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            _wait_until_up(self.gateway_port, self.gateway)
 
     def start_fleet(self) -> None:
         """The virtual nodes, BENCH_FLEET_PROCS processes sharing the numbering."""
@@ -222,10 +234,10 @@ class Loop:
 
     def stop(self) -> None:
         """Every process the bench started, fleet first."""
-        for p in [*self.fleet, self.worker, self.server]:
+        for p in [*self.fleet, self.worker, self.gateway, self.server]:
             if p is not None and p.poll() is None:
                 p.terminate()
-        for p in [*self.fleet, self.worker, self.server]:
+        for p in [*self.fleet, self.worker, self.gateway, self.server]:
             if p is None:
                 continue
             try:
@@ -274,6 +286,7 @@ class Loop:
                                      [name])]  # fmt: skip
         return {
             "server": _tree(self.server.pid) if self.server else [],
+            "gateway": _tree(self.gateway.pid) if self.gateway else [],
             "postgres": pg,
             "worker": _tree(self.worker.pid) if self.worker else [],
             "fleet": [p for f in self.fleet for p in _tree(f.pid)],
@@ -299,7 +312,7 @@ class Loop:
         """Seconds until cond() holds; None when it did not within `timeout`. Raises if a process died."""
         t0 = time.monotonic()
         while True:
-            for p in [self.server, self.worker, *self.fleet]:
+            for p in [self.server, self.gateway, self.worker, *self.fleet]:
                 if p is not None and p.poll() is not None:
                     raise RuntimeError(f"a process of the loop exited ({p.args[:4]}): see {self.work}")
             if cond():

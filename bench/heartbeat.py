@@ -428,19 +428,6 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
-                        out.append(int(entry))
-            except OSError:
-                continue
-    return out
-
-
 class CPUMeter:
     """CPU seconds used by the server's processes, its PostgreSQL backends, Redis and the load generator.
 

@@ -43,10 +43,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from bench import procs
 from bench.heartbeat import (
     _MAKE_SHARDS,
     CPUMeter,
-    _children,
     _env_int,
     _free_port,
     _loadavg,
@@ -125,7 +125,8 @@ def _figures(label: str, leases: list, fulls: list, errors: int, elapsed: float,
 
 
 def _tree_cpu(pid: int) -> float:
-    return sum(_proc_cpu(p) for p in (pid, *_children(pid)))
+    # Every process below the script: the socket's holder, the master and its workers (llmgw/listen.py).
+    return sum(_proc_cpu(p) for p in (pid, *procs.descendants(pid)))
 
 
 class BothMeter(CPUMeter):
