@@ -64,21 +64,29 @@ LEASE_PATH = wire.LEASE_PATH
 MAX_BATCH = 1000
 
 
-def write_batch(asks: Sequence[lease_db.Ask]) -> dict[str, wire.LeaseResponse]:
+# The answer for a lease whose node's row another transaction held: it goes into the next batch.
+BUSY = object()
+
+
+def write_batch(asks: Sequence[lease_db.Ask]) -> dict[str, wire.LeaseResponse | object]:
     """Renew a batch of leases and build each renewed node's answer (in the writer's thread); by node id.
 
     A node missing from the answer renewed nothing: its credential is not its own.
+    A node whose row was held by another transaction answers BUSY (renewed nothing yet).
     """
     now = timezone.now()
     try:
-        renewals = lease_db.renew_batch(TABLES, asks, now=now)
+        busy: set[str] = set()
+        renewals = lease_db.renew_batch(TABLES, asks, now=now, busy=busy)
         by_node = {a.node_id: a for a in asks}
         # The leases that check their node's last status is kept (one in STATUS_CHECK_EVERY), in one round trip.
         gone = lease_db.keep_statuses([n for n in renewals if asks_status()])
-        return {
+        answers: dict[str, wire.LeaseResponse | object] = {
             node_id: lease_answer(r, token_hash=by_node[node_id].token_hash, now=now, want_status=node_id in gone)
             for node_id, r in renewals.items()
         }
+        answers.update(dict.fromkeys(busy, BUSY))
+        return answers
     except Exception:
         # The next batch starts on a fresh connection rather than one in an unknown state.
         with contextlib.suppress(Exception):
@@ -171,8 +179,15 @@ class LeaseWriter:
                 continue
             self.batches += 1
             for ask, f in live:
-                if not f.done():
-                    f.set_result(answers.get(ask.node_id))
+                if f.done():
+                    continue
+                answer = answers.get(ask.node_id)
+                if answer is BUSY:
+                    # Its row was held: the next batch tries again (a lease renewed a few ms late).
+                    self._add(ask, f)
+                    self._wake.set()
+                else:
+                    f.set_result(answer)
 
     async def close(self) -> None:
         """Stop the writer (what is pending is not written: its requests are cancelled)."""

@@ -149,17 +149,37 @@ def batch_sql(tables: Tables, *, acks: bool, relax: bool) -> str:
             "WHERE m.id = a.id AND m.node_id = a.node_id AND m.acked_at IS NULL RETURNING m.id) "
         )
         not_acked = " AND NOT EXISTS (SELECT 1 FROM acked WHERE acked.id = m.id)"
+    # A node's row locked by another transaction (its own full heartbeat, an operator's change) is
+    # skipped, not waited for: one busy row must not hold every other node's lease of the batch, or a
+    # fleet renewing through one writer goes silent together while it waits (read as a mass silence).
+    # The skipped nodes come back flagged (renewed false) for the next batch.
+    head = f"{ack_cte.rstrip()}, " if ack_cte else "WITH "
     return (
-        f"{ack_cte}UPDATE {node} AS n SET last_seen = %(now)s, unreachable_since = NULL "
-        "FROM unnest(%(nodes)s::varchar[], %(hashes)s::varchar[]) AS v(node_id, h) "
-        f"JOIN {tables.credentials} AS c ON c.node_id = v.node_id AND (c.token_hash = v.h OR c.previous_hash = v.h)"
-        f"{relax_item} WHERE n.id = v.node_id "
+        f"{head}v AS (SELECT * FROM unnest(%(nodes)s::varchar[], %(hashes)s::varchar[]) AS v(node_id, h)), "
+        f"free AS (SELECT f.id FROM {node} AS f WHERE f.id = ANY(%(nodes)s::varchar[]) "
+        "ORDER BY f.id FOR NO KEY UPDATE SKIP LOCKED), "
+        f"renewed AS (UPDATE {node} AS n SET last_seen = %(now)s, unreachable_since = NULL "
+        f"FROM v JOIN {tables.credentials} AS c ON c.node_id = v.node_id "
+        "AND (c.token_hash = v.h OR c.previous_hash = v.h)"
+        f"{relax_item} WHERE n.id = v.node_id AND n.id IN (SELECT id FROM free) "
         "RETURNING n.id, c.token_hash, c.previous_hash, c.rotation_requested_at, n.state, "
-        f"EXISTS (SELECT 1 FROM {tables.commands} AS m WHERE m.node_id = n.id AND m.acked_at IS NULL{not_acked})"
+        f"EXISTS (SELECT 1 FROM {tables.commands} AS m WHERE m.node_id = n.id AND m.acked_at IS NULL{not_acked}) "
+        "AS waiting) "
+        "SELECT true, r.* FROM renewed AS r UNION ALL "
+        "SELECT false, v.node_id, NULL::varchar, NULL::varchar, NULL::timestamptz, NULL::varchar, NULL::boolean "
+        "FROM v WHERE NOT EXISTS (SELECT 1 FROM free WHERE free.id = v.node_id) "
+        f"AND EXISTS (SELECT 1 FROM {node} AS x WHERE x.id = v.node_id)"
     )
 
 
-def renew_batch(tables: Tables, asks: Sequence[Ask], *, now: dt.datetime, durable: bool = False) -> dict[str, Renewal]:
+def renew_batch(
+    tables: Tables,
+    asks: Sequence[Ask],
+    *,
+    now: dt.datetime,
+    durable: bool = False,
+    busy: set[str] | None = None,
+) -> dict[str, Renewal]:
     """Renew every lease of a batch whose credential is its node's; the renewals by node id.
 
     One statement on PostgreSQL however many leases the batch holds (with
@@ -168,7 +188,9 @@ def renew_batch(tables: Tables, asks: Sequence[Ask], *, now: dt.datetime, durabl
     one lease per node: raises ValueError for a node named twice (of two
     leases of one node, the statement would keep only one). The statement
     commits asynchronously unless `durable`, like renew; a node that was
-    unreachable or lost comes back to ready, as with renew.
+    unreachable or lost comes back to ready, as with renew. A node whose
+    row another transaction holds is not waited for: it renewed nothing yet,
+    and its id is added to `busy` (when given) for the caller to send again.
     """
     nodes = [a.node_id for a in asks]
     if len(set(nodes)) != len(nodes):
@@ -195,7 +217,9 @@ def renew_batch(tables: Tables, asks: Sequence[Ask], *, now: dt.datetime, durabl
     with prepared_cursor() as cur:
         cur.execute(batch_sql(tables, acks=bool(ack_ids), relax=not durable), params)
         rows = cur.fetchall()
-    return {row[0]: _renewal(row[0], row[1:], now=now) for row in rows}
+    if busy is not None:
+        busy.update(row[1] for row in rows if not row[0])
+    return {row[1]: _renewal(row[1], row[2:], now=now) for row in rows if row[0]}
 
 
 def _uuids(ids: Sequence[str]) -> list[uuid.UUID]:

@@ -7,6 +7,7 @@ import datetime as dt
 import json
 
 import httpx
+import psycopg
 import pytest
 from django.utils import timezone
 
@@ -19,6 +20,7 @@ from agents.models import NodeCredential
 from inventory import outbox, telemetry
 from inventory.models import Command, Node, NodeEvent
 from tests.factories import make_node
+from tests.gateway.conftest import database_url
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -399,3 +401,37 @@ def test_a_real_agent_renews_through_the_real_gateway_process_and_falls_back_whe
     finally:
         agent.close()
         gateway.stop()
+
+
+def test_a_lease_whose_node_row_is_held_waits_for_it_without_holding_the_others(nodes):
+    # One node's row held (its own full heartbeat in progress): the others of the batch are answered
+    # at once; the held one goes into the next batches and is answered once the row is free.
+    old = _age(nodes)
+    endpoint = LeaseEndpoint(window_s=0.01)
+    app = with_agent_lease(_inner, endpoint=endpoint)
+
+    async def go():
+        with psycopg.connect(database_url()) as holder:
+            holder.execute("SELECT id FROM inventory_node WHERE id = 'gpu-b' FOR UPDATE")
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+
+                def one(node_id: str):
+                    headers = {"Authorization": f"Bearer {nodes[node_id]}"}
+                    return asyncio.ensure_future(client.post(LEASE_PATH, json=lease(node_id), headers=headers))
+
+                held, free = one("gpu-b"), one("gpu-a")
+                answered = await asyncio.wait_for(free, 60)  # held behind the busy row, it would never come
+                assert not held.done()
+                # Read on the holder's own connection: the event loop's thread makes no ORM call.
+                seen_while_held = dict(holder.execute("SELECT id, last_seen FROM inventory_node").fetchall())
+                holder.rollback()
+                late = await held
+        batches = endpoint.writer.batches
+        await endpoint.close()
+        return answered, late, seen_while_held, batches
+
+    answered, late, seen_while_held, batches = asyncio.run(go())
+    assert (answered.status_code, late.status_code) == (200, 200)
+    assert seen_while_held["gpu-a"] > old and seen_while_held["gpu-b"] == old
+    assert Node.objects.get(id="gpu-b").last_seen > old
+    assert batches >= 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+import psycopg
 import pytest
 from django.core.cache import cache
 from django.db import connection
@@ -15,6 +16,7 @@ from agents.models import NodeCredential
 from inventory import lease, outbox, telemetry
 from inventory.models import Command, Node
 from tests.factories import make_node
+from tests.gateway.conftest import database_url
 
 pytestmark = pytest.mark.django_db
 
@@ -50,20 +52,29 @@ TAKE = (
 )
 
 
-BATCH = (
-    "UPDATE inventory_node AS n SET last_seen = %(now)s, unreachable_since = NULL "
-    "FROM unnest(%(nodes)s::varchar[], %(hashes)s::varchar[]) AS v(node_id, h) "
-    "JOIN agents_nodecredential AS c ON c.node_id = v.node_id AND (c.token_hash = v.h OR c.previous_hash = v.h), "
-    "(SELECT set_config('synchronous_commit', 'off', true)) AS async_commit WHERE n.id = v.node_id "
+BATCH_TAIL = (
+    "v AS (SELECT * FROM unnest(%(nodes)s::varchar[], %(hashes)s::varchar[]) AS v(node_id, h)), "
+    "free AS (SELECT f.id FROM inventory_node AS f WHERE f.id = ANY(%(nodes)s::varchar[]) "
+    "ORDER BY f.id FOR NO KEY UPDATE SKIP LOCKED), "
+    "renewed AS (UPDATE inventory_node AS n SET last_seen = %(now)s, unreachable_since = NULL "
+    "FROM v JOIN agents_nodecredential AS c ON c.node_id = v.node_id "
+    "AND (c.token_hash = v.h OR c.previous_hash = v.h), "
+    "(SELECT set_config('synchronous_commit', 'off', true)) AS async_commit "
+    "WHERE n.id = v.node_id AND n.id IN (SELECT id FROM free) "
     "RETURNING n.id, c.token_hash, c.previous_hash, c.rotation_requested_at, n.state, "
-    "EXISTS (SELECT 1 FROM agents_command AS m WHERE m.node_id = n.id AND m.acked_at IS NULL)"
+    "EXISTS (SELECT 1 FROM agents_command AS m WHERE m.node_id = n.id AND m.acked_at IS NULL{not_acked}) AS waiting) "
+    "SELECT true, r.* FROM renewed AS r UNION ALL "
+    "SELECT false, v.node_id, NULL::varchar, NULL::varchar, NULL::timestamptz, NULL::varchar, NULL::boolean "
+    "FROM v WHERE NOT EXISTS (SELECT 1 FROM free WHERE free.id = v.node_id) "
+    "AND EXISTS (SELECT 1 FROM inventory_node AS x WHERE x.id = v.node_id)"
 )
+BATCH = "WITH " + BATCH_TAIL.format(not_acked="")
 BATCH_ACKS = (
     "WITH acked AS (UPDATE agents_command AS m SET acked_at = %(now)s "
     "FROM unnest(%(ack_nodes)s::varchar[], %(ack_hashes)s::varchar[], %(ack_ids)s::uuid[]) AS a(node_id, h, id) "
     "JOIN agents_nodecredential AS ac ON ac.node_id = a.node_id AND (ac.token_hash = a.h OR ac.previous_hash = a.h) "
-    "WHERE m.id = a.id AND m.node_id = a.node_id AND m.acked_at IS NULL RETURNING m.id) "
-)
+    "WHERE m.id = a.id AND m.node_id = a.node_id AND m.acked_at IS NULL RETURNING m.id), "
+) + BATCH_TAIL.format(not_acked=" AND NOT EXISTS (SELECT 1 FROM acked WHERE acked.id = m.id)")
 
 
 @pytest.fixture
@@ -186,9 +197,7 @@ def fleet(now) -> dict[str, str]:
 
 def test_the_batch_statement_is_pinned():
     assert lease.batch_sql(TABLES, acks=False, relax=True) == BATCH
-    with_acks = lease.batch_sql(TABLES, acks=True, relax=True)
-    assert with_acks.startswith(BATCH_ACKS)
-    assert with_acks.endswith("AND NOT EXISTS (SELECT 1 FROM acked WHERE acked.id = m.id))")
+    assert lease.batch_sql(TABLES, acks=True, relax=True) == BATCH_ACKS
     assert "set_config" not in lease.batch_sql(TABLES, acks=False, relax=False)
 
 
@@ -202,9 +211,7 @@ def test_a_batch_is_one_statement_whatever_its_size(fleet, now):
             got = lease.renew_batch(TABLES, asks, now=at)
         # As sent (server-side binding numbers the parameters).
         assert len(q.captured_queries) == 1, size
-        assert sent(q)[0].startswith(
-            "UPDATE inventory_node AS n SET last_seen = $1, unreachable_since = NULL FROM unnest("
-        )
+        assert sent(q)[0].startswith("WITH v AS (SELECT * FROM unnest($1::varchar[], $2::varchar[]) AS v(node_id, h))")
         assert sorted(got) == sorted(a.node_id for a in asks)
         assert got[asks[0].node_id] == lease.Renewal(
             node_id=asks[0].node_id,
@@ -308,3 +315,37 @@ def test_keep_statuses_renews_many_in_one_round_trip_and_names_those_gone(settin
     assert lease.keep_statuses(["node-a", "node-b", "node-c"]) == {"node-b"}
     assert all(client.ttl(k) > 10 for k in keys.values())
     assert lease.keep_statuses([]) == set()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_skips_a_node_whose_row_another_transaction_holds(fleet, now):
+    # One busy row (the node's own full heartbeat, an operator's change) must not hold the whole
+    # batch: the others are renewed at once, the busy one renews nothing and is named for the next.
+    before = Node.objects.get(id="node-1").last_seen
+    at = now + dt.timedelta(seconds=5)
+    asks = [lease.Ask(node_id=n, token_hash=fleet[n]) for n in ("node-0", "node-1", "node-2")]
+    with psycopg.connect(database_url()) as holder:
+        holder.execute("SELECT id FROM inventory_node WHERE id = 'node-1' FOR UPDATE")
+        busy: set[str] = set()
+        got = lease.renew_batch(TABLES, asks, now=at, busy=busy)
+        assert sorted(got) == ["node-0", "node-2"]
+        assert busy == {"node-1"}
+        holder.rollback()
+    assert dict(Node.objects.filter(id__in=["node-0", "node-1", "node-2"]).values_list("id", "last_seen")) == {
+        "node-0": at,
+        "node-1": before,
+        "node-2": at,
+    }
+    # Free again: the next batch renews it.
+    busy = set()
+    assert sorted(lease.renew_batch(TABLES, asks[1:2], now=at, busy=busy)) == ["node-1"]
+    assert busy == set()
+    assert Node.objects.get(id="node-1").last_seen == at
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_node_that_does_not_exist_is_neither_renewed_nor_busy(fleet, now):
+    busy: set[str] = set()
+    got = lease.renew_batch(TABLES, [lease.Ask(node_id="node-9", token_hash=fleet["node-0"])], now=now, busy=busy)
+    assert got == {}
+    assert busy == set()
