@@ -447,14 +447,21 @@ LLMGW_WAKEUP_URL = wakeup_url(os.environ.get("LLMGW_WAKEUP_URL", ""), os.environ
 def lease_url(explicit: str, wakeup: str, *, postgresql: bool) -> str:
     """Where agents send their leases (the batched endpoint, agents/lease_asgi.py); "" for the web's own.
 
-    LLMGW_LEASE_URL, the endpoint's whole URL; "off" for none; unset, the
-    lease path on the gateway that serves the wakeup long-poll, with
-    PostgreSQL (the embedded default's SQLite takes one writer at a time: its
-    agents keep the web's endpoint). An agent falls back to the web's
-    endpoint whenever this one fails.
+    LLMGW_LEASE_URL, the endpoint's whole URL; "on" for the lease path on
+    the gateway that serves the wakeup long-poll, with PostgreSQL (the
+    embedded default's SQLite takes one writer at a time: its agents keep the
+    web's endpoint); unset or "off", none. Off by default: with a thousand
+    simulated nodes renewing through it on a loaded machine, the fleet's
+    leases stalled together for seconds at a time (mass silences read by the
+    liveness sweep, real verdicts delayed past 80 s), which the web's
+    endpoint does not do (docs/benchmarks.md). An agent falls back to the
+    web's endpoint whenever this one fails.
     """
-    if explicit.strip().lower() == "off":
+    choice = explicit.strip().lower()
+    if choice in ("", "off"):
         return ""
+    if choice == "on":
+        return wakeup + "/api/v1/agent/lease" if wakeup and postgresql else ""
     if explicit:
         url = explicit.rstrip("/")
         if not re.match(r"^https?://[^\s/?#]+(/[^\s?#]*)?$", url):
@@ -462,9 +469,7 @@ def lease_url(explicit: str, wakeup: str, *, postgresql: bool) -> str:
                 f"LLMGW_LEASE_URL={explicit!r}: an http(s) URL with a host, e.g. http://gw:8080/api/v1/agent/lease"
             )
         return url
-    if not wakeup or not postgresql:
-        return ""
-    return wakeup + "/api/v1/agent/lease"
+    return ""
 
 
 LLMGW_LEASE_URL = lease_url(

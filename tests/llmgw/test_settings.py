@@ -122,15 +122,17 @@ def test_the_wakeup_url_comes_from_its_variable_or_the_gateways_listen_address()
     assert wakeup_url("", "[::]:8080") == f"http://{socket.getfqdn()}:8080"
 
 
-def test_the_lease_url_is_the_gateways_with_postgresql_unless_set_or_off():
+def test_the_lease_url_is_off_unless_asked_for():
     from llmgw.settings import lease_url
 
     gw = "http://gw:8080"
-    assert lease_url("", gw, postgresql=True) == "http://gw:8080/api/v1/agent/lease"
-    # SQLite takes one writer at a time: its agents keep the web's endpoint.
-    assert lease_url("", gw, postgresql=False) == ""
-    assert lease_url("", "", postgresql=True) == ""
+    # Off by default: the web's own endpoint.
+    assert lease_url("", gw, postgresql=True) == ""
     assert lease_url("off", gw, postgresql=True) == ""
+    # "on": the gateway's, with PostgreSQL; SQLite takes one writer at a time, so its agents keep the web's.
+    assert lease_url("on", gw, postgresql=True) == "http://gw:8080/api/v1/agent/lease"
+    assert lease_url("ON", gw, postgresql=False) == ""
+    assert lease_url("on", "", postgresql=True) == ""
     assert lease_url("https://lb.example/lease/", gw, postgresql=False) == "https://lb.example/lease"
 
 
