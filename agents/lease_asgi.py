@@ -54,7 +54,7 @@ import llmgw_wire as wire
 from agents import credentials, protocol
 from agents.api import check_envelope, parse_message
 from agents.lease import MAX_LEASE_BODY, TABLES, asks_status, lease_answer
-from agents.wakeup import ASGIApp, Receive, Scope, Send, _answer, _authenticate
+from agents.wakeup import ASGIApp, Receive, Scope, Send, _answer, _authenticate, mount_path
 from inventory import lease as lease_db
 
 log = logging.getLogger(__name__)
@@ -299,12 +299,6 @@ async def _refuse(send: Send, refused: protocol.Refused) -> None:
 def with_agent_lease(app: ASGIApp, *, endpoint: LeaseEndpoint | None = None) -> ASGIApp:
     """An ASGI application answering LEASE_PATH itself and passing everything else (lifespan too) to `app`."""
     lease = endpoint or LeaseEndpoint()
-
-    async def dispatch(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == LEASE_PATH:
-            await lease(scope, receive, send)
-            return
-        await app(scope, receive, send)
-
+    dispatch = mount_path(app, LEASE_PATH, lease)
     dispatch.lease_endpoint = lease  # type: ignore[attr-defined]
     return dispatch

@@ -296,15 +296,21 @@ async def _answer(send: Send, status: int, body: dict | None, extra: list[tuple[
     await send({"type": "http.response.body", "body": data})
 
 
-def with_agent_wakeup(app: ASGIApp, *, endpoint: WaitEndpoint | None = None) -> ASGIApp:
-    """An ASGI application answering WAIT_PATH itself and passing everything else (lifespan too) to `app`."""
-    wait = endpoint or WaitEndpoint()
+def mount_path(app: ASGIApp, path: str, endpoint: ASGIApp) -> ASGIApp:
+    """An ASGI application: HTTP requests for `path` to `endpoint`, everything else (lifespan too) to `app`."""
 
     async def dispatch(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == WAIT_PATH:
-            await wait(scope, receive, send)
+        if scope["type"] == "http" and scope["path"] == path:
+            await endpoint(scope, receive, send)
             return
         await app(scope, receive, send)
 
+    return dispatch
+
+
+def with_agent_wakeup(app: ASGIApp, *, endpoint: WaitEndpoint | None = None) -> ASGIApp:
+    """An ASGI application answering WAIT_PATH itself and passing everything else (lifespan too) to `app`."""
+    wait = endpoint or WaitEndpoint()
+    dispatch = mount_path(app, WAIT_PATH, wait)
     dispatch.wait_endpoint = wait  # type: ignore[attr-defined]
     return dispatch
