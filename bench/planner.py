@@ -38,7 +38,7 @@ def cluster(nodes: int, *, gpus: int = 8, domain_size: int = 0, fabrics: int = 4
         nid = f"node-{i:05d}"
         out[nid] = NodeInfo(
             id=nid,
-            mgmt_addr=f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}",
+            mgmt_addr=f"127.{i // 65536}.{(i // 256) % 256}.{i % 256}",
             labels={"rack": f"r{i // 18}", "pool": "default"},
             gpus=cards,
             free=frozenset(range(gpus)),

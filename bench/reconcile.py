@@ -78,12 +78,12 @@ def _populate(deployments: int, replicas_per: int, now) -> None:
 
 
 def _nodes(prefix: str, net: int, count: int, now) -> None:
-    """`count` ready 8-card H100 nodes named <prefix>-00000..., managed at 10.<net>.x.y."""
+    """`count` ready 8-card H100 nodes named <prefix>-00000..., managed at 127.<net>.x.y (loopback)."""
     from inventory.models import GPU, Node
 
     Node.objects.bulk_create(
         [
-            Node(id=f"{prefix}-{i:05d}", mgmt_addr=f"10.{net}.{i // 256}.{i % 256}", state="ready", last_seen=now)
+            Node(id=f"{prefix}-{i:05d}", mgmt_addr=f"127.{net}.{i // 256}.{i % 256}", state="ready", last_seen=now)
             for i in range(count)
         ],
         batch_size=2000,

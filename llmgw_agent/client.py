@@ -53,7 +53,7 @@ class ControlPlane:
 
         `path` is under the control plane's URL, or a whole URL of its own (the gateway's lease endpoint).
         """
-        extra = {"timeout": httpx.Timeout(timeout, connect=5.0)} if timeout else {}
+        extra = {"timeout": httpx.Timeout(timeout, connect=min(5.0, timeout))} if timeout else {}
         try:
             r = self.http.post(
                 path,

@@ -65,6 +65,11 @@ REGISTER_TIMEOUT_S = 60.0
 # After the gateway's lease endpoint failed, leases go to the control plane's own this long
 # before the gateway is tried again: a gateway that is down costs one failed try a minute.
 LEASE_FALLBACK_S = 60.0
+# A lease to the gateway is answered within milliseconds (a batch window and one statement), so one
+# unanswered for this long is not a slow gateway but a stalled one: the lease goes to the control plane
+# at once. Waiting the client's whole timeout instead left every lease of the fleet waiting on a
+# gateway whose event loop was busy, and a fleet that renews through one process fell silent together.
+LEASE_TIMEOUT_S = 2.0
 
 _Answer = TypeVar("_Answer", bound=pydantic.BaseModel)
 
@@ -351,7 +356,7 @@ class Agent:
     def _post_lease(self, lease: wire.Lease) -> httpx.Response | None:
         """The lease sent to the gateway the control plane named (lease_url); None: send it to the control plane.
 
-        A gateway that does not answer, answers with a server error, or has no
+        A gateway that does not answer within LEASE_TIMEOUT_S, answers with a server error, or has no
         such endpoint (404, 405: an older gateway) is passed over for
         LEASE_FALLBACK_S, and this lease goes to the control plane's own
         endpoint at once: a lease is never lost to the faster path.
@@ -360,7 +365,7 @@ class Agent:
         if not url or self.clock() < self.lease_fallback_until:
             return None
         try:
-            r = self.control_plane.post(url, lease, self.credential())
+            r = self.control_plane.post(url, lease, self.credential(), timeout=LEASE_TIMEOUT_S)
         except Unreachable as e:
             why = str(e)
         else:

@@ -53,7 +53,7 @@ try:
     import uvloop
 except ImportError:  # a development tool: asyncio's own loop serves, at a higher CPU cost per heartbeat
     uvloop = None
-from llmgw_agent.loop import backoff_delay
+from llmgw_agent.loop import LEASE_TIMEOUT_S, backoff_delay
 from llmgw_sim.fleet_http import Answer, Connection, TransportError
 from llmgw_sim.fleet_stats import EDGES, Stats, histogram_percentile
 from llmgw_sim.simulate import NS, PROFILES_DIR, shipped_profiles
@@ -233,11 +233,16 @@ class Fleet:
         if self._lease_connections is None:
             self._lease_connections = asyncio.Queue()
             for _ in range(self.connections):
-                # Watched like the control plane's (see run): the watchdog fails a request past the timeout.
-                conn = Connection(self.lease_url, timeout_s=self.timeout_s, watched=True)
+                # Watched like the control plane's (see run): the watchdog fails a lease unanswered past
+                # the agent's lease timeout, and the lease goes to the control plane at once, as an agent's does.
+                conn = Connection(self.lease_url, timeout_s=min(self.timeout_s, LEASE_TIMEOUT_S), watched=True)
                 self._all_connections.append(conn)
                 self._lease_connections.put_nowait(conn)
         conn = await self._lease_connections.get()
+        if self.clock() < self.lease_fallback_until:
+            # The gateway failed while this lease waited for a connection to it.
+            self._lease_connections.put_nowait(conn)
+            return await self._post(wire.LEASE_PATH, body, token)
         try:
             r = await conn.post(urlsplit(self.lease_url).path, body, token)
         except TransportError as e:

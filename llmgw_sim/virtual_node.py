@@ -156,7 +156,11 @@ class VirtualNode:
         self.node_id = f"{fleet.prefix}-{profile.name}-{index:05d}"
         self.profile = profile
         self.domain = domain
-        self.mgmt_addr = f"10.{100 + index // 65536 % 100}.{index // 256 % 256}.{index % 256}"
+        # A loopback address (all of 127.0.0.0/8 is this host's): a replica's endpoint is built from it, and a
+        # gateway routing or scraping a simulated replica must reach this machine or nothing, never a
+        # private network the simulation does not own (a 10.x address sent real SYNs out, and their
+        # scrapes, left hanging, stalled the gateway's event loop).
+        self.mgmt_addr = f"127.{100 + index // 65536 % 100}.{index // 256 % 256}.{index % 256}"
         self.credential = ""
         self.registered = False
         self.interval = fleet.interval

@@ -26,6 +26,15 @@ log = logging.getLogger("gateway.dataplane")
 
 # How often this process tells the reconciler its in-flight requests per replica.
 INFLIGHT_REPORT_S = 0.5
+# Engines' /metrics read at once, at most. The scrapes share the event loop with every request (and
+# the agents' leases): a thousand replicas asked together queued in the HTTP client's pool, which scans
+# its whole queue for each request it assigns, and the loop spent seconds doing nothing else; the
+# fleet's leases waited behind it and the control plane read a mass silence.
+SCRAPE_CONCURRENCY = 32
+# A replica whose /metrics did not answer is asked again after this many scrape intervals, doubled per
+# failure in a row (at most SCRAPE_BACKOFF_MAX of them): an unreachable one must not cost a timeout
+# every second, and its figures are stale by then anyway (the in-flight count stands in).
+SCRAPE_BACKOFF_MAX = 30
 
 
 class Background:
@@ -36,6 +45,8 @@ class Background:
     inflight: dict[str, int]
     health: dict[str, Health]
     engine: dict[str, tuple[EngineLoad, float]]
+    # Replicas whose /metrics did not answer: (failures in a row, monotonic time of the next try).
+    scrape_failures: dict[str, tuple[int, float]]
     process_id: str
     client: httpx.AsyncClient | None
     redis: aioredis.Redis | None
@@ -137,21 +148,39 @@ class Background:
                 log.exception("gateway: reading the engines' metrics failed")
             await asyncio.sleep(settings.LLMGW_GATEWAY_SCRAPE)
 
-    async def _scrape(self, b: Backend) -> None:
+    async def _scrape(self, b: Backend, slots: asyncio.Semaphore, now: float) -> None:
         assert self.client is not None
-        try:
-            r = await self.client.get(b.endpoint + "/metrics", timeout=max(1.0, settings.LLMGW_GATEWAY_SCRAPE))
-        except httpx.HTTPError:
-            return
-        if r.status_code == 200:
+        async with slots:
+            try:
+                r = await self.client.get(b.endpoint + "/metrics", timeout=max(1.0, settings.LLMGW_GATEWAY_SCRAPE))
+            except httpx.HTTPError:
+                r = None
+        if r is not None and r.status_code == 200:
+            self.scrape_failures.pop(b.id, None)
             load = engine_load(b.engine, b.engine_version, r.text)
             if load is not None:
                 self.engine[b.id] = (load, time.monotonic())
+            return
+        failures = self.scrape_failures.get(b.id, (0, 0.0))[0] + 1
+        wait = min(SCRAPE_BACKOFF_MAX, 2 ** (failures - 1)) * settings.LLMGW_GATEWAY_SCRAPE
+        self.scrape_failures[b.id] = (failures, now + wait)
 
-    async def scrape_once(self) -> None:
-        """Read every routed replica's engine figures, and share them (with ejections) for the admin."""
+    def scrape_due(self, backends: dict[str, Backend], *, now: float) -> list[Backend]:
+        """The replicas to read now: every routed one, less those still backing off after failed reads."""
+        for rid in set(self.scrape_failures) - set(backends):
+            del self.scrape_failures[rid]
+        return [b for rid, b in backends.items() if self.scrape_failures.get(rid, (0, 0.0))[1] <= now]
+
+    async def scrape_once(self, *, now: float | None = None) -> None:
+        """Read the routed replicas' engine figures (SCRAPE_CONCURRENCY at a time), and share them for the admin.
+
+        A replica whose last reads failed waits out its backoff (scrape_due).
+        `now` is the monotonic clock's, for tests to control the backoff.
+        """
+        now = time.monotonic() if now is None else now
         backends = {b.id: b for route in self.routes.values() for b in route.backends}
-        await asyncio.gather(*(self._scrape(b) for b in backends.values()))
+        slots = asyncio.Semaphore(SCRAPE_CONCURRENCY)
+        await asyncio.gather(*(self._scrape(b, slots, now) for b in self.scrape_due(backends, now=now)))
         for rid in set(self.engine) - set(backends):
             del self.engine[rid]
         if backends:

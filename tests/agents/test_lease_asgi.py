@@ -360,6 +360,75 @@ def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails
         loop.close()
 
 
+def test_an_agent_whose_gateway_does_not_answer_sends_its_lease_to_the_control_plane_after_the_lease_timeout(
+    client, join_token, settings, tmp_path
+):
+    # A gateway that accepts and never answers (its event loop busy): the lease may not wait the
+    # client's whole timeout, or every agent renewing through it falls silent at once.
+    import socket
+    import threading
+
+    from llmgw_agent import config as config_mod
+    from llmgw_agent.loop import LEASE_FALLBACK_S, LEASE_TIMEOUT_S, Agent
+    from tests.llmgw_agent.test_loop import Probe
+
+    stalled = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(stalled.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    settings.LLMGW_LEASE_URL = f"http://127.0.0.1:{stalled.getsockname()[1]}{LEASE_PATH}"
+    seen: list[tuple[str, float | None]] = []
+    real = httpx.HTTPTransport()
+
+    class Split(httpx.BaseTransport):
+        # The stalled gateway over a real socket; the control plane through Django's test client.
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            seen.append((f"{request.url.host}{request.url.path}", request.extensions["timeout"]["read"]))
+            if request.url.host == "127.0.0.1":
+                return real.handle_request(request)
+            r = client.post(
+                request.url.path,
+                data=request.content,
+                content_type="application/json",
+                HTTP_AUTHORIZATION=request.headers["Authorization"],
+            )
+            return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+
+    now = [1_000.0]
+    cfg = config_mod.parse(
+        {"control_plane": "http://cp", "join_token": join_token, "node_id": "node-a", "state_dir": str(tmp_path)}
+    )
+    agent = Agent(
+        cfg,
+        probe=Probe(),
+        http=httpx.Client(base_url="http://cp", transport=Split(), timeout=30.0),
+        listening=lambda: [22],
+        clock=lambda: now[0],
+    )
+    try:
+        agent.step()
+        before = Node.objects.get(id="node-a").last_seen
+        seen.clear()
+        assert isinstance(agent.heartbeat(), wire.LeaseResponse)
+        # Tried on the gateway with the lease's own timeout, then renewed by the control plane.
+        assert seen == [("127.0.0.1" + LEASE_PATH, LEASE_TIMEOUT_S), ("cp" + LEASE_PATH, 30.0)]
+        assert Node.objects.get(id="node-a").last_seen > before
+        assert agent.lease_fallback_until == now[0] + LEASE_FALLBACK_S
+        assert len(held) == 1
+    finally:
+        agent.close()
+        stalled.close()
+        for conn in held:
+            conn.close()
+
+
 @pytest.mark.slow
 def test_a_real_agent_renews_through_the_real_gateway_process_and_falls_back_when_it_stops(
     live_server, tmp_path, settings

@@ -7,6 +7,7 @@ last one (slow) runs fifty virtual nodes against a real control plane process.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import subprocess
 import sys
@@ -67,6 +68,12 @@ def test_virtual_nodes_have_their_own_identities():
     assert [r.node_id for r in regs] == [n.node_id for n in fleet.nodes]
     assert len({r.node_id for r in regs}) == 12
     assert len({r.mgmt_addr for r in regs}) == 12
+    # On loopback only: a replica's endpoint is built from it, and a gateway reaching for one must find
+    # this machine or nothing, never a network the simulation does not own.
+    assert regs[5].mgmt_addr == "127.100.0.5"
+    far = Fleet(control_plane="http://127.0.0.1:9", join_token="join", nodes=2, first=65_535)
+    assert [_reg(n).mgmt_addr for n in far.nodes] == ["127.100.255.255", "127.101.0.0"]
+    assert all(ipaddress.ip_address(r.mgmt_addr).is_loopback for r in regs)
     assert regs[5].node_id == "fleet-gb200-nvl-00005"
     assert regs[5].hostname == "fleet-gb200-nvl-00005.sim"
     assert regs[5].labels == {"simulated": "true", "profile": "gb200-nvl"}
@@ -292,6 +299,60 @@ def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails()
     asyncio.run(main())
     lease = wire.LEASE_PATH.encode()
     assert seen == [("cp", lease), ("gw", lease), ("gw", lease), ("cp", lease), ("cp", lease), ("gw", lease)]
+
+
+def test_a_lease_unanswered_past_the_agents_lease_timeout_goes_to_the_control_plane_and_so_do_those_queued():
+    import asyncio
+
+    from llmgw_agent.loop import LEASE_TIMEOUT_S
+
+    seen: list[str] = []
+    arrived = asyncio.Event()
+
+    async def control_plane(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+            await reader.readexactly(length)
+            seen.append("cp")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    async def stalled_gateway(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        seen.append("gw")
+        arrived.set()
+        await asyncio.sleep(60)  # its event loop busy elsewhere: never answers
+
+    async def main() -> None:
+        cp = await asyncio.start_server(control_plane, "127.0.0.1", 0)
+        gw = await asyncio.start_server(stalled_gateway, "127.0.0.1", 0)
+        fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=2)
+        fleet._connections = asyncio.Queue()
+        fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=30))
+        fleet.connections = 1
+        fleet.lease_url = f"http://127.0.0.1:{gw.sockets[0].getsockname()[1]}/api/v1/agent/lease"
+        first = asyncio.ensure_future(fleet._post_lease(b"{}", "tok"))
+        await arrived.wait()
+        # A second lease waits for the one connection to the gateway.
+        second = asyncio.ensure_future(fleet._post_lease(b"{}", "tok"))
+        await asyncio.sleep(0)
+        (lease_conn,) = [c for c in fleet._all_connections if c.timeout_s == LEASE_TIMEOUT_S]
+        lease_conn.expire(time.monotonic() + LEASE_TIMEOUT_S + 0.01)  # the watchdog's next look
+        assert ((await first).status_code, (await second).status_code) == (200, 200)
+        assert fleet.lease_fallback_until > fleet.clock()
+        for c in fleet._all_connections:
+            c.close()
+        fleet._connections.get_nowait().close()
+        for srv in (cp, gw):
+            srv.close()
+
+    asyncio.run(main())
+    # The stalled gateway was asked once; both leases were renewed by the control plane.
+    assert seen == ["gw", "cp", "cp"]
 
 
 def test_a_lease_is_spliced_yet_valid_on_the_wire():
