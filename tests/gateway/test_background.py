@@ -55,7 +55,7 @@ def test_a_thousand_replicas_are_read_at_most_scrape_concurrency_at_a_time():
 
 def test_a_replica_that_does_not_answer_is_asked_again_after_a_doubling_backoff(settings):
     settings.LLMGW_GATEWAY_SCRAPE = 1.0
-    up, down = make_deployment("m", ["http://127.0.0.1:9/up", "http://127.0.0.1:9/down"])
+    _up, down = make_deployment("m", ["http://127.0.0.1:9/up", "http://127.0.0.1:9/down"])
     answering = {"/up/metrics": True, "/down/metrics": False}
     asked: list[str] = []
 
