@@ -100,6 +100,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         # Each replica's engine figures and when they were read (monotonic).
         self.engine: dict[str, tuple[EngineLoad, float]] = {}
         self.scrape_failures: dict[str, tuple[int, float]] = {}
+        self.reloaded_at = 0.0
         self.metrics = Metrics()
         self.process_id = uuid.uuid4().hex[:12]
         self.client: httpx.AsyncClient | None = None

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
+from gateway import notify
 from gateway.dataplane import background
 from gateway.dataplane.app import DataPlane
 from tests.gateway.conftest import make_deployment
@@ -122,3 +125,45 @@ def test_the_backoff_is_capped_and_forgotten_with_the_replica(settings):
     assert capped == (9, sum(waits))
     assert waits[-1] == 60.0
     assert left == {}
+
+
+def test_a_burst_of_change_messages_is_one_reload(settings):
+    # A thousand replicas starting together send a message each: one reload of the table per message
+    # kept the gateway's process busy with nothing else.
+    if not settings.REDIS_URL:
+        pytest.skip("change messages travel through Redis")
+    make_deployment("m", ["http://127.0.0.1:9/a"])
+
+    async def go() -> tuple[str, int, object]:
+        plane = DataPlane()
+        plane.redis = aioredis.Redis.from_url(settings.REDIS_URL)
+        pubsub = plane.redis.pubsub()
+        reloads = []
+        held = plane.routes_reloaded
+        plane.routes_reloaded = lambda: (reloads.append(1), held())
+        try:
+            await pubsub.subscribe(notify.channel())
+            for _ in range(50):
+                notify.publish("routes")
+            notify.publish("keys")
+            first = await pubsub.get_message(ignore_subscribe_messages=True, timeout=5)
+            # Just reloaded: this one waits its spacing, and the rest of the burst is folded in.
+            plane.reloaded_at = time.monotonic()
+            kind = await plane.reload_for(pubsub, {background._kind(first)})
+            left = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.05)
+        finally:
+            await pubsub.aclose()
+            await plane.redis.aclose()
+        return kind, len(reloads), left
+
+    kind, reloads, left = asyncio.run(go())
+    # Routes and keys both changed: everything, once; nothing left queued.
+    assert (kind, reloads, left) == ("all", 1, None)
+
+
+@pytest.mark.parametrize(
+    ("data", "kind"),
+    [(b'{"kind": "routes"}', "routes"), (b'{"kind": "keys"}', "keys"), (b'{"kind": "x"}', "all"), (b"no", "all")],
+)
+def test_a_change_message_names_what_to_reload(data, kind):
+    assert background._kind({"type": "message", "data": data}) == kind
