@@ -140,9 +140,9 @@ class Loop:
                 "LLMGW_WEB_LOG_LEVEL": "warning",
             }
         )
-        # BENCH_FLEET_GATEWAY=1: the gateway's process takes the leases in batches (agents/lease_asgi.py,
-        # LLMGW_LEASE_URL); by default, as the control plane's own default, every lease goes to the web server.
-        self.gateway_port = _free_port() if _env("BENCH_FLEET_GATEWAY", 0) else None
+        # As the control plane's own default, the gateway's process takes the leases in batches
+        # (agents/lease_asgi.py, LLMGW_LEASE_URL); BENCH_FLEET_GATEWAY=0: every lease goes to the web server.
+        self.gateway_port = _free_port() if _env("BENCH_FLEET_GATEWAY", 1) else None
         if self.gateway_port is not None:
             self.env["LLMGW_LEASE_URL"] = f"http://127.0.0.1:{self.gateway_port}{wire.LEASE_PATH}"
         else:

@@ -447,20 +447,17 @@ LLMGW_WAKEUP_URL = wakeup_url(os.environ.get("LLMGW_WAKEUP_URL", ""), os.environ
 def lease_url(explicit: str, wakeup: str, *, postgresql: bool) -> str:
     """Where agents send their leases (the batched endpoint, agents/lease_asgi.py); "" for the web's own.
 
-    LLMGW_LEASE_URL, the endpoint's whole URL; "on" for the lease path on
-    the gateway that serves the wakeup long-poll, with PostgreSQL (the
-    embedded default's SQLite takes one writer at a time: its agents keep the
-    web's endpoint); unset or "off", none. Off by default: with a thousand
-    simulated nodes renewing through it on a loaded machine, the fleet's
-    leases stalled together for seconds at a time (mass silences read by the
-    liveness sweep, real verdicts delayed past 80 s), which the web's
-    endpoint does not do (docs/benchmarks.md). An agent falls back to the
-    web's endpoint whenever this one fails.
+    LLMGW_LEASE_URL, the endpoint's whole URL; unset or "on" for the lease
+    path on the gateway that serves the wakeup long-poll, with PostgreSQL
+    (the embedded default's SQLite takes one writer at a time: its agents
+    keep the web's endpoint); "off", none. On by default: a lease there costs
+    a third of the web's (docs/benchmarks.md), and an agent falls back to the
+    web's endpoint whenever this one fails or is slow to answer.
     """
     choice = explicit.strip().lower()
-    if choice in ("", "off"):
+    if choice == "off":
         return ""
-    if choice == "on":
+    if choice in ("", "on"):
         return wakeup + "/api/v1/agent/lease" if wakeup and postgresql else ""
     if explicit:
         url = explicit.rstrip("/")

@@ -122,17 +122,21 @@ def test_the_wakeup_url_comes_from_its_variable_or_the_gateways_listen_address()
     assert wakeup_url("", "[::]:8080") == f"http://{socket.getfqdn()}:8080"
 
 
-def test_the_lease_url_is_off_unless_asked_for():
+def test_the_lease_url_is_the_wakeup_gateways_unless_turned_off():
     from llmgw.settings import lease_url
 
     gw = "http://gw:8080"
-    # Off by default: the web's own endpoint.
-    assert lease_url("", gw, postgresql=True) == ""
-    assert lease_url("off", gw, postgresql=True) == ""
-    # "on": the gateway's, with PostgreSQL; SQLite takes one writer at a time, so its agents keep the web's.
+    # On by default: the gateway's that serves the wakeup long-poll, with PostgreSQL.
+    assert lease_url("", gw, postgresql=True) == "http://gw:8080/api/v1/agent/lease"
     assert lease_url("on", gw, postgresql=True) == "http://gw:8080/api/v1/agent/lease"
+    # SQLite takes one writer at a time, so its agents keep the web's; so do they with no gateway known.
+    assert lease_url("", gw, postgresql=False) == ""
     assert lease_url("ON", gw, postgresql=False) == ""
+    assert lease_url("", "", postgresql=True) == ""
     assert lease_url("on", "", postgresql=True) == ""
+    # "off": the web's own endpoint.
+    assert lease_url("off", gw, postgresql=True) == ""
+    assert lease_url(" OFF ", gw, postgresql=True) == ""
     assert lease_url("https://lb.example/lease/", gw, postgresql=False) == "https://lb.example/lease"
 
 
