@@ -14,8 +14,10 @@ and in wall-clock seconds:
 - a refresh after 10 and after 1 % of the nodes sent a heartbeat whose
   telemetry changed in what the doctor reads (an error counter rose), marked
   as the heartbeat marks it;
-- a refresh when every node's counter baseline rolls (once every
-  COUNTER_WINDOW, 10 minutes, the error-counter check alone looks again).
+- the refreshes, every 10 s, through the half window over which the
+  nodes' counter baselines roll (each node's phase: doctor/infiniband.py;
+  the error-counter check alone looks again at the nodes due), with the
+  nodes each one rolled.
 
 And what the heartbeat pays to tell: `changes.mark_telemetry` on an 8-port,
 8-card entry that did not change, with the doctor's view and without.
@@ -23,6 +25,7 @@ And what the heartbeat pays to tell: `changes.mark_telemetry` on an 8-port,
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import statistics
 import time
@@ -124,15 +127,26 @@ def _one_size(size: int, *, last: bool) -> list[str]:
                 assert kept.kept().last and kept.kept().full_runs == 1, (kept.kept().last, kept.kept().full_runs)
                 out.append(_line(f"{size:,} nodes: refresh after {count:,} nodes' counters rose", runs))
 
-            rolls = []
-            for k in range(1, RUNS + 1):
-                later = now + k * doctor.COUNTER_WINDOW
+            # The baselines roll spread over half a window (each node's phase): refreshes every 10 s through
+            # the second half of the first window, as the worker's are, each rolling the nodes then due.
+            rolls, counts = [], []
+            start = kept.kept().rolled
+            half = doctor.COUNTER_WINDOW / 2
+            for k in range(1, int(half.total_seconds() // 10) + 2):
+                later = now + half + k * dt.timedelta(seconds=10)
                 # Heard from just now, as heartbeats keep them: no node is silent.
                 Node.objects.update(last_seen=later)
                 rolled = kept.kept().rolled
                 rolls.append(_measure(lambda at=later: kept.refresh(now=at)))
-                assert kept.kept().rolled - rolled == size, (kept.kept().rolled - rolled, size)
-            out.append(_line(f"{size:,} nodes: refresh when every counter baseline rolls (every 10 min)", rolls))
+                counts.append(kept.kept().rolled - rolled)
+            assert kept.kept().rolled - start == size, (kept.kept().rolled - start, size)
+            out.append(
+                _line(
+                    f"{size:,} nodes: refreshes every 10 s while the baselines roll ({len(counts)}, "
+                    f"{min(counts)} / {statistics.median(counts):g} / {max(counts)} nodes rolled each)",
+                    rolls,
+                )
+            )
             check = kept.refresh(now=later) == doctor.run(now=later)
             out.append(f"{size:,} nodes: the last refresh equals a full run at the same moment: {check}")
             if last:

@@ -49,7 +49,7 @@ from django.conf import settings
 from inventory import changes, scans
 from inventory import fabric as fabric_rules
 from inventory.doctor import registry
-from inventory.doctor.infiniband import COUNTER_WINDOW
+from inventory.doctor.infiniband import BASELINE_VERSION, COUNTER_WINDOW
 from inventory.doctor.loader import (
     FabricRow,
     GPURow,
@@ -280,8 +280,9 @@ def _roll_due(baselines: dict[str, Any], node_ids: Iterable[str]) -> dict[str, f
     window = COUNTER_WINDOW.total_seconds()
     due: dict[str, float] = {}
     for n in node_ids:
-        cur = (baselines.get(n) or {}).get("cur")
-        if cur is not None:
+        stored = baselines.get(n) or {}
+        cur = stored.get("cur")
+        if cur is not None and stored.get("v") == BASELINE_VERSION:
             due[n] = cur["at"] + window
     return due
 

@@ -71,7 +71,9 @@ def test_a_killed_server_is_started_again_on_the_same_socket_and_nothing_is_refu
     try:
         first = wait_until(lambda: _try(port), timeout=30, what="the first server")
         os.kill(first, signal.SIGKILL)
-        # Asked at once, before the new child runs: the connection waits in the backlog, it is not refused.
+        # Asked once the killed child is gone (a child still dying could take the connection and close it
+        # with no answer), before the new one runs: the connection waits in the backlog, it is not refused.
+        wait_until(lambda: _gone(first), timeout=30, what="the killed server gone")
         second = _ask(port)
         assert second != first and holder.poll() is None
         assert "was killed (SIGKILL); starting it again" in (tmp_path / "err").read_text()
@@ -80,6 +82,15 @@ def test_a_killed_server_is_started_again_on_the_same_socket_and_nothing_is_refu
     finally:
         holder.kill()
         holder.wait(10)
+
+
+def _gone(pid: int) -> bool:
+    """Whether a process has died (gone, or a zombie not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def _try(port: int) -> int | None:

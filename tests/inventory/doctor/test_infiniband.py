@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 
 import pytest
+from django.core.cache import cache
 
 from inventory import doctor, fabric, scans
 from inventory.doctor import Result
+from inventory.doctor.infiniband import baseline_phase
+from inventory.doctor.loader import load_baselines
 from tests.factories import make_node
 from tests.inventory.doctor.helpers import IB0, assert_result, run
 from tests.inventory.ibports import SM_A, SM_OTHER, ib_port, put
@@ -149,3 +153,45 @@ def test_ib_scan_coverage_of_a_lone_ca_that_sees_only_itself(now):
     text = "\n".join(line for line in recorded("sharp-an-hdr-excerpt.topo").splitlines()[7:] if "S-0002" not in line)
     fabric.set_scan(key=order.key, at=now, node_id="a", port="mlx5_0/1", output=text, error="", took_s=1)
     assert_result(run(doctor.check_ib_scan_coverage, now), Result.PASS, [])
+
+
+def test_a_fleet_first_seen_together_rolls_its_counter_baselines_spread_over_half_a_window(now):
+    # Rolled all at once every window, the kept doctor re-checked the whole fleet's counters in one
+    # refresh (1.1-1.9 s of the worker's CPU at 10,000 nodes).
+    names = [f"n-{i:03d}" for i in range(120)]
+    for n in names:
+        make_node(n, now=now, gpus=0)
+        put(n, now=now, ports=[ib_port(counters={"symbol_error": 1})])
+    run(doctor.check_ib_errors, now)
+    stored = load_baselines(names)
+    window = doctor.COUNTER_WINDOW.total_seconds()
+    ats = {n: stored[n]["cur"]["at"] for n in names}
+    assert ats == {n: now.timestamp() - baseline_phase(n) for n in names}
+    assert all(now.timestamp() - window / 2 < at <= now.timestamp() for at in ats.values())
+    # Refreshes every 10 s: no more than a few nodes roll at any one of them, over most of the half window.
+    slots = Counter(int((at + window - now.timestamp()) // 10) for at in ats.values())
+    assert max(slots.values()) <= 8
+    assert max(slots) - min(slots) >= 25
+    # Each rolls once its own window is over, then every whole window after.
+    a = names[0]
+    due = dt.timedelta(seconds=window - baseline_phase(a))
+    put(a, now=now + due, ports=[ib_port(counters={"symbol_error": 3})])
+    assert_result(run(doctor.check_ib_errors, now + due - dt.timedelta(seconds=1)), Result.WARN, [a])
+    assert load_baselines([a])[a]["cur"]["at"] == ats[a]
+    assert_result(run(doctor.check_ib_errors, now + due), Result.WARN, [a])
+    assert load_baselines([a])[a]["cur"]["at"] == (now + due).timestamp()
+    assert load_baselines([a])[a]["prev"]["at"] == ats[a]
+
+
+def test_a_counter_baseline_of_the_old_shape_starts_anew_with_its_phase(now):
+    make_node("a", now=now, gpus=0)
+    put("a", now=now, ports=[ib_port(counters={"symbol_error": 9})])
+    old = {"prev": None, "cur": {"at": now.timestamp() - 30, "ports": {"mlx5_0/1": {"symbol_error": 1}}}}
+    cache.set(doctor.counter_key("a"), old)
+    # Not compared with the old shape's values (+8 would be a rise): one fresh baseline, dated back.
+    assert_result(run(doctor.check_ib_errors, now), Result.PASS, [])
+    assert load_baselines(["a"])["a"] == {
+        "v": 2,
+        "prev": None,
+        "cur": {"at": now.timestamp() - baseline_phase("a"), "ports": {"mlx5_0/1": {"symbol_error": 9}}},
+    }
