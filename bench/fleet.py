@@ -446,6 +446,8 @@ def _phases(loop: Loop) -> Iterator[str]:
         f"all placed in {placed:.1f} s ({replicas / placed:,.0f}/s), all ready {ready:.1f} s "
         f"after the deployment was created (a simulated shard is ready 1.5 s after its StartShard arrives){limits}"
     )
+    # The scale-up loads the web with statuses and the gateway with routes: live nodes misjudged during it count too.
+    yield f"  false verdicts so far (no node was silenced yet): {_verdicts(loop)}; load average {_loadavg()}"
     # 4. Nodes going silent at once.
     silent_n = int(_env("BENCH_FLEET_SILENT", 50))
     if silent_n and loop.left(budget) <= 0:
