@@ -11,7 +11,18 @@ import os
 import sys
 import time
 
-BENCHES: list[str] = ["heartbeat", "register", "lease", "planner", "reconcile", "kept", "metrics", "doctor", "gateway"]
+BENCHES: list[str] = [
+    "heartbeat",
+    "register",
+    "lease",
+    "lease_db",
+    "planner",
+    "reconcile",
+    "kept",
+    "metrics",
+    "doctor",
+    "gateway",
+]
 # Run only when named: the whole loop with a simulated fleet takes minutes, and
 # the gateway's peers are installed from PyPI (make bench-peers); autoscale runs a
 # load of minutes.
