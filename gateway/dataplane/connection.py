@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 from urllib.parse import unquote
 
@@ -44,6 +45,10 @@ class Connection(asyncio.Protocol):
         self.writing_paused = False
         self.drained: asyncio.Future | None = None
         self.gone_waiters: list[asyncio.Future] = []
+        # Called as the connection is lost, before any task runs again: the data plane's relay stops
+        # its client's stream this way without a task of its own waiting on `receive`.
+        self.lost_hooks: list[Callable[[], None]] = []
+        self.extensions = {"llmgw.lost": self.lost_hooks}
         self.closing = False
         # Lingering: what still arrives is dropped unread.
         self.dropping = False
@@ -70,6 +75,8 @@ class Connection(asyncio.Protocol):
         for exchange in (self.current, self.parsing, *self.pending):
             if exchange is not None:
                 exchange._wake()
+        for hook in list(self.lost_hooks):
+            hook()
         for fut in self.gone_waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -148,6 +155,7 @@ class Connection(asyncio.Protocol):
             "raw_path": raw,
             "query_string": query,
             "headers": self.headers,
+            "extensions": self.extensions,
         }
         exchange = Exchange(self, scope, parser.should_keep_alive() and not self.server.stopping)
         self.parsing = exchange
@@ -173,17 +181,23 @@ class Connection(asyncio.Protocol):
     def start(self, exchange: Exchange) -> None:
         """Run the application on `exchange`."""
         self.current = exchange
-        task = self.loop.create_task(self.server.app(exchange.scope, exchange.receive, exchange.send))
-        self.server.tasks.add(task)
-        task.add_done_callback(lambda t: self.ran(t, exchange))
+        self.loop.create_task(self.run(exchange))
 
-    def ran(self, task: asyncio.Task, exchange: Exchange) -> None:
-        """The application has returned (or raised) on `exchange`."""
-        self.server.tasks.discard(task)
-        failed = None if task.cancelled() else task.exception()
-        if failed is not None:
-            log.error("the application failed on %s %s", exchange.scope["method"], exchange.scope["path"],
-                      exc_info=failed)  # fmt: skip
+    async def run(self, exchange: Exchange) -> None:
+        """The application on `exchange`, and what its end leaves to do.
+
+        Its end is handled here, in its own task, rather than by a done callback: a callback is
+        one more turn of the loop for every request.
+        """
+        tasks = self.server.tasks
+        task = asyncio.current_task()
+        tasks.add(task)
+        try:
+            await self.server.app(exchange.scope, exchange.receive, exchange.send)
+        except Exception:
+            log.exception("the application failed on %s %s", exchange.scope["method"], exchange.scope["path"])
+        finally:
+            tasks.discard(task)
         if exchange.finished or self.lost:
             return
         if not exchange.started:

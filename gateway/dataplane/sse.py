@@ -9,6 +9,7 @@ get the usage-only last chunk (`"choices": []`): OpenAI's documented loop,
 from __future__ import annotations
 
 import json
+from typing import Any
 
 
 class UsageStripper:
@@ -22,6 +23,8 @@ class UsageStripper:
         self.tail = b""
         # The blank line that ends a dropped event is dropped with it.
         self.drop_blank = False
+        # The last usage seen on the way (the relay counts it: each usage line is parsed once).
+        self.usage: Any = None
 
     def feed(self, data: bytes) -> bytes:
         """The part of the stream that can go to the client now."""
@@ -36,7 +39,7 @@ class UsageStripper:
                 if not line.strip():
                     continue
             if line.startswith(b"data:") and b'"usage"' in line:
-                kept = _without_usage(line)
+                kept = self._without_usage(line)
                 if kept is None:
                     self.drop_blank = True
                     continue
@@ -48,20 +51,20 @@ class UsageStripper:
         """What is left at the stream's end (a last line without its newline)."""
         rest, self.tail = self.tail, b""
         if rest.startswith(b"data:") and b'"usage"' in rest:
-            return _without_usage(rest) or b""
+            return self._without_usage(rest) or b""
         return rest
 
-
-def _without_usage(line: bytes) -> bytes | None:
-    """A `data:` line without its usage; None for the usage-only chunk."""
-    cr = line.endswith(b"\r")
-    try:
-        obj = json.loads(line[5:])
-    except (ValueError, UnicodeDecodeError):
-        return line
-    if not isinstance(obj, dict) or "usage" not in obj:
-        return line
-    if obj.get("choices") == []:
-        return None
-    del obj["usage"]
-    return b"data: " + json.dumps(obj).encode() + (b"\r" if cr else b"")
+    def _without_usage(self, line: bytes) -> bytes | None:
+        """A `data:` line without its usage (kept in `usage`); None for the usage-only chunk."""
+        cr = line.endswith(b"\r")
+        try:
+            obj = json.loads(line[5:])
+        except (ValueError, UnicodeDecodeError):
+            return line
+        if not isinstance(obj, dict) or "usage" not in obj:
+            return line
+        self.usage = obj["usage"]
+        if obj.get("choices") == []:
+            return None
+        del obj["usage"]
+        return b"data: " + json.dumps(obj).encode() + (b"\r" if cr else b"")
