@@ -28,11 +28,19 @@ class UsageStripper:
 
     def feed(self, data: bytes) -> bytes:
         """The part of the stream that can go to the client now."""
-        if not self.tail and not self.drop_blank and data.endswith(b"\n") and b'"usage"' not in data:
-            # Most reads: whole events, none with usage, passed on as they are.
-            return data
-        *lines, self.tail = (self.tail + data).split(b"\n")
-        out: list[bytes] = []
+        buf = self.tail + data if self.tail else data
+        passed = b""
+        if not self.drop_blank:
+            # The lines before the first that names a usage go as they are, unsplit: most reads
+            # hold none, and the last holds it near its end.
+            at = buf.find(b'"usage"')
+            cut = buf.rfind(b"\n") + 1 if at < 0 else buf.rfind(b"\n", 0, at) + 1
+            if at < 0:
+                self.tail = buf[cut:]
+                return buf[:cut] if cut < len(buf) else buf
+            passed, buf = buf[:cut], buf[cut:]
+        *lines, self.tail = buf.split(b"\n")
+        out: list[bytes] = [passed]
         for line in lines:
             if self.drop_blank:
                 self.drop_blank = False
