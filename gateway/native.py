@@ -72,7 +72,8 @@ def serve(sock: socket.socket, workers: int, access_log: bool) -> int:
             if i not in died:
                 log.warning("gateway: worker %d exited (status %s); starting another", p.pid, p.exitcode)
                 died[i] = time.monotonic() + RESPAWN_S
-            elif time.monotonic() >= died.pop(i):
+            elif time.monotonic() >= died[i]:
+                del died[i]
                 procs[i] = start()
     for p in procs:
         if p.is_alive():

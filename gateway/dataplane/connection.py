@@ -52,8 +52,10 @@ class Connection(asyncio.Protocol):
         self.closing = False
         # Lingering: what still arrives is dropped unread.
         self.dropping = False
-        # When the request being parsed began (monotonic), until its head is complete; its size so far.
+        # When the request being parsed began (monotonic), until its head is complete; the bytes read
+        # meanwhile, and its line's and headers' size.
         self.head_since = 0.0
+        self.head_read = 0
         self.head_size = 0
         self.idle_since = time.monotonic()
         self.url = b""
@@ -87,19 +89,21 @@ class Connection(asyncio.Protocol):
         """Bytes from the client, parsed as they come."""
         if self.dropping:
             return
-        if self.head_since:
-            self.head_size += len(data)
-            if self.head_size > HEAD_LIMIT:
-                self.refuse(431)
-                return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # No protocol but HTTP/1.1 here: the request is answered, then the connection closed.
             self.closing = True
             self.pause()
+            return
         except httptools.HttpParserError:
             self.refuse(400)
+            return
+        if self.head_since:
+            # A head still incomplete after this read: counted after parsing, so its first read counts too.
+            self.head_read += len(data)
+            if self.head_read > HEAD_LIMIT:
+                self.refuse(431)
 
     def pause_writing(self) -> None:
         """The client is behind reading: streams wait for it."""
@@ -117,20 +121,27 @@ class Connection(asyncio.Protocol):
         """A request begins."""
         self.url = b""
         self.headers = []
+        self.parsing = None
         self.head_since = time.monotonic()
+        self.head_read = 0
         self.head_size = 0
 
     def on_url(self, url: bytes) -> None:
         """A part of the request's target."""
         self.url += url
+        self.head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         """One header (its name lower-cased, as ASGI has it)."""
         self.headers.append((name.lower(), value))
+        self.head_size += len(name) + len(value) + 4
 
     def on_headers_complete(self) -> None:
         """The head is in: the request runs now, or after those before it."""
         self.head_since = 0.0
+        if self.head_size > HEAD_LIMIT:
+            self.refuse(431)
+            return
         parser = self.parser
         method = parser.get_method()
         url = self.url
@@ -274,7 +285,7 @@ class Connection(asyncio.Protocol):
                 STATUS_LINES[status] + b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
                 b"content-length: %d\r\n%b\r\n%b" % (len(body), self.server.date, body)
             )
-        self.close()
+        self.linger()
 
     def close(self) -> None:
         """Close the connection."""

@@ -140,6 +140,10 @@ class Exchange:
             else:
                 # HTTP/1.0 has no chunks: the stream ends with the connection.
                 self.keep_alive = False
+        if not self.complete or self.conn.server.stopping:
+            # Answered before its body has all come (the rest is dropped, and the connection with it),
+            # or the server is stopping: the client is told the connection ends here.
+            self.keep_alive = False
         if not self.keep_alive:
             parts.append(b"connection: close\r\n")
         elif self.scope["http_version"] == "1.0":
