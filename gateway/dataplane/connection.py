@@ -168,6 +168,9 @@ class Connection(asyncio.Protocol):
             "headers": self.headers,
             "extensions": self.extensions,
         }
+        if (b"expect", b"100-continue") in self.headers and not self.current:
+            # A client that waits to be asked for its body (curl's larger POSTs) would wait a second.
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         exchange = Exchange(self, scope, parser.should_keep_alive() and not self.server.stopping)
         self.parsing = exchange
         if self.current is None:

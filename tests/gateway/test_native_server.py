@@ -307,3 +307,17 @@ def test_a_stop_lets_the_request_in_hand_finish():
     s.thread.join(20)
     [answer] = answers(raw)
     assert echoed(answer)["body"] == "helloworld" and answer[1]["connection"] == "close"
+
+
+def test_a_client_that_expects_100_continue_is_asked_for_its_body(served):
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as c:
+        c.sendall(
+            b"POST /up HTTP/1.1\r\nHost: test\r\nExpect: 100-continue\r\nContent-Length: 4\r\nConnection: close\r\n\r\n"
+        )
+        assert c.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        c.sendall(b"body")
+        raw = b""
+        while chunk := c.recv(65536):
+            raw += chunk
+    [answer] = answers(raw)
+    assert echoed(answer)["body"] == "body"
