@@ -287,8 +287,8 @@ class Stack:
 KINDS = [
     ("web worker", "llmgw.web:app", True),
     ("web master", "llmgw.web:app", False),
-    ("gateway worker", "gateway.asgi:app", True),
-    ("gateway master", "gateway.asgi:app", False),
+    ("gateway worker", procs.gateway_needle(), True),
+    ("gateway master", procs.gateway_needle(), False),
     ("Celery worker", "worker --loglevel", False),
     ("Celery beat", "beat --loglevel", False),
 ]

@@ -17,7 +17,8 @@ such and left out, and the others still run. Everything listens on loopback.
    processes' user + system time over the requests it answered) in the
    offered-rate phases. llmgw runs over granian's ASGI interface (as
    scripts/gateway.sh serves it) and, as "llmgw rsgi", over RSGI
-   (BENCH_PEERS_INTERFACES, default "asgi,rsgi").
+   (BENCH_PEERS_INTERFACES, default "native,asgi": the gateway's own server, as
+   scripts/gateway.sh serves it, then granian's ASGI).
 2. Routing quality: bench.gateway's workloads (BENCH_PEERS_WORKLOADS, default
    "short,sessions,long,shared") over 4 fresh echo replicas per front:
    prefix-cache hit ratio from the replicas' own counters, mean time to first
@@ -247,7 +248,7 @@ def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir
     seconds = float(os.environ.get("BENCH_PEERS_SECONDS", 3))
     echo = procs.echo(env, "bench", "--token-seconds", "0", "--prefill-tokens-per-s", "0", "--max-batch", "0")
     # The gateway over granian's ASGI interface (as scripts/gateway.sh serves it) and, beside it, over RSGI.
-    interfaces = tuple(os.environ.get("BENCH_PEERS_INTERFACES", "asgi,rsgi").split(","))
+    interfaces = tuple(os.environ.get("BENCH_PEERS_INTERFACES", "native,asgi").split(","))
     fronts = _fronts(env, procs, peers, [echo], "bench", workdir, interfaces=interfaces)
     out: dict[str, list[float]] = {}
     for stream in (False, True):

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
+
+# What a gateway process's command line holds, by LLMGW_GATEWAY_INTERFACE (scripts/gateway.sh).
+GATEWAY = {"native": "gateway.native", "asgi": "gateway.asgi:app", "rsgi": "gateway.rsgi:app"}
+
+
+def gateway_needle(environ: dict[str, str] | None = None) -> str:
+    """What the command line of the gateway's master and workers holds, as scripts/gateway.sh serves it."""
+    env = os.environ if environ is None else environ
+    return GATEWAY[env.get("LLMGW_GATEWAY_INTERFACE") or "native"]
 
 
 def _table() -> dict[int, tuple[int, str]]:

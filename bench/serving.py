@@ -8,11 +8,13 @@ requests answered, min / median / max, the load average beside each run, and
 for llmgw the share of it on the event loop's thread (the worker's main
 thread; the rest is granian's own threads and the database pool's).
 
-The fronts (BENCH_SERVING, default "asgi,rsgi,rsgi-st,rsgi-asyncio,vllm-router"):
-granian over ASGI (gateway.asgi:app) and RSGI (gateway.rsgi:app, as
-scripts/gateway.sh serves it), RSGI with granian's single-threaded runtime,
-RSGI on asyncio's own event loop instead of uvloop, and vLLM's router
-(`cache_aware`) when `make bench-peers` has installed it under var/peers.
+The fronts (BENCH_SERVING, default "native,asgi,rsgi,rsgi-st,rsgi-asyncio,vllm-router"):
+the gateway's native server (gateway/native.py: one HTTP/1.1 server on the
+worker's event loop, LLMGW_GATEWAY_INTERFACE=native), granian over ASGI
+(gateway.asgi:app) and RSGI (gateway.rsgi:app), RSGI with granian's
+single-threaded runtime, RSGI on asyncio's own event loop instead of uvloop,
+and vLLM's router (`cache_aware`) when `make bench-peers` has installed it
+under var/peers. Every llmgw front runs one worker under its master.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ VARIANTS: dict[str, list[str]] = {
     "rsgi-st": ["--interface", "rsgi", "gateway.rsgi:app", "--runtime-mode", "st"],
     "rsgi-asyncio": ["--interface", "rsgi", "gateway.rsgi:app", "--loop", "asyncio"],
 }
+# The gateway's own server: its command line (gateway/native.py), not granian's.
+NATIVE = {"native": ["-m", "gateway.native", "--workers", "1", "--log-level", "warning"]}
 
 
 def _ticks(pid: int) -> int:
@@ -45,7 +49,7 @@ def _ticks(pid: int) -> int:
 
 
 def _worker(master: int) -> int | None:
-    """The granian worker under `master` (its one child), if there is one."""
+    """The worker under `master` (its one child, granian's or the native server's), if there is one."""
     try:
         with open(f"/proc/{master}/task/{master}/children") as f:
             children = f.read().split()
@@ -59,7 +63,7 @@ def run() -> list[str]:
     runs = int(os.environ.get("BENCH_SERVING_RUNS", 3))
     rate = float(os.environ.get("BENCH_SERVING_RATE", 300))
     seconds = float(os.environ.get("BENCH_SERVING_SECONDS", 2))
-    names = os.environ.get("BENCH_SERVING", ",".join([*VARIANTS, "vllm-router"])).split(",")
+    names = os.environ.get("BENCH_SERVING", ",".join([*NATIVE, *VARIANTS, "vllm-router"])).split(",")
     env = _env()
     _recreate_database(env["DATABASE_URL"])
     subprocess.run([sys.executable, "manage.py", "migrate", "--noinput", "-v0"], cwd=ROOT, env=env, check=True)
@@ -82,7 +86,10 @@ def run() -> list[str]:
                 pid = procs.procs[-1].pid
             else:
                 port = _free_port()
-                argv = [sys.executable, "-m", "granian", *VARIANTS[name], *GRANIAN, "--host", "127.0.0.1"]
+                if name in NATIVE:
+                    argv = [sys.executable, *NATIVE[name], "--host", "127.0.0.1"]
+                else:
+                    argv = [sys.executable, "-m", "granian", *VARIANTS[name], *GRANIAN, "--host", "127.0.0.1"]
                 pid = procs.start([*argv, "--port", str(port)], env, f"serving-{name}-{port}").pid
                 url = f"http://127.0.0.1:{port}"
             _wait(_answers(url, key, "bench"), timeout=180)
@@ -93,7 +100,7 @@ def run() -> list[str]:
                 kind = "streamed" if stream else "not streamed"
                 for name, (url, pid) in fronts.items():
                     asyncio.run(_steady(url, key, "bench", 100, 1, stream))  # warm the pools
-                    worker = _worker(pid) if name in VARIANTS else None
+                    worker = _worker(pid) if name in VARIANTS or name in NATIVE else None
                     cpu, loop = cpu_seconds(pid), _ticks(worker) if worker else 0
                     lat, _errors = asyncio.run(_steady(url, key, "bench", rate, seconds, stream))
                     cpu = cpu_seconds(pid) - cpu

@@ -52,6 +52,8 @@ WIRING = frozenset(
         "gateway.asgi",
         # The same process over granian's RSGI interface: gateway.asgi's application, carried.
         "gateway.rsgi",
+        # The same process on the gateway's own HTTP/1.1 server: gateway.asgi's application, its workers.
+        "gateway.native",
     }
 )
 # Who may import whom (besides itself): the one-way direction.

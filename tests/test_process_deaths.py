@@ -1,7 +1,7 @@
 """Server processes that die are replaced, and none outlives its master: the web server and the gateway.
 
 Each runs as `make run` starts it (scripts/serve.sh, scripts/gateway.sh:
-granian, two workers). Under a steady stream of requests, a worker is
+granian, two workers; the gateway on its native server too). Under a steady stream of requests, a worker is
 killed (SIGKILL): another takes its place and the requests go on, none
 refused, the few that the dead worker held failing; then the master is
 killed: another is started at once on the same socket (llmgw/listen.py),
@@ -123,7 +123,8 @@ def test_a_web_worker_that_dies_is_replaced_and_a_dead_masters_workers_leave(tmp
         server.stop()
 
 
-def test_a_gateway_worker_that_dies_is_replaced_and_a_dead_masters_workers_leave(tmp_path):
+@pytest.mark.parametrize(("interface", "needle"), [("asgi", "gateway.asgi:app"), ("native", "gateway.native")])
+def test_a_gateway_worker_that_dies_is_replaced_and_a_dead_masters_workers_leave(tmp_path, interface, needle):
     port = free_port()
     env = {
         **os.environ,
@@ -132,6 +133,7 @@ def test_a_gateway_worker_that_dies_is_replaced_and_a_dead_masters_workers_leave
         "SECRET_KEY": "llmgw-process-deaths",
         "DATABASE_URL": database_url(),
         "LLMGW_GATEWAY_WORKERS": "2",
+        "LLMGW_GATEWAY_INTERFACE": interface,
         "LLMGW_WEB_LOG_LEVEL": "warning",
         "PYTHON": sys.executable,
     }
@@ -140,7 +142,7 @@ def test_a_gateway_worker_that_dies_is_replaced_and_a_dead_masters_workers_leave
         proc = subprocess.Popen(["bash", str(ROOT / "scripts" / "gateway.sh"), f"127.0.0.1:{port}"], cwd=ROOT,
                                 env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     try:
-        _kill_a_worker_then_the_master(proc.pid, "gateway.asgi:app", f"http://127.0.0.1:{port}/health")
+        _kill_a_worker_then_the_master(proc.pid, needle, f"http://127.0.0.1:{port}/health")
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)

@@ -146,7 +146,7 @@ def test_a_child_that_dies_once_up_is_started_again_and_the_rest_keep_running(tm
         assert proc.alive(), proc.output()
         for name, needle, answers in [
             ("web server", "runserver", lambda: httpx.get(f"http://127.0.0.1:{port}/admin/login/", timeout=5)),
-            ("gateway", "gateway.asgi", lambda: httpx.get(f"http://{gateway}/health", timeout=5)),
+            ("gateway", procs.gateway_needle(), lambda: httpx.get(f"http://{gateway}/health", timeout=5)),
             ("Celery worker", "worker --loglevel", None),
         ]:
             before = procs.find(proc.proc.pid, needle)

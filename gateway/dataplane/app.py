@@ -62,6 +62,8 @@ class Answer:
     """What one request was answered: its status once sent, the model it named once known, whether it is counted."""
 
     status: int | None = None
+    # The server's hooks run when the client's connection is lost (the native server's "llmgw.lost").
+    lost: list | None = None
     # Only a routed model's name: a client's arbitrary one would be a label of its own in /metrics.
     model: str = ""
     counted: bool = False
@@ -180,7 +182,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         rid = request_id(scope)
         # Every answer carries the request's id; the rate-limit headers join them once the key is counted.
         extra = [(b"x-request-id", rid)]
-        answer = Answer()
+        answer = Answer(lost=(scope.get("extensions") or {}).get("llmgw.lost"))
         send = answer.watch(stamped(send, extra))
         failed = False
         try:
@@ -195,7 +197,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
             # Every answer but the probes' is counted once: the forwarded ones where they are relayed, the rest here.
             # A client that left before any answer is not counted.
             if not answer.counted and (failed or answer.status) and not (method == "GET" and path in PROBES):
-                self.metrics.requests.labels(answer.model, "500" if failed else str(answer.status)).inc()
+                self.metrics.child(self.metrics.requests, answer.model, "500" if failed else str(answer.status)).inc()
 
     async def _answer(
         self,
@@ -431,18 +433,19 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
             await self.limiter.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
             await self.budgets.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
 
-        out = await self._forward(receive, send, route, body, raw, path, started, spend, rid)
+        out = await self._forward(receive, send, route, body, raw, path, started, spend, rid, answer.lost)
         await out.settle_once()
         answer.counted = True
-        self.metrics.requests.labels(model, str(out.code)).inc()
+        m = self.metrics
+        m.child(m.requests, model, str(out.code)).inc()
         if out.prompt_tokens:
-            self.metrics.tokens.labels(model, "prompt").inc(out.prompt_tokens)
+            m.child(m.tokens, model, "prompt").inc(out.prompt_tokens)
         if out.completion_tokens:
-            self.metrics.tokens.labels(model, "completion").inc(out.completion_tokens)
+            m.child(m.tokens, model, "completion").inc(out.completion_tokens)
         if out.ttft is not None:
-            self.metrics.ttft.labels(model).observe(out.ttft)
+            m.child(m.ttft, model).observe(out.ttft)
             self.saw_ttft(model, out.ttft)
-        self.metrics.duration.labels(model).observe(time.monotonic() - started)
+        m.child(m.duration, model).observe(time.monotonic() - started)
         self.usage.add(
             key.id,
             model,

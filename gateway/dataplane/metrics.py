@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 
 class Metrics:
@@ -10,6 +13,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "llmgw_gateway_requests",
             "Requests answered, by model and status code",
@@ -80,3 +84,14 @@ class Metrics:
             buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=self.registry,
         )
+
+    def child(self, family: MetricWrapperBase, *labels: str) -> Any:
+        """`family.labels(*labels)`, kept: a family's lookup takes a lock and checks its labels every time.
+
+        No family of the data plane's removes a child, so a kept one is the registry's own.
+        """
+        key = (family, labels)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = family.labels(*labels)
+        return got

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from urllib.parse import urlsplit
 
 READ_SIZE = 65536
@@ -38,15 +38,64 @@ class _Conn:
         return not self.reader.at_eof() and not self.writer.is_closing() and now - self.idle_since < expiry
 
 
+class Deadline:
+    """The reads of one answer: a read that has waited `timeout` seconds raises TimeoutError in its task.
+
+    One timer for the whole answer, moved on only when it fires: asyncio.timeout
+    around each read set a timer and cancelled it on every read, three or four a
+    request, a tenth of the data plane's own time on a stream.
+    """
+
+    __slots__ = ("expired", "handle", "loop", "since", "task", "timeout")
+
+    def __init__(self, timeout: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.timeout = timeout
+        # When the read now waiting began (the loop's clock); 0.0 while none waits.
+        self.since = 0.0
+        self.task: asyncio.Task | None = None
+        self.expired = False
+        self.handle = self.loop.call_at(self.loop.time() + timeout, self._fire)
+
+    def _fire(self) -> None:
+        now = self.loop.time()
+        if self.since and now - self.since >= self.timeout and self.task is not None:
+            self.expired = True
+            self.task.cancel()
+            return
+        self.handle = self.loop.call_at((self.since or now) + self.timeout, self._fire)
+
+    async def read(self, pending: Awaitable[bytes]) -> bytes:
+        """`pending`'s bytes; TimeoutError when they have not come within the timeout."""
+        self.since = self.loop.time()
+        self.task = asyncio.current_task()
+        try:
+            return await pending
+        except asyncio.CancelledError:
+            if self.expired and self.task.uncancel() == 0:
+                raise TimeoutError from None
+            raise
+        finally:
+            self.since = 0.0
+
+    def close(self) -> None:
+        """No more reads: the timer goes."""
+        self.handle.cancel()
+
+
 class Response:
     """A replica's answer: its status and headers (lower-case names), the body read as it arrives."""
 
-    def __init__(self, pool: Pool, origin: tuple, conn: _Conn, status: int, headers: dict[str, str], keep: bool):
+    def __init__(
+        self, pool: Pool, origin: tuple, conn: _Conn, status: int, headers: dict[str, str], keep: bool,
+        deadline: Deadline,
+    ) -> None:  # fmt: skip
         self.status_code = status
         self.headers = headers
         self._pool, self._origin, self._conn = pool, origin, conn
         self._keep = keep
         self._done = False
+        self._deadline = deadline
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (chunked framing removed); UpstreamError if it breaks off."""
@@ -71,29 +120,32 @@ class Response:
         self._done = True
 
     async def _read(self, n: int) -> bytes:
-        async with asyncio.timeout(self._pool.read_timeout):
-            return await self._conn.reader.read(n)
+        return await self._deadline.read(self._conn.reader.read(n))
 
     async def _chunked(self) -> AsyncIterator[bytes]:
         # Every complete chunk in what has arrived goes out at once: one send to the client, not one per chunk.
+        # Walked by offset, and cut once a read: cutting after each chunk copied the rest every time.
         buf = b""
         while True:
             out = []
-            while (i := buf.find(b"\r\n")) >= 0:
-                size = int(buf[:i].split(b";", 1)[0], 16)
+            pos = 0
+            while (i := buf.find(b"\r\n", pos)) >= 0:
+                size = int(buf[pos:i].split(b";", 1)[0], 16)
                 if size == 0:
-                    end = buf.find(b"\r\n\r\n", i)
-                    if end < 0:
+                    if buf.find(b"\r\n\r\n", i) < 0:
                         break
                     if out:
                         yield b"".join(out)
                     return
-                if len(buf) < i + size + 4:
+                end = i + 2 + size
+                if len(buf) < end + 2:
                     break
-                out.append(buf[i + 2 : i + 2 + size])
-                buf = buf[i + size + 4 :]
+                out.append(buf[i + 2 : end])
+                pos = end + 2
+            if pos:
+                buf = buf[pos:]
             if out:
-                yield b"".join(out)
+                yield out[0] if len(out) == 1 else b"".join(out)
             data = await self._read(READ_SIZE)
             if not data:
                 raise UpstreamError("the replica closed the connection mid-answer")
@@ -104,6 +156,7 @@ class Response:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        self._deadline.close()
         if self._done and self._keep:
             self._pool._put(self._origin, conn)
         else:
@@ -162,6 +215,7 @@ class Pool:
         """POST `body` to `url` with `headers` (complete "Name: value\\r\\n" lines); the answer once its head is in."""
         origin, path = self._origin(url)
         conn = self._take(origin)
+        deadline: Deadline | None = None
         try:
             if conn is None:
                 conn = await self._connect(origin)
@@ -175,18 +229,16 @@ class Pool:
             if len(body) >= READ_SIZE:
                 conn.writer.write(body)
             await conn.writer.drain()
-            async with asyncio.timeout(self.read_timeout):
-                raw = await conn.reader.readuntil(b"\r\n\r\n")
+            deadline = Deadline(self.read_timeout)
+            raw = await deadline.read(conn.reader.readuntil(b"\r\n\r\n"))
             status, fields, keep = _parse_head(raw)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
-            if conn is not None:
-                conn.writer.close()
+            _abandon(conn, deadline)
             raise UpstreamError(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
         except BaseException:
-            if conn is not None:
-                conn.writer.close()
+            _abandon(conn, deadline)
             raise
-        return Response(self, origin, conn, status, fields, keep)
+        return Response(self, origin, conn, status, fields, keep, deadline)
 
     async def aclose(self) -> None:
         """Close every idle connection."""
@@ -194,6 +246,13 @@ class Pool:
             for conn in idle:
                 conn.writer.close()
         self._idle.clear()
+
+
+def _abandon(conn: _Conn | None, deadline: Deadline | None) -> None:
+    if conn is not None:
+        conn.writer.close()
+    if deadline is not None:
+        deadline.close()
 
 
 def _parse_head(raw: bytes) -> tuple[int, dict[str, str], bool]:

@@ -8,24 +8,17 @@ agents' long-poll and lease renewals) stay ASGI applications: each request
 is handed to the same ASGI callable, its messages carried straight to RSGI's
 calls, so every path answers as it does under ASGI.
 
-The ASGI lifespan runs in the worker's start and stop hooks (`__rsgi_init__`,
-`__rsgi_del__`): the data plane's pools, table and background loops start
-before the first request and its last usage is written at the end.
+The ASGI lifespan (gateway/dataplane/lifespan.py) runs in the worker's start
+and stop hooks (`__rsgi_init__`, `__rsgi_del__`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 from typing import Any
 
 from gateway.dataplane.http import Scope
-
-log = logging.getLogger("gateway.dataplane")
-
-# How long a worker's stop waits for the application's lifespan shutdown (the last usage written).
-SHUTDOWN_TIMEOUT = 30.0
+from gateway.dataplane.lifespan import Lifespan
 
 
 class Exchange:
@@ -106,10 +99,7 @@ class RSGIApp:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self._messages: asyncio.Queue[dict[str, Any]] | None = None
-        self._started: asyncio.Future[None] | None = None
-        self._stopped: asyncio.Future[None] | None = None
-        self._lifespan: asyncio.Task | None = None
+        self.lifespan = Lifespan(app)
 
     async def __rsgi__(self, scope: Any, proto: Any) -> None:
         if scope.proto != "http":
@@ -121,48 +111,7 @@ class RSGIApp:
             proto.response_empty(500, [])
 
     def __rsgi_init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        loop.run_until_complete(self.startup())
+        loop.run_until_complete(self.lifespan.startup())
 
     def __rsgi_del__(self, loop: asyncio.AbstractEventLoop) -> None:
-        loop.run_until_complete(self.shutdown())
-
-    async def startup(self) -> None:
-        """Run the application's lifespan startup; raise if it reports a failure."""
-        loop = asyncio.get_running_loop()
-        self._messages = asyncio.Queue()
-        self._started, self._stopped = loop.create_future(), loop.create_future()
-        self._messages.put_nowait({"type": "lifespan.startup"})
-        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.0"}, "state": {}}
-        self._lifespan = loop.create_task(self.app(scope, self._messages.get, self._lifespan_send))
-        self._lifespan.add_done_callback(self._lifespan_ended)
-        await self._started
-
-    async def shutdown(self) -> None:
-        """Run the application's lifespan shutdown, waiting for it at most SHUTDOWN_TIMEOUT."""
-        if self._messages is None or self._stopped is None or self._stopped.done():
-            return
-        self._messages.put_nowait({"type": "lifespan.shutdown"})
-        try:
-            async with asyncio.timeout(SHUTDOWN_TIMEOUT):
-                await self._stopped
-        except TimeoutError:
-            log.warning("gateway: the lifespan shutdown did not finish within %g s", SHUTDOWN_TIMEOUT)
-        if self._lifespan is not None and not self._lifespan.done():
-            self._lifespan.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._lifespan
-
-    async def _lifespan_send(self, message: dict[str, Any]) -> None:
-        kind = message["type"]
-        if kind == "lifespan.startup.complete" and not self._started.done():
-            self._started.set_result(None)
-        elif kind == "lifespan.startup.failed" and not self._started.done():
-            self._started.set_exception(RuntimeError(message.get("message") or "lifespan startup failed"))
-        elif kind == "lifespan.shutdown.complete" and not self._stopped.done():
-            self._stopped.set_result(None)
-
-    def _lifespan_ended(self, task: asyncio.Task) -> None:
-        # An application without a lifespan (it returns or raises on the scope) starts as it is.
-        for future in (self._started, self._stopped):
-            if future is not None and not future.done():
-                future.set_result(None)
+        loop.run_until_complete(self.lifespan.shutdown())

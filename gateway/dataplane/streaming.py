@@ -50,6 +50,28 @@ class Outcome:
             await self.settle(self)
 
 
+class _Watch:
+    """Cancels a request's task once its client has gone, unless the relay it watches is over."""
+
+    __slots__ = ("cancelled", "over", "task")
+
+    def __init__(self, task: asyncio.Task) -> None:
+        self.task = task
+        self.over = False
+        self.cancelled = False
+
+    def gone(self) -> None:
+        """The client's connection is lost."""
+        if not self.over and not self.cancelled:
+            self.cancelled = True
+            self.task.cancel()
+
+    def watched(self, watcher: asyncio.Future) -> None:
+        """The task waiting on `receive` has ended: the client has gone, unless it was cancelled."""
+        if not watcher.cancelled():
+            self.gone()
+
+
 class Relay:
     """The data plane's relaying half: one answer passed through, cancelled with its client."""
 
@@ -62,25 +84,45 @@ class Relay:
         started: float,
         settle: Callable[[Outcome], Awaitable[None]] | None,
         ask: Ask,
+        lost: list[Callable[[], None]] | None = None,
     ) -> Outcome:
-        """Pass the replica's answer through as it arrives; stop at once when the client goes away."""
+        """Pass the replica's answer through as it arrives; stop at once when the client goes away.
+
+        `lost`: the server's hooks called when the client's connection is lost
+        (the native server's "llmgw.lost" extension); without it the client is
+        watched by a task waiting on `receive` for http.disconnect.
+        """
         out = Outcome(code=response.status_code, error=response.status_code >= 400, settle=settle)
         if response.status_code >= 400:
             pump = self._refusal(send, response, backend, out, started, ask)
         else:
             pump = self._pump(send, response, backend, out, started, ask)
-        relay = asyncio.ensure_future(pump)
-        watch = asyncio.ensure_future(self._wait_disconnect(receive))
+        # The relay runs in the request's own task, which a client gone cancels: a task for the
+        # relay and a wait on two tasks were a third of the loop's turns a request took.
+        watch = _Watch(asyncio.current_task())
+        watcher: asyncio.Future | None = None
+        if lost is not None:
+            lost.append(watch.gone)
+        else:
+            watcher = asyncio.ensure_future(self._wait_disconnect(receive))
+            watcher.add_done_callback(watch.watched)
         try:
-            done, _ = await asyncio.wait({relay, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if relay not in done:
-                relay.cancel()
-                out.error = True
-                out.code = 499
-            with contextlib.suppress(asyncio.CancelledError, ClientGone):
-                await relay
+            await pump
+        except asyncio.CancelledError:
+            if not watch.cancelled:
+                raise
+            watch.task.uncancel()
+            out.error = True
+            out.code = 499
+        except ClientGone:
+            pass
         finally:
-            watch.cancel()
+            watch.over = True
+            if lost is not None:
+                with contextlib.suppress(ValueError):
+                    lost.remove(watch.gone)
+            if watcher is not None:
+                watcher.cancel()
             # Closing the stream closes the upstream connection: the engine sees the client gone.
             await response.aclose()
         return out
@@ -142,9 +184,15 @@ class Relay:
                     await send({"type": "http.response.body", "body": passed, "more_body": True})
             except Exception as e:
                 raise ClientGone from e
-            tail = self._scan_sse(tail + chunk, out)
+            if strip is None:
+                tail = self._scan_sse(tail + chunk, out)
+        rest = b""
+        if strip is not None:
+            # The stripper parsed every usage line it took out (chat and text completions' streams).
+            rest = strip.end()
+            self._take_usage(strip.usage, out)
         await out.settle_once()
-        await send({"type": "http.response.body", "body": strip.end() if strip else b"", "more_body": False})
+        await send({"type": "http.response.body", "body": rest, "more_body": False})
 
     async def _whole(
         self, send: Send, response: Response, headers: list[tuple[bytes, bytes]], out: Outcome, started: float
@@ -173,6 +221,9 @@ class Relay:
 
     def _scan_sse(self, buf: bytes, out: Outcome) -> bytes:
         """Read usage from complete `data:` lines; return the incomplete rest."""
+        if b'"usage"' not in buf:
+            # Most reads carry no usage: only the unfinished last line is kept.
+            return buf[buf.rfind(b"\n") + 1 :]
         *lines, rest = buf.split(b"\n")
         for line in lines:
             if line.startswith(b"data: {") and b'"usage"' in line:

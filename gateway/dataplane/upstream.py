@@ -89,8 +89,12 @@ class Upstream:
         started: float,
         settle: Callable[[Outcome], Awaitable[None]] | None = None,
         rid: bytes = b"-",
+        lost: list[Callable[[], None]] | None = None,
     ) -> Outcome:
-        """Send the request to a replica, once more to another on a failure before the first byte, and relay."""
+        """Send the request to a replica, once more to another on a failure before the first byte, and relay.
+
+        `lost`: the server's hooks for the client's connection lost, when it offers them (Relay._relay).
+        """
         if not route.backends and route.hold:
             waited = time.monotonic()
             found, why = await self.hold(route)
@@ -171,7 +175,7 @@ class Upstream:
                     self.metrics.retries.inc(1 - attempt)
                     continue
                 self._succeeded(backend)
-                return await self._relay(receive, send, response, backend, started, settle, ask)
+                return await self._relay(receive, send, response, backend, started, settle, ask, lost)
             finally:
                 self.inflight[backend.id] -= 1
                 if not self.inflight[backend.id]:

@@ -433,7 +433,7 @@ def test_an_agent_whose_gateway_does_not_answer_sends_its_lease_to_the_control_p
 def test_a_real_agent_renews_through_the_real_gateway_process_and_falls_back_when_it_stops(
     live_server, tmp_path, settings
 ):
-    # The gateway as `make run` starts it (granian, gateway.asgi:app), the control plane a live server.
+    # The gateway as `make run` starts it (gateway.native), the control plane a live server.
     from llmgw_agent import config as config_mod
     from llmgw_agent.loop import Agent
     from tests.gateway.conftest import Gateway

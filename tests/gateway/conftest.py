@@ -57,8 +57,22 @@ def database_url() -> str:
     return f"postgres://{auth}@{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or '5432'}/{s['NAME']}"
 
 
+# How the tests' gateways are served unless a test names it: native (gateway/native.py, as
+# scripts/gateway.sh serves it by default), asgi or rsgi (granian). LLMGW_TEST_GATEWAY_INTERFACE runs
+# the whole suite on another.
+INTERFACE = os.environ.get("LLMGW_TEST_GATEWAY_INTERFACE", "native")
+
+
+def command(interface: str, port: int) -> list[str]:
+    """The command line of one data plane process on 127.0.0.1:`port`, served as `interface` says."""
+    if interface == "native":
+        return [sys.executable, "-m", "gateway.native", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    return [sys.executable, "-m", "granian", "--interface", interface, "--host", "127.0.0.1", "--port", str(port),
+            "--workers", "1", f"gateway.{interface}:app"]  # fmt: skip
+
+
 class Gateway:
-    """One data plane process, as `make run` starts it (granian, ASGI by default; RSGI on request)."""
+    """One data plane process, as `make run` starts it (granian's ASGI, its RSGI, or the native server)."""
 
     def __init__(
         self,
@@ -67,9 +81,9 @@ class Gateway:
         *,
         refresh_s: float = 30.0,
         extra_env: dict | None = None,
-        interface: str = "asgi",
+        interface: str = "",
     ) -> None:
-        self.interface = interface
+        self.interface = interface or INTERFACE
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / f"{name}.log"
@@ -90,23 +104,10 @@ class Gateway:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        """Start granian and wait until the data plane answers."""
+        """Start the data plane's process and wait until it answers."""
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "granian",
-                    "--interface",
-                    self.interface,
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--workers",
-                    "1",
-                    f"gateway.{self.interface}:app",
-                ],
+                command(self.interface, self.port),
                 cwd=REPO,
                 env=self.env,
                 stdout=log,

@@ -108,3 +108,53 @@ def test_refused_and_cut_off_answers_are_upstream_errors():
         server.close()
 
     asyncio.run(run())
+
+
+def test_a_replica_that_stops_sending_times_out_and_only_a_waiting_read_does():
+    async def run() -> None:
+        stall = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    return
+                await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+                path = head.split(b" ")[1]
+                if path == b"/v1/slow-head":
+                    await stall.wait()
+                elif path == b"/v1/slow-body":
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+                    await stall.wait()
+                else:
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf")
+                    await writer.drain()
+                    writer.write(b"-rest!")
+                await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        pool = Pool(connect_timeout=2, read_timeout=0.3, keepalive_expiry=30, max_idle=8)
+        with pytest.raises(UpstreamError) as head_late:
+            await pool.post(f"{base}/v1/slow-head", b"{}", HEADERS)
+        assert isinstance(head_late.value.__cause__, TimeoutError)
+        r = await pool.post(f"{base}/v1/slow-body", b"{}", HEADERS)
+        with pytest.raises(UpstreamError) as body_late:
+            [c async for c in r.aiter_raw()]
+        assert isinstance(body_late.value.__cause__, TimeoutError)
+        await r.aclose()
+        # Between two reads the caller may take longer than the timeout (a slow client): no read waited.
+        r = await pool.post(f"{base}/v1/two-parts", b"{}", HEADERS)
+        parts = r.aiter_raw()
+        first = await anext(parts)
+        await asyncio.sleep(0.8)
+        assert first + b"".join([c async for c in parts]) == b"half-rest!"
+        await r.aclose()
+        # The answer read, its deadline is gone: the task waits on uncancelled.
+        await asyncio.sleep(0.8)
+        stall.set()
+        await pool.aclose()
+        server.close()
+
+    asyncio.run(run())

@@ -58,7 +58,7 @@ def test_rsgi_answers_every_path_as_asgi_does(gateway_factory, echoes, user):
     make_deployment("demo", [url_of(echoes())])
     key = make_key(user)
     rsgi = gateway_factory("rsgi", interface="rsgi")
-    asgi = gateway_factory("asgi")
+    asgi = gateway_factory("asgi", interface="asgi")
     rsgi.wait_ready(key, "demo", 1)
     asgi.wait_ready(key, "demo", 1)
     over_rsgi, over_asgi = _answers(rsgi.url, key), _answers(asgi.url, key)

@@ -50,3 +50,12 @@ def test_text_that_only_mentions_usage_and_lines_that_are_not_json_pass_untouche
     odd = b'data: {"usage": not json\n\n'
     s = UsageStripper()
     assert s.feed(mention + odd) == mention + odd
+
+
+def test_the_usage_taken_out_is_kept_for_the_count():
+    for size in (3, len(STREAM)):
+        s = UsageStripper()
+        for i in range(0, len(STREAM), size):
+            s.feed(STREAM[i : i + size])
+        s.end()
+        assert s.usage == USAGE, size
