@@ -25,6 +25,18 @@ started again here: the holder exits with its status, for `make run`
 
 The same socket serves gunicorn (`--bind fd://N`). Under systemd, a socket
 unit holds the socket instead (LISTEN_FDS; docs/operations.md).
+
+    python -m llmgw.listen hold HOST:PORT --sockets N -- COMMAND...
+
+holds N sockets on the port instead (SO_REUSEPORT), one for each of granian's
+N workers (LLMGW_LISTEN_FDS): the kernel spreads new connections over them.
+On one socket that every worker accepts on, whichever worker's accept loop
+woke first took the connection, and a fleet's kept-alive connections, opened
+together, piled onto one worker: at 5,000 simulated nodes one web worker
+spent 74 % of a core and the other 1 %, a process's threads sharing one
+interpreter lock, so the web tier had one core of two. Each socket is
+still the holder's: a worker that dies leaves its connections waiting in its
+socket's backlog for its replacement, refused by no one.
 """
 
 from __future__ import annotations
@@ -44,17 +56,23 @@ from granian.server import Server
 
 from llmgw import orphans
 
+USAGE = """\
+    python -m llmgw.listen hold HOST:PORT [--sockets N] -- COMMAND...   # COMMAND finds the socket in LLMGW_LISTEN_FD
+    python -m llmgw.listen serve GRANIAN-ARGUMENTS...     # granian on LLMGW_LISTEN_FD (or systemd's LISTEN_FDS)"""
 ENV_FD = "LLMGW_LISTEN_FD"
+# Every socket held, comma-separated, when there are several (one for each worker); ENV_FD names the first.
+ENV_FDS = "LLMGW_LISTEN_FDS"
 # systemd's socket passing: the first passed socket is always fd 3 (sd_listen_fds(3)).
 SD_LISTEN_FDS_START = 3
 BACKLOG = 1024
 
 
-def bind(addr: str, *, backlog: int = BACKLOG) -> socket.socket:
+def bind(addr: str, *, backlog: int = BACKLOG, reuse_port: bool = False) -> socket.socket:
     """A listening TCP socket on HOST:PORT, inheritable; OSError naming the address when it cannot be had.
 
     Without SO_REUSEPORT: a port another program holds (granian binds with
-    it) is refused here rather than shared with it.
+    it) is refused here rather than shared with it. With it (`reuse_port`),
+    for the holder's own group of sockets on one port (bind_group).
     """
     host, _, port = addr.rpartition(":")
     host = host.strip("[]") or "0.0.0.0"
@@ -67,6 +85,8 @@ def bind(addr: str, *, backlog: int = BACKLOG) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(sockaddr)
         sock.listen(backlog)
     except OSError as e:
@@ -74,6 +94,35 @@ def bind(addr: str, *, backlog: int = BACKLOG) -> socket.socket:
         raise OSError(f"{addr} cannot be listened on: {e.strerror or e}") from e
     sock.set_inheritable(True)
     return sock
+
+
+def bind_group(addr: str, count: int, *, backlog: int = BACKLOG) -> list[socket.socket]:
+    """`count` listening sockets on one HOST:PORT (SO_REUSEPORT), the kernel spreading connections over them.
+
+    The port is first bound without SO_REUSEPORT and let go, so that a port
+    another program holds is refused (as bind does) rather than joined.
+    """
+    if count <= 1:
+        return [bind(addr, backlog=backlog)]
+    probe = bind(addr, backlog=1)
+    port = probe.getsockname()[1]
+    probe.close()
+    host = addr.rpartition(":")[0]
+    held: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            held.append(bind(f"{host}:{port}", backlog=backlog, reuse_port=True))
+    except OSError:
+        for sock in held:
+            sock.close()
+        raise
+    return held
+
+
+def inherited_fds(environ: dict[str, str] | None = None) -> list[int]:
+    """Every socket the holder gave this process, one for each worker (LLMGW_LISTEN_FDS); [] when not several."""
+    env = os.environ if environ is None else environ
+    return [int(f) for f in env.get(ENV_FDS, "").split(",") if f.strip()]
 
 
 def inherited_fd(environ: dict[str, str] | None = None, *, pid: int | None = None) -> int | None:
@@ -88,29 +137,32 @@ def inherited_fd(environ: dict[str, str] | None = None, *, pid: int | None = Non
     return None
 
 
-def hold(addr: str, command: list[str], *, restart_pause_s: float = 0.2) -> int:
+def hold(addr: str, command: list[str], *, sockets: int = 1, restart_pause_s: float = 0.2) -> int:
     """Bind `addr`, then run `command` with it (LLMGW_LISTEN_FD) and again whenever it is killed; its exit status.
 
-    SIGTERM or SIGINT here is passed to the command, and ends the hold once
-    the command has exited.
+    `sockets` > 1 holds that many on the port, one for each worker
+    (LLMGW_LISTEN_FDS; bind_group). SIGTERM or SIGINT here is passed to the
+    command, and ends the hold once the command has exited.
     """
     try:
-        sock = bind(addr)
+        held = bind_group(addr, sockets)
     except OSError as e:
         print(f"llmgw: {e}", file=sys.stderr, flush=True)
         return 1
-    fd = sock.fileno()
+    fds = [sock.fileno() for sock in held]
     # Where the server's workers mark themselves ready: an orphaned worker serves on until one
     # of its successors has (llmgw/orphans.py).
     ready = tempfile.mkdtemp(prefix="llmgw-ready-")
-    env = {**os.environ, ENV_FD: str(fd), orphans.ENV_READY: ready, orphans.ENV_HOLDER: str(os.getpid())}
+    env = {**os.environ, ENV_FD: str(fds[0]), orphans.ENV_READY: ready, orphans.ENV_HOLDER: str(os.getpid())}
+    if len(fds) > 1:
+        env[ENV_FDS] = ",".join(map(str, fds))
     try:
-        return _run(addr, command, env, fd, restart_pause_s)
+        return _run(addr, command, env, fds, restart_pause_s)
     finally:
         shutil.rmtree(ready, ignore_errors=True)
 
 
-def _run(addr: str, command: list[str], env: dict[str, str], fd: int, restart_pause_s: float) -> int:
+def _run(addr: str, command: list[str], env: dict[str, str], fds: list[int], restart_pause_s: float) -> int:
     stopping: list[int] = []
     child: subprocess.Popen | None = None
 
@@ -122,7 +174,7 @@ def _run(addr: str, command: list[str], env: dict[str, str], fd: int, restart_pa
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     while True:
-        child = subprocess.Popen(command, env=env, pass_fds=(fd,))
+        child = subprocess.Popen(command, env=env, pass_fds=tuple(fds))
         if stopping:  # asked to stop while this one started: it is told too
             child.send_signal(signal.SIGTERM)
         rc = child.wait()
@@ -146,7 +198,7 @@ def serve(argv: list[str]) -> None:
     """granian's command line, serving on the inherited socket (granian binds its own when none was given)."""
     fd = inherited_fd()
     if fd is not None:
-        _use_socket(fd)
+        _use_socket(fd, inherited_fds() or [fd])
         if os.environ.get(ENV_FD):
             # Its holder gone, this master leaves (as a master asked to), its socket's last user.
             orphans.watch_parent(handover=False)
@@ -154,22 +206,40 @@ def serve(argv: list[str]) -> None:
     entrypoint()
 
 
-def _use_socket(fd: int) -> None:
+def _use_socket(fd: int, fds: list[int]) -> None:
     # granian (2.x) on Linux has each worker bind its own SO_REUSEPORT socket from a spec;
-    # elsewhere it shares one socket, held in `_shd`, with every worker: that path, given our fd.
+    # elsewhere it shares one socket, held in `_shd`, with every worker: that path, given our
+    # fd, or worker i given the i-th of the holder's sockets when it holds one for each.
+    spawn = Server._spawn_worker
+
     def _init_shared_socket(self) -> None:
         self._ssp = None
-        self._shd = SocketHolder(fd, False, self.backlog)
+        if len(fds) > self.workers:
+            # The kernel hands every socket of the group its share: one no worker accepts on would hold
+            # its connections unanswered for good.
+            raise SystemExit(
+                f"llmgw: {len(fds)} listening sockets held for {self.workers} worker(s): "
+                "hold with --sockets equal to --workers"
+            )
+        self._holders = [SocketHolder(f, False, self.backlog) for f in fds]
+        self._shd = self._holders[0]
         self._sfd = self._shd.get_fd()
         self._sso = None
         with socket.socket(fileno=os.dup(fd)) as sock:
             self.bind_addr, self.bind_port = sock.getsockname()[:2]
 
+    def _spawn_worker(self, idx: int, target: object, callback_loader: object) -> object:
+        # A respawned worker is given its predecessor's socket, and the connections waiting there.
+        self._shd = self._holders[idx % len(self._holders)]
+        self._sfd = self._shd.get_fd()
+        return spawn(self, idx=idx, target=target, callback_loader=callback_loader)
+
     def _drop_shared_socket(self) -> None:
-        # The holder keeps the socket; the master's copy goes with the master.
+        # The holder keeps the sockets; the master's copies go with the master.
         pass
 
     Server._init_shared_socket = _init_shared_socket
+    Server._spawn_worker = _spawn_worker
     Server._drop_shared_socket = _drop_shared_socket
 
 
@@ -177,10 +247,15 @@ def main(argv: list[str]) -> int:
     """`hold HOST:PORT -- COMMAND...` or `serve GRANIAN-ARGUMENTS...`."""
     if argv[:1] == ["hold"] and len(argv) >= 4 and argv[2] == "--":
         return hold(argv[1], argv[3:])
+    if argv[:1] == ["hold"] and len(argv) >= 6 and argv[2] == "--sockets" and argv[4] == "--":
+        if not argv[3].isdigit() or not 1 <= int(argv[3]) <= 64:
+            print(f"llmgw: --sockets {argv[3]!r}: a number of sockets from 1 to 64", file=sys.stderr)
+            return 2
+        return hold(argv[1], argv[5:], sockets=int(argv[3]))
     if argv[:1] == ["serve"]:
         serve(argv[1:])
         return 0
-    print(__doc__.split("\n\n")[-2], file=sys.stderr)
+    print(USAGE, file=sys.stderr)
     return 2
 
 

@@ -38,6 +38,7 @@ if [ "${LLMGW_GATEWAY_INTERFACE:-native}" = native ]; then
     exec "$PY" -m llmgw.listen hold "$ADDR" -- "$PY" -m gateway.native \
         --workers "${LLMGW_GATEWAY_WORKERS:-1}" --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" $access_log
 fi
-exec "$PY" -m llmgw.listen hold "$ADDR" -- "$PY" -m llmgw.listen serve "${target[@]}" \
+# granian's workers: a socket of their own each (llmgw/listen.py --sockets), as the web's.
+exec "$PY" -m llmgw.listen hold "$ADDR" --sockets "${LLMGW_GATEWAY_WORKERS:-1}" -- "$PY" -m llmgw.listen serve "${target[@]}" \
     --workers "${LLMGW_GATEWAY_WORKERS:-1}" --no-ws --respawn-failed-workers --respawn-interval 1 \
     --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"

@@ -31,12 +31,15 @@ export DATABASE_CONN_MAX_AGE="${DATABASE_CONN_MAX_AGE:-600}"
 # The listening socket is bound once, by a process that keeps it (llmgw/listen.py): a master or a
 # worker that dies is replaced without a connection refused meanwhile.
 HOLD=("$PY" -m llmgw.listen hold "$ADDR" --)
+# granian's workers each get a socket of their own on the port (SO_REUSEPORT, still the holder's): on
+# one socket they all accept on, a fleet's kept-alive connections piled onto one worker.
+HOLD_EACH=("$PY" -m llmgw.listen hold "$ADDR" --sockets "$WEB_CONCURRENCY" --)
 case "${LLMGW_WEB_SERVER:-granian}" in
 granian)
     # ASGI in front of the WSGI application (llmgw/front.py): a body is read whole, within
     # LLMGW_BODY_TIMEOUT, before one of the LLMGW_WEB_THREADS threads is given to it. A worker
     # that dies is started again; one whose master died stops itself (llmgw/orphans.py).
-    exec "${HOLD[@]}" "$PY" -m llmgw.listen serve --interface asgi llmgw.web:app \
+    exec "${HOLD_EACH[@]}" "$PY" -m llmgw.listen serve --interface asgi llmgw.web:app \
         --workers "$WEB_CONCURRENCY" --no-ws --respawn-failed-workers --respawn-interval 1 \
         --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
     ;;
@@ -44,7 +47,7 @@ granian-wsgi)
     # granian serving the WSGI application itself, without the front: no body deadline, no
     # orphan watch. For measuring what the front costs (python -m bench heartbeat), or behind
     # a proxy that buffers request bodies.
-    exec "${HOLD[@]}" "$PY" -m llmgw.listen serve --interface wsgi llmgw.wsgi:application \
+    exec "${HOLD_EACH[@]}" "$PY" -m llmgw.listen serve --interface wsgi llmgw.wsgi:application \
         --workers "$WEB_CONCURRENCY" --blocking-threads "$LLMGW_WEB_THREADS" --no-ws \
         --respawn-failed-workers --respawn-interval 1 --log-level "${LLMGW_WEB_LOG_LEVEL:-info}" "$access_log"
     ;;
