@@ -121,8 +121,8 @@ def bind_group(addr: str, count: int, *, backlog: int = BACKLOG) -> list[socket.
 
 def inherited_fds(environ: dict[str, str] | None = None) -> list[int]:
     """Every socket the holder gave this process, one for each worker (LLMGW_LISTEN_FDS); [] when not several."""
-    env = os.environ if environ is None else environ
-    return [int(f) for f in env.get(ENV_FDS, "").split(",") if f.strip()]
+    raw = os.environ.get(ENV_FDS, "") if environ is None else environ.get(ENV_FDS, "")
+    return [int(f) for f in raw.split(",") if f.strip()]
 
 
 def inherited_fd(environ: dict[str, str] | None = None, *, pid: int | None = None) -> int | None:

@@ -103,6 +103,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         self.engine: dict[str, tuple[EngineLoad, float]] = {}
         self.scrape_failures: dict[str, tuple[int, float]] = {}
         self.reloaded_at = 0.0
+        self.routes_task: asyncio.Task | None = None
         self.metrics = Metrics()
         self.process_id = uuid.uuid4().hex[:12]
         self.client: httpx.AsyncClient | None = None
@@ -154,6 +155,9 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
 
     async def shutdown(self) -> None:
         """Stop the loops, write the last usage, close the pools."""
+        if self.routes_task is not None:
+            self._tasks.append(self.routes_task)
+            self.routes_task = None
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:

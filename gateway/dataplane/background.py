@@ -37,7 +37,7 @@ SCRAPE_CONCURRENCY = 32
 SCRAPE_BACKOFF_MAX = 30
 
 
-# At least this long between two reloads pushed by change messages (see reload_for).
+# At least this long between two reloads of the routes pushed by change messages (see on_change).
 RELOAD_SPACING_S = 0.25
 
 
@@ -58,8 +58,9 @@ class Background:
     inflight: dict[str, int]
     health: dict[str, Health]
     engine: dict[str, tuple[EngineLoad, float]]
-    # When (monotonic) the last reload pushed by a change message began.
+    # When (monotonic) the last reload of the routes pushed by a change message began; the one waiting.
     reloaded_at: float
+    routes_task: asyncio.Task | None
     # Replicas whose /metrics did not answer: (failures in a row, monotonic time of the next try).
     scrape_failures: dict[str, tuple[int, float]]
     process_id: str
@@ -116,7 +117,7 @@ class Background:
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
                     if message is not None:
-                        await self.reload_for(pubsub, {_kind(message)})
+                        await self.on_change(_kind(message))
             except asyncio.CancelledError:
                 raise
             except Exception as e:
@@ -124,25 +125,33 @@ class Background:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
 
-    async def reload_for(self, pubsub: aioredis.client.PubSub, kinds: set[str], *, now: float | None = None) -> str:
-        """One reload for a burst of change messages: those already queued are folded in; what was reloaded.
+    async def on_change(self, kind: str) -> None:
+        """Act on one change message: keys (or everything) reloaded at once, routes at most every RELOAD_SPACING_S.
 
-        At most one reload every RELOAD_SPACING_S: a thousand replicas starting
-        together send a message each, and a reload of a thousand-replica table
-        (about 20 ms of CPU) per message kept the gateway's process busy with
-        nothing else, its event loop and the agents' leases waiting behind it.
-        A replica is routed at most that much later.
+        A thousand replicas starting together send a message each, and a
+        reload of a thousand-replica table (about 20 ms of CPU) per message
+        kept the gateway's process busy with nothing else, its event loop and
+        the agents' leases waiting behind it: the routes are reloaded once for
+        every message that came within the spacing (a replica is routed at
+        most that much later). A key is used the moment it is made, and the
+        keys' table is small: its messages are never held back.
         """
-        now = time.monotonic() if now is None else now
-        wait = self.reloaded_at + RELOAD_SPACING_S - now
-        if wait > 0:
-            await asyncio.sleep(wait)
-        while (more := await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)) is not None:
-            kinds.add(_kind(more))
-        kind = kinds.pop() if len(kinds) == 1 else "all"
+        if kind != "routes":
+            await self.reload(kind)
+            return
+        if self.routes_task is None or self.routes_task.done():
+            self.routes_task = asyncio.create_task(self._reload_routes_soon())
+
+    async def _reload_routes_soon(self) -> None:
+        # Messages that come while this waits ask for nothing more: this reload reads them all. The
+        # spacing is read again at each step, so that a test may hold the reload and then let it go.
+        while (wait := self.reloaded_at + RELOAD_SPACING_S - time.monotonic()) > 0:
+            await asyncio.sleep(min(wait, RELOAD_SPACING_S))
         self.reloaded_at = time.monotonic()
-        await self.reload(kind)
-        return kind
+        try:
+            await self.reload("routes")
+        except Exception:
+            log.exception("gateway: reloading the routes failed; the periodic refresh will retry")
 
     async def _report_inflight(self, counts: dict[str, int] | None) -> None:
         """Tell the reconciler this process's requests in flight and demand per model (None: withdraw both).
