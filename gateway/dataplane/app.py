@@ -103,6 +103,8 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         self.engine: dict[str, tuple[EngineLoad, float]] = {}
         self.scrape_failures: dict[str, tuple[int, float]] = {}
         self.reloaded_at = 0.0
+        self.reload_took = 0.0
+        self.routes_dirty = False
         self.routes_task: asyncio.Task | None = None
         self.metrics = Metrics()
         self.process_id = uuid.uuid4().hex[:12]

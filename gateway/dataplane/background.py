@@ -37,8 +37,10 @@ SCRAPE_CONCURRENCY = 32
 SCRAPE_BACKOFF_MAX = 30
 
 
-# At least this long between two reloads of the routes pushed by change messages (see on_change).
+# Between two reloads of the routes pushed by change messages (see on_change): nine times what the last
+# one took (reloads then take at most a tenth of the process), never more than RELOAD_SPACING_S.
 RELOAD_SPACING_S = 0.25
+RELOAD_SHARE = 0.1
 
 
 def _kind(message: dict) -> str:
@@ -60,6 +62,9 @@ class Background:
     engine: dict[str, tuple[EngineLoad, float]]
     # When (monotonic) the last reload of the routes pushed by a change message began; the one waiting.
     reloaded_at: float
+    reload_took: float
+    # A change message came that the routes' next reload must read.
+    routes_dirty: bool
     routes_task: asyncio.Task | None
     # Replicas whose /metrics did not answer: (failures in a row, monotonic time of the next try).
     scrape_failures: dict[str, tuple[int, float]]
@@ -132,26 +137,34 @@ class Background:
         reload of a thousand-replica table (about 20 ms of CPU) per message
         kept the gateway's process busy with nothing else, its event loop and
         the agents' leases waiting behind it: the routes are reloaded once for
-        every message that came within the spacing (a replica is routed at
-        most that much later). A key is used the moment it is made, and the
-        keys' table is small: its messages are never held back.
+        every message that came within the spacing (nine times what the last
+        reload took, at most RELOAD_SPACING_S; a replica is routed at most that
+        much later, a few milliseconds for a small table). A key is used the
+        moment it is made, and the keys' table is small: its messages are
+        never held back.
         """
         if kind != "routes":
             await self.reload(kind)
             return
+        self.routes_dirty = True
         if self.routes_task is None or self.routes_task.done():
             self.routes_task = asyncio.create_task(self._reload_routes_soon())
 
     async def _reload_routes_soon(self) -> None:
-        # Messages that come while this waits ask for nothing more: this reload reads them all. The
-        # spacing is read again at each step, so that a test may hold the reload and then let it go.
-        while (wait := self.reloaded_at + RELOAD_SPACING_S - time.monotonic()) > 0:
-            await asyncio.sleep(min(wait, RELOAD_SPACING_S))
-        self.reloaded_at = time.monotonic()
-        try:
-            await self.reload("routes")
-        except Exception:
-            log.exception("gateway: reloading the routes failed; the periodic refresh will retry")
+        # Messages that come while this waits ask for nothing more: the reload reads them all. One that
+        # comes while the reload reads may name a change it read too early: it asks for one more.
+        while self.routes_dirty:
+            # The spacing is read again at each step, so that a test may hold the reload and let it go.
+            spacing = min(RELOAD_SPACING_S, self.reload_took * (1 / RELOAD_SHARE - 1))
+            while (wait := self.reloaded_at + spacing - time.monotonic()) > 0:
+                await asyncio.sleep(min(wait, RELOAD_SPACING_S))
+            self.routes_dirty = False
+            self.reloaded_at = started = time.monotonic()
+            try:
+                await self.reload("routes")
+            except Exception:
+                log.exception("gateway: reloading the routes failed; the periodic refresh will retry")
+            self.reload_took = time.monotonic() - started
 
     async def _report_inflight(self, counts: dict[str, int] | None) -> None:
         """Tell the reconciler this process's requests in flight and demand per model (None: withdraw both).

@@ -176,6 +176,39 @@ def test_a_burst_of_route_changes_is_one_reload_and_a_key_is_reloaded_at_once(se
     assert after == ["keys", "routes"]
 
 
+def test_a_route_change_during_a_reload_asks_for_one_more():
+    # The reload in progress may have read the tables before that change was committed.
+    make_deployment("m", ["http://127.0.0.1:9/a"])
+
+    async def go() -> list[str]:
+        plane = DataPlane()
+        reloads: list[str] = []
+        reading = asyncio.Event()
+        go_on = asyncio.Event()
+        load = plane.reload
+
+        async def held(kind: str = "all") -> None:
+            reloads.append(kind)
+            if len(reloads) == 1:
+                reading.set()
+                await go_on.wait()
+            await load(kind)
+
+        plane.reload = held
+        await plane.on_change("routes")
+        await reading.wait()
+        # A second change while the first reload reads: the same task reloads once more.
+        first = plane.routes_task
+        await plane.on_change("routes")
+        await plane.on_change("routes")
+        assert plane.routes_task is first
+        go_on.set()
+        await first
+        return reloads
+
+    assert asyncio.run(go()) == ["routes", "routes"]
+
+
 @pytest.mark.parametrize(
     ("data", "kind"),
     [(b'{"kind": "routes"}', "routes"), (b'{"kind": "keys"}', "keys"), (b'{"kind": "x"}', "all"), (b"no", "all")],

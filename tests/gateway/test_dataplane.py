@@ -159,6 +159,8 @@ def test_errors_in_openai_format(gateway, echoes, user):
     key = make_key(user, allowed_models=["demo", "big"])
     narrow = make_key(user, name="narrow", allowed_models=["big"])
     gateway.wait_ready(key, "demo", 1)
+    # (Replicas' changes are reloaded together, within a few milliseconds: wait for the second model too.)
+    gateway.wait_ready(key, "big", 0)
 
     with gateway.client(None) as c:
         r = c.post("/v1/chat/completions", json=chat("x"))
@@ -405,6 +407,7 @@ def test_usage_counted_exactly_for_a_known_workload(gateway_factory, echoes, use
     make_deployment("other", [url_of(echoes(model="other"))])
     key = make_key(user, name="metered")
     g.wait_ready(key, "demo", 2)
+    g.wait_ready(key, "other", 1)
     with g.client(key) as c:
         for i in range(5):  # 3 prompt + 3 completion tokens each
             assert c.post("/v1/chat/completions", json=chat(f"x{i} y z")).status_code == 200
