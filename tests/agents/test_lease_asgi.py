@@ -277,10 +277,28 @@ def test_a_database_failure_answers_503_and_the_next_batch_is_written(nodes, mon
 # --- a real agent: the gateway's endpoint when named, the control plane's when it fails ---------
 
 
+def to_django(client, request: httpx.Request) -> httpx.Response:
+    """An agent's request to the control plane, answered by Django's test client."""
+    r = client.post(
+        request.url.path,
+        data=request.content,
+        content_type="application/json",
+        HTTP_AUTHORIZATION=request.headers["Authorization"],
+    )
+    return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+
+
+def _agent_config(join_token: str, tmp_path):
+    from llmgw_agent import config as config_mod
+
+    return config_mod.parse(
+        {"control_plane": "http://cp", "join_token": join_token, "node_id": "node-a", "state_dir": str(tmp_path)}
+    )
+
+
 def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails(
     client, join_token, settings, tmp_path
 ):
-    from llmgw_agent import config as config_mod
     from llmgw_agent.loop import LEASE_FALLBACK_S, Agent
     from tests.llmgw_agent.test_loop import Probe
 
@@ -305,18 +323,10 @@ def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails
             if not gateway_up[0]:
                 raise httpx.ConnectError("connection refused", request=request)
             return asyncio.run_coroutine_threadsafe(through_gateway(request), loop).result(10)
-        r = client.post(
-            request.url.path,
-            data=request.content,
-            content_type="application/json",
-            HTTP_AUTHORIZATION=request.headers["Authorization"],
-        )
-        return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+        return to_django(client, request)
 
     now = [1_000.0]
-    cfg = config_mod.parse(
-        {"control_plane": "http://cp", "join_token": join_token, "node_id": "node-a", "state_dir": str(tmp_path)}
-    )
+    cfg = _agent_config(join_token, tmp_path)
     http = httpx.Client(base_url="http://cp", transport=httpx.MockTransport(route))
     agent = Agent(cfg, probe=Probe(), http=http, listening=lambda: [22], clock=lambda: now[0])
     try:
@@ -368,7 +378,6 @@ def test_an_agent_whose_gateway_does_not_answer_sends_its_lease_to_the_control_p
     import socket
     import threading
 
-    from llmgw_agent import config as config_mod
     from llmgw_agent.loop import LEASE_FALLBACK_S, LEASE_TIMEOUT_S, Agent
     from tests.llmgw_agent.test_loop import Probe
 
@@ -393,18 +402,10 @@ def test_an_agent_whose_gateway_does_not_answer_sends_its_lease_to_the_control_p
             seen.append((f"{request.url.host}{request.url.path}", request.extensions["timeout"]["read"]))
             if request.url.host == "127.0.0.1":
                 return real.handle_request(request)
-            r = client.post(
-                request.url.path,
-                data=request.content,
-                content_type="application/json",
-                HTTP_AUTHORIZATION=request.headers["Authorization"],
-            )
-            return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+            return to_django(client, request)
 
     now = [1_000.0]
-    cfg = config_mod.parse(
-        {"control_plane": "http://cp", "join_token": join_token, "node_id": "node-a", "state_dir": str(tmp_path)}
-    )
+    cfg = _agent_config(join_token, tmp_path)
     agent = Agent(
         cfg,
         probe=Probe(),

@@ -301,6 +301,18 @@ def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails()
     assert seen == [("cp", lease), ("gw", lease), ("gw", lease), ("cp", lease), ("cp", lease), ("gw", lease)]
 
 
+async def _request(reader) -> tuple[bytes, bytes] | None:
+    """One HTTP/1.1 request's head and body off a stream; None when the client has gone."""
+    import asyncio
+
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
+    return head, await reader.readexactly(length)
+
+
 def test_a_lease_unanswered_past_the_agents_lease_timeout_goes_to_the_control_plane_and_so_do_those_queued():
     import asyncio
 
@@ -310,13 +322,7 @@ def test_a_lease_unanswered_past_the_agents_lease_timeout_goes_to_the_control_pl
     arrived = asyncio.Event()
 
     async def control_plane(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            try:
-                head = await reader.readuntil(b"\r\n\r\n")
-            except asyncio.IncompleteReadError:
-                break
-            length = int(next(h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")).split(b":")[1])
-            await reader.readexactly(length)
+        while await _request(reader) is not None:
             seen.append("cp")
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
             await writer.drain()
