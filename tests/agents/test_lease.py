@@ -237,22 +237,32 @@ def test_the_lease_is_in_the_openapi_document(client, operator):
 # --- a real agent against the real endpoints ------------------------------------
 
 
+def to_django(client, request: httpx.Request) -> httpx.Response:
+    """An agent's request to the control plane, answered by Django's test client."""
+    r = client.post(
+        request.url.path,
+        data=request.content,
+        content_type="application/json",
+        HTTP_AUTHORIZATION=request.headers["Authorization"],
+    )
+    return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+
+
+def agent_config(join_token: str, tmp_path):
+    """agent.yaml of node-a against the control plane at http://cp."""
+    return config_mod.parse(
+        {"control_plane": "http://cp", "join_token": join_token, "node_id": "node-a", "state_dir": str(tmp_path)}
+    )
+
+
 def test_an_agent_sends_its_status_then_leases_until_something_changes(client, join_token, tmp_path):
     paths: list[str] = []
 
     def through_django(request: httpx.Request) -> httpx.Response:
         paths.append(request.url.path)
-        r = client.post(
-            request.url.path,
-            data=request.content,
-            content_type="application/json",
-            HTTP_AUTHORIZATION=request.headers["Authorization"],
-        )
-        return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+        return to_django(client, request)
 
-    cfg = config_mod.parse(
-        {"control_plane": "http://cp", "join_token": join_token, "node_id": "node-a", "state_dir": str(tmp_path)}
-    )
+    cfg = agent_config(join_token, tmp_path)
     probe = Probe()
     http = httpx.Client(base_url="http://cp", transport=httpx.MockTransport(through_django))
     # What listens here held still: other programs on a shared test machine come and go, and each change

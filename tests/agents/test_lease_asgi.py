@@ -19,6 +19,7 @@ from agents.lease_asgi import LEASE_PATH, LeaseEndpoint, LeaseWriter, with_agent
 from agents.models import NodeCredential
 from inventory import outbox, telemetry
 from inventory.models import Command, Node, NodeEvent
+from tests.agents.test_lease import agent_config, to_django
 from tests.factories import make_node
 from tests.gateway.conftest import database_url
 
@@ -277,25 +278,6 @@ def test_a_database_failure_answers_503_and_the_next_batch_is_written(nodes, mon
 # --- a real agent: the gateway's endpoint when named, the control plane's when it fails ---------
 
 
-def to_django(client, request: httpx.Request) -> httpx.Response:
-    """An agent's request to the control plane, answered by Django's test client."""
-    r = client.post(
-        request.url.path,
-        data=request.content,
-        content_type="application/json",
-        HTTP_AUTHORIZATION=request.headers["Authorization"],
-    )
-    return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
-
-
-def _agent_config(join_token: str, tmp_path):
-    from llmgw_agent import config as config_mod
-
-    return config_mod.parse(
-        {"control_plane": "http://cp", "join_token": join_token, "node_id": "node-a", "state_dir": str(tmp_path)}
-    )
-
-
 def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails(
     client, join_token, settings, tmp_path
 ):
@@ -326,7 +308,7 @@ def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails
         return to_django(client, request)
 
     now = [1_000.0]
-    cfg = _agent_config(join_token, tmp_path)
+    cfg = agent_config(join_token, tmp_path)
     http = httpx.Client(base_url="http://cp", transport=httpx.MockTransport(route))
     agent = Agent(cfg, probe=Probe(), http=http, listening=lambda: [22], clock=lambda: now[0])
     try:
@@ -405,7 +387,7 @@ def test_an_agent_whose_gateway_does_not_answer_sends_its_lease_to_the_control_p
             return to_django(client, request)
 
     now = [1_000.0]
-    cfg = _agent_config(join_token, tmp_path)
+    cfg = agent_config(join_token, tmp_path)
     agent = Agent(
         cfg,
         probe=Probe(),
