@@ -131,7 +131,7 @@ class Background:
                 backoff = min(backoff * 2, 10.0)
 
     async def on_change(self, kind: str) -> None:
-        """Act on one change message: keys (or everything) reloaded at once, routes at most every RELOAD_SPACING_S.
+        """Act on one change message: keys (or everything) reloaded at once, the routes' changes together.
 
         A thousand replicas starting together send a message each, and a
         reload of a thousand-replica table (about 20 ms of CPU) per message
