@@ -62,6 +62,8 @@ class Report:
     backing_off: int = 0
     errors: int = 0
     orphans_released: int = 0
+    # A deployment's scale-up or scale-down was cut at BATCH_PER_PASS: the next pass carries it on at once.
+    more: bool = False
     drained: list[str] = field(default_factory=list)
     # The autoscaler's changes: "deployment id: reason".
     autoscaled: list[str] = field(default_factory=list)
@@ -287,6 +289,7 @@ def scale(p: Pass, fleet: Fleet) -> None:
     active = len(counted) + sum(1 for r in p.new_rows if r.deployment_id == dep.id and r.replaces_id)
     if active < dep.replicas:
         # In batches: a count of thousands costs one batch of rows a pass, not the worker's memory or the pass.
+        p.report.more |= dep.replicas - active > BATCH_PER_PASS
         for _ in range(min(dep.replicas - active, BATCH_PER_PASS)):
             p.new_rows.append(
                 Replica(deployment_id=dep.id, created_at=now, updated_at=now, reason="waiting for placement")
@@ -310,6 +313,7 @@ def scale(p: Pass, fleet: Fleet) -> None:
             )
 
         surplus = sorted(counted, key=cost)
+        p.report.more |= active - dep.replicas > BATCH_PER_PASS
         for rep in surplus[: min(active - dep.replicas, BATCH_PER_PASS)]:
             if rep.row.state in (RS.PENDING, RS.PLACING) and not rep.shards:
                 if replicas.change_state(rep.row, RS.STOPPED, now=now, reason="scaled down"):

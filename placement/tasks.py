@@ -35,4 +35,8 @@ def reconcile_task(now: str | dt.datetime | None = None) -> dict | None:
             log.info("reconcile already running; skipped")
             return None
         report = reconciler.reconcile(now=now or timezone.now())
+    if report.more:
+        # Asked once the lock is let go, so the next pass runs rather than finding this one still running:
+        # a thousand replicas asked for at once are four passes back to back, not four beat ticks apart.
+        queueing.ask_now("the last pass left replicas of a scale-up or scale-down for the next")
     return dict(report.__dict__)

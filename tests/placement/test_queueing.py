@@ -6,7 +6,10 @@ import pytest
 from django.test import override_settings
 
 from placement import queueing
+from placement.models import Deployment, EngineProfile
+from placement.reconciler import BATCH_PER_PASS
 from placement.tasks import reconcile_task
+from tests.factories import make_node
 
 pytestmark = pytest.mark.django_db
 
@@ -74,3 +77,17 @@ def test_the_embedded_file_cache_dedupes_alike(sent, tmp_path, django_capture_on
         with django_capture_on_commit_callbacks(execute=True):
             queueing.queue_reconcile()
         assert sent == ["placement.reconcile", "placement.reconcile"]
+
+
+def test_a_pass_cut_at_its_batch_queues_the_next_at_once(sent, now):
+    # A thousand replicas asked for at once were four passes a beat tick apart; the rest follow at once.
+    make_node("a", now=now)
+    prof = EngineProfile.objects.create(name="echo-1", engine="echo", gpus_per_node=1)
+    Deployment.objects.create(name="big", served_model="big", profile=prof, replicas=BATCH_PER_PASS + 5)
+    first = reconcile_task(now=now.isoformat())
+    assert (first["created"], first["more"]) == (BATCH_PER_PASS, True)
+    assert sent == ["placement.reconcile"] and queueing.reconcile_queued()
+    # The next pass creates the last five and asks for nothing more.
+    second = reconcile_task(now=now.isoformat())
+    assert (second["created"], second["more"]) == (5, False)
+    assert sent == ["placement.reconcile"] and not queueing.reconcile_queued()
