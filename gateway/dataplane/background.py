@@ -41,6 +41,9 @@ SCRAPE_BACKOFF_MAX = 30
 # one took (reloads then take at most a tenth of the process), never more than RELOAD_SPACING_S.
 RELOAD_SPACING_S = 0.25
 RELOAD_SHARE = 0.1
+# Tables of fewer replicas than this are reloaded at once, every time: they cost little, and a replica
+# retired or added is routed accordingly the moment it is known.
+SPACED_FROM = 100
 
 
 def _kind(message: dict) -> str:
@@ -137,9 +140,10 @@ class Background:
         reload of a thousand-replica table (about 20 ms of CPU) per message
         kept the gateway's process busy with nothing else, its event loop and
         the agents' leases waiting behind it: the routes are reloaded once for
-        every message that came within the spacing (nine times what the last
-        reload took, at most RELOAD_SPACING_S; a replica is routed at most that
-        much later, a few milliseconds for a small table). A key is used the
+        every message that came within the spacing (from SPACED_FROM routed
+        replicas on, nine times what the last reload took, at most
+        RELOAD_SPACING_S; a replica is routed at most that much later; a
+        smaller table at once). A key is used the
         moment it is made, and the keys' table is small: its messages are
         never held back.
         """
@@ -155,7 +159,8 @@ class Background:
         # comes while the reload reads may name a change it read too early: it asks for one more.
         while self.routes_dirty:
             # The spacing is read again at each step, so that a test may hold the reload and let it go.
-            spacing = min(RELOAD_SPACING_S, self.reload_took * (1 / RELOAD_SHARE - 1))
+            routed = sum(len(r.backends) for r in self.routes.values())
+            spacing = min(RELOAD_SPACING_S, self.reload_took * (1 / RELOAD_SHARE - 1)) if routed >= SPACED_FROM else 0.0
             while (wait := self.reloaded_at + spacing - time.monotonic()) > 0:
                 await asyncio.sleep(min(wait, RELOAD_SPACING_S))
             self.routes_dirty = False
