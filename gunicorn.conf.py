@@ -19,6 +19,9 @@ keepalive = 30
 worker_connections = 10000
 # Off by default: an agent's lease every few seconds per node would bury what happened.
 # scripts/serve.sh runs gunicorn on a socket held apart from it (llmgw/listen.py), which outlives its master.
+if os.environ.get("LLMGW_LISTEN_FDS", "").count(",") > 0:
+    # Held with --sockets N: gunicorn accepts on one, and the others' share of connections would wait for good.
+    raise SystemExit("llmgw: gunicorn accepts on one listening socket: hold it without --sockets")
 if os.environ.get("LLMGW_LISTEN_FD"):
     bind = [f"fd://{int(os.environ['LLMGW_LISTEN_FD'])}"]
 accesslog = "-" if os.environ.get("LLMGW_ACCESS_LOG", "").strip().lower() in {"1", "true", "yes", "on"} else None

@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
     logging.getLogger("gateway.server").setLevel(args.log_level.upper())
-    fd = listen.inherited_fd()
+    fd = listen.only_socket()
     if fd is None:
         try:
             sock = listen.bind(f"{args.host}:{args.port}")

@@ -125,6 +125,21 @@ def inherited_fds(environ: dict[str, str] | None = None) -> list[int]:
     return [int(f) for f in raw.split(",") if f.strip()]
 
 
+def only_socket(environ: dict[str, str] | None = None) -> int | None:
+    """inherited_fd for a server that accepts on one socket (the gateway's own): SystemExit when several are held.
+
+    Held with --sockets N, the kernel hands each socket its share of the
+    connections: those of a socket nobody accepts on would wait for good.
+    """
+    fds = inherited_fds(environ)
+    if len(fds) > 1:
+        raise SystemExit(
+            f"llmgw: this server accepts on one listening socket, but its holder keeps {len(fds)} "
+            f"({ENV_FDS}): run `python -m llmgw.listen hold` without --sockets for it"
+        )
+    return inherited_fd(environ)
+
+
 def inherited_fd(environ: dict[str, str] | None = None, *, pid: int | None = None) -> int | None:
     """The listening socket this process was given: LLMGW_LISTEN_FD, or systemd's first; None when none."""
     env = os.environ if environ is None else environ

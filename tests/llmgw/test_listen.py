@@ -249,3 +249,12 @@ def _try_get(port: int) -> bool:
         return ok
     except OSError:
         return False
+
+
+def test_a_server_of_one_socket_refuses_a_holder_of_several():
+    # The gateway's own server and gunicorn accept on LLMGW_LISTEN_FD alone: the other sockets' share of
+    # the connections would wait for good.
+    assert listen.only_socket({"LLMGW_LISTEN_FD": "5"}) == 5
+    assert listen.only_socket({"LLMGW_LISTEN_FD": "5", "LLMGW_LISTEN_FDS": "5"}) == 5
+    with pytest.raises(SystemExit, match=r"its holder keeps 2 \(LLMGW_LISTEN_FDS\): run .* without --sockets"):
+        listen.only_socket({"LLMGW_LISTEN_FD": "5", "LLMGW_LISTEN_FDS": "5,6"})
