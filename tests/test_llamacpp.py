@@ -5,6 +5,7 @@ prefix, which /metrics counts."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 from pathlib import Path
 
@@ -153,6 +154,50 @@ def test_a_streamed_chat_ends_with_done(llama_server):
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
     assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def _exchange(sock: socket.socket, request: dict) -> tuple[bytes, bytes]:
+    """Send `request` as one keep-alive POST on `sock`; the answer's head and its whole body as sent."""
+    body = json.dumps(request).encode()
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: llama\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    answer = b""
+    while True:
+        head, sep, rest = answer.partition(b"\r\n\r\n")
+        if sep and b"transfer-encoding: chunked" in head.lower() and rest.endswith(b"\r\n0\r\n\r\n"):
+            return head, rest
+        if sep and b"content-length:" in head.lower():
+            length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+            if len(rest) >= length:
+                assert len(rest) == length
+                return head, rest
+        data = sock.recv(65536)
+        assert data, f"closed before the answer ended: {answer[-200:]!r}"
+        answer += data
+
+
+@pytest.mark.slow
+def test_a_streamed_answer_closes_the_connection_its_head_kept_alive(llama_server):
+    # This build's server ends every streamed answer by closing the connection, though the head
+    # says Keep-Alive and not Connection: close (its chunked provider reports "no more" after
+    # writing the last chunk, which its HTTP library takes for a cancelled write). A client that
+    # pools the connection finds it closed on its next request: the gateway's pool sends that
+    # request again on a new connection (tests/gateway/test_pool.py).
+    chat = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
+    with socket.create_connection(("127.0.0.1", llama_server.port), timeout=30) as sock:
+        head, body = _exchange(sock, {**chat, "stream": True})
+        assert b"keep-alive: timeout=5, max=100" in head.lower()
+        assert b"connection: close" not in head.lower()
+        assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert sock.recv(65536) == b""  # then the end of the connection, nothing else
+    # A plain answer keeps its promise: the same connection serves the next request.
+    with socket.create_connection(("127.0.0.1", llama_server.port), timeout=30) as sock:
+        for _ in range(2):
+            head, body = _exchange(sock, chat)
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+            assert json.loads(body)["object"] == "chat.completion"
 
 
 @pytest.mark.slow

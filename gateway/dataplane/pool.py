@@ -172,6 +172,8 @@ class Pool:
         self._idle: dict[tuple, list[_Conn]] = {}
         self._origins: dict[str, tuple] = {}
         self._ssl: ssl.SSLContext | None = None
+        # Requests sent again on a new connection after a kept-alive one was found closed (post).
+        self.reopened = 0
 
     def _origin(self, url: str) -> tuple[tuple, str]:
         base, sep, path = url.partition("/v1/")
@@ -212,9 +214,27 @@ class Pool:
         idle.append(conn)
 
     async def post(self, url: str, body: bytes, headers: bytes) -> Response:
-        """POST `body` to `url` with `headers` (complete "Name: value\\r\\n" lines); the answer once its head is in."""
+        """POST `body` to `url` with `headers` (complete "Name: value\\r\\n" lines); the answer once its head is in.
+
+        A kept-alive connection that the engine closed as the request went out, before any byte of
+        an answer, is given up and the request sent once more on a new connection: llama.cpp's
+        server closes every connection after a streamed answer although its head promised
+        keep-alive, and a request sent in the instant between the answer's end and the close
+        arriving found it gone. Counted in `reopened`.
+        """
         origin, path = self._origin(url)
         conn = self._take(origin)
+        if conn is not None:
+            try:
+                return await self._exchange(origin, conn, path, body, headers)
+            except UpstreamError as e:
+                if not _closed_unanswered(e.__cause__):
+                    raise
+                self.reopened += 1
+        return await self._exchange(origin, None, path, body, headers)
+
+    async def _exchange(self, origin: tuple, conn: _Conn | None, path: str, body: bytes, headers: bytes) -> Response:
+        # One request on `conn` (a new connection when None), up to its answer's head.
         deadline: Deadline | None = None
         try:
             if conn is None:
@@ -246,6 +266,14 @@ class Pool:
             for conn in idle:
                 conn.writer.close()
         self._idle.clear()
+
+
+def _closed_unanswered(exc: BaseException | None) -> bool:
+    # The connection ended or was reset before any byte of an answer: not a timeout, not a
+    # malformed or partial answer, which a new connection would not mend.
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return not exc.partial
+    return isinstance(exc, ConnectionResetError | BrokenPipeError)
 
 
 def _abandon(conn: _Conn | None, deadline: Deadline | None) -> None:

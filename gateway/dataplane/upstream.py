@@ -147,8 +147,9 @@ class Upstream:
                     # system prompt follow this one rather than each warm a replica of its own.
                     self.prefixes.admit(backend.id, hashes)
             # A connection that failed before any answer is most often the connection's fault (a
-            # kept-alive one the engine closed, a full accept queue), not the replica's: with one
-            # replica, not asking it again made every such blip a 502 under load.
+            # full accept queue, a reset), not the replica's: with one replica, not asking it again
+            # made every such blip a 502 under load. (A kept-alive connection the engine closed is
+            # the pool's to mend: it sends the request again on a new one before this sees it.)
             backend = backend or again
             if backend is None:
                 break

@@ -158,3 +158,101 @@ def test_a_replica_that_stops_sending_times_out_and_only_a_waiting_read_does():
         server.close()
 
     asyncio.run(run())
+
+
+async def _serve_then_drop(
+    answers: dict[int, bytes], *, close_after: frozenset[int] = frozenset()
+) -> tuple[asyncio.Server, list[tuple[int, int]]]:
+    """A replica that keeps connections alive: request r on connection c (key c*10+r) is answered
+    with answers[key], the connection closed after it when the key is in `close_after`, or closed
+    unanswered when there is no answer."""
+    seen: list[tuple[int, int]] = []
+    connections = 0
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        c, connections = connections, connections + 1
+        r = 0
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+            seen.append((c, r))
+            answer = answers.get(c * 10 + r)
+            if answer is None:
+                break
+            writer.write(answer)
+            await writer.drain()
+            if c * 10 + r in close_after:
+                break
+            r += 1
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, seen
+
+
+STREAMED = (
+    b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5, max=100\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nsse!\r\n0\r\n\r\n"
+)
+PLAIN = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+def test_a_kept_alive_connection_closed_as_the_request_went_out_is_retried_once_on_a_new_one():
+    # llama.cpp's server closes after a streamed answer despite its Keep-Alive head; a request
+    # that catches the connection before the close reaches the gateway must not fail for it.
+    async def run() -> None:
+        server, seen = await _serve_then_drop({0: STREAMED, 10: PLAIN})
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+        pool = _pool()
+        assert await _body(pool, url, {}) == (200, b"sse!")
+        (conn,) = next(iter(pool._idle.values()))
+        assert not conn.reader.at_eof()  # looks alive when taken: the close has not been seen
+        assert await _body(pool, url, {}) == (200, b"ok")
+        assert seen == [(0, 0), (0, 1), (1, 0)]
+        assert pool.reopened == 1
+        await pool.aclose()
+        server.close()
+
+    asyncio.run(run())
+
+
+def test_a_new_connection_closed_unanswered_is_an_error_not_retried():
+    async def run() -> None:
+        # Connection 0 answers once then drops the next request; connection 1 drops its first.
+        server, seen = await _serve_then_drop({0: STREAMED})
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+        pool = _pool()
+        assert await _body(pool, url, {}) == (200, b"sse!")
+        with pytest.raises(UpstreamError, match="IncompleteReadError"):
+            await pool.post(url, b"{}", HEADERS)
+        # Retried once on a new connection, which failed the same way: the error reaches the caller.
+        assert seen == [(0, 0), (0, 1), (1, 0)]
+        assert pool.reopened == 1
+        with pytest.raises(UpstreamError, match="IncompleteReadError"):
+            await pool.post(url, b"{}", HEADERS)
+        assert seen[-1] == (2, 0)  # nothing pooled: a new connection, no second try
+        assert pool.reopened == 1
+        await pool.aclose()
+        server.close()
+
+    asyncio.run(run())
+
+
+def test_a_partial_head_on_a_kept_alive_connection_is_not_retried():
+    async def run() -> None:
+        server, seen = await _serve_then_drop({0: PLAIN, 1: b"HTTP/1.1 200 O", 10: PLAIN}, close_after=frozenset({1}))
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        pool = _pool()
+        assert await _body(pool, url, {}) == (200, b"ok")
+        # The engine began an answer and closed: a second try could run the request twice.
+        with pytest.raises(UpstreamError, match="IncompleteReadError"):
+            await pool.post(url, b"{}", HEADERS)
+        assert seen == [(0, 0), (0, 1)]
+        assert pool.reopened == 0
+        await pool.aclose()
+        server.close()
+
+    asyncio.run(run())
