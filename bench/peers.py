@@ -15,10 +15,9 @@ such and left out, and the others still run. Everything listens on loopback.
    and no errors, streamed, and its throughput with BENCH_PEERS_CLIENTS (64)
    clients streaming back to back. Each front's CPU per request (its
    processes' user + system time over the requests it answered) in the
-   offered-rate phases. llmgw runs over granian's ASGI interface (as
-   scripts/gateway.sh serves it) and, as "llmgw rsgi", over RSGI
+   offered-rate phases. llmgw runs once per way of serving it
    (BENCH_PEERS_INTERFACES, default "native,asgi": the gateway's own server, as
-   scripts/gateway.sh serves it, then granian's ASGI).
+   scripts/gateway.sh serves it, then, as "llmgw asgi", granian's ASGI).
 2. Routing quality: bench.gateway's workloads (BENCH_PEERS_WORKLOADS, default
    "short,sessions,long,shared") over 4 fresh echo replicas per front:
    prefix-cache hit ratio from the replicas' own counters, mean time to first
@@ -383,7 +382,7 @@ def run() -> list[str]:
     """Install the peers, then every part BENCH_PEERS_RUNS times; min / median / max and the ratios."""
     runs = int(os.environ.get("BENCH_PEERS_RUNS", 3))
     parts = os.environ.get("BENCH_PEERS_PARTS", "overhead,routing").split(",")
-    workloads = [WORKLOADS[n] for n in os.environ.get("BENCH_PEERS_WORKLOADS", "short,sessions,long").split(",")]
+    workloads = [WORKLOADS[n] for n in os.environ.get("BENCH_PEERS_WORKLOADS", "short,sessions,long,shared").split(",")]
     lines: list[str] = []
     peers: dict[str, Path] = {}
     # BENCH_PEERS=none (or empty): llmgw alone.

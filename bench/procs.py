@@ -13,7 +13,7 @@ GATEWAY = {"native": "gateway.native", "asgi": "gateway.asgi:app", "rsgi": "gate
 def gateway_needle(environ: dict[str, str] | None = None) -> str:
     """What the command line of the gateway's master and workers holds, as scripts/gateway.sh serves it."""
     env = os.environ if environ is None else environ
-    return GATEWAY[env.get("LLMGW_GATEWAY_INTERFACE") or "asgi"]
+    return GATEWAY[env.get("LLMGW_GATEWAY_INTERFACE") or "native"]
 
 
 def _table() -> dict[int, tuple[int, str]]:

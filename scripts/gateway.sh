@@ -2,11 +2,10 @@
 # The gateway's data plane (granian) on HOST:PORT, in the foreground (make run, the benchmark).
 # It also answers the agents' wakeup long-poll, GET /api/v1/agent/wait (agents/wakeup.py).
 #   LLMGW_GATEWAY_WORKERS    data plane processes (default 1; they agree through Redis)
-#   LLMGW_GATEWAY_INTERFACE  asgi (default, granian: gateway/asgi.py), native (gateway/native.py: the
-#                            gateway's own HTTP/1.1 server on each worker's event loop, about half
-#                            granian's CPU a request; not yet the default: a drain of a real llama.cpp
-#                            under streaming load failed a request on it in some runs) or rsgi (granian's
-#                            own interface, gateway/rsgi.py); the same application and paths on each
+#   LLMGW_GATEWAY_INTERFACE  native (default, gateway/native.py: the gateway's own HTTP/1.1 server on
+#                            each worker's event loop, about half granian's CPU a request), asgi
+#                            (granian: gateway/asgi.py) or rsgi (granian's own interface, gateway/rsgi.py);
+#                            the same application and paths on each
 #   LLMGW_ACCESS_LOG       1: log every request (off by default)
 # A worker or a master that dies is started again, the socket kept open meanwhile (llmgw/listen.py);
 # a worker whose master died stops itself (llmgw/orphans.py).
@@ -22,7 +21,7 @@ case "${LLMGW_ACCESS_LOG:-}" in
 1 | [Tt][Rr][Uu][Ee] | [Yy][Ee][Ss] | [Oo][Nn]) access_log=--access-log ;;
 *) access_log=--no-access-log ;;
 esac
-case "${LLMGW_GATEWAY_INTERFACE:-asgi}" in
+case "${LLMGW_GATEWAY_INTERFACE:-native}" in
 asgi) target=(--interface asgi gateway.asgi:app) ;;
 rsgi) target=(--interface rsgi gateway.rsgi:app) ;;
 native) ;;
@@ -33,7 +32,7 @@ native) ;;
 esac
 # The listening socket is bound once, by a process that keeps it (llmgw/listen.py): a master or a
 # worker that dies is replaced without a connection refused meanwhile.
-if [ "${LLMGW_GATEWAY_INTERFACE:-asgi}" = native ]; then
+if [ "${LLMGW_GATEWAY_INTERFACE:-native}" = native ]; then
     # Its master starts a worker that died again after a second, as granian's does below.
     [ "$access_log" = --access-log ] || access_log=
     exec "$PY" -m llmgw.listen hold "$ADDR" -- "$PY" -m gateway.native \

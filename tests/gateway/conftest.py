@@ -57,10 +57,10 @@ def database_url() -> str:
     return f"postgres://{auth}@{s.get('HOST') or '127.0.0.1'}:{s.get('PORT') or '5432'}/{s['NAME']}"
 
 
-# How the tests' gateways are served unless a test names it: asgi (granian, as scripts/gateway.sh
-# serves it by default), native (gateway/native.py) or rsgi. LLMGW_TEST_GATEWAY_INTERFACE runs the
-# whole suite on another.
-INTERFACE = os.environ.get("LLMGW_TEST_GATEWAY_INTERFACE", "asgi")
+# How the tests' gateways are served unless a test names it: native (gateway/native.py, as
+# scripts/gateway.sh serves it by default), asgi or rsgi (granian). LLMGW_TEST_GATEWAY_INTERFACE runs
+# the whole suite on another.
+INTERFACE = os.environ.get("LLMGW_TEST_GATEWAY_INTERFACE", "native")
 
 
 def command(interface: str, port: int) -> list[str]:
