@@ -19,7 +19,8 @@ such and left out, and the others still run. Everything listens on loopback.
    (BENCH_PEERS_INTERFACES, default "native,asgi": the gateway's own server, as
    scripts/gateway.sh serves it, then, as "llmgw asgi", granian's ASGI).
 2. Routing quality: bench.gateway's workloads (BENCH_PEERS_WORKLOADS, default
-   "short,sessions,long,shared") over 4 fresh echo replicas per front:
+   "short,sessions,long,shared") over 4 fresh echo replicas per front (llmgw
+   served the first of BENCH_PEERS_INTERFACES' ways):
    prefix-cache hit ratio from the replicas' own counters, mean time to first
    token, each replica's share of the requests, the front's CPU per request.
    vLLM's router runs twice: with the replicas answering vLLM's /tokenize and
@@ -152,13 +153,15 @@ def cpu_seconds(pgid: int) -> float:
 
 def _fronts(
     env: dict[str, str], procs: Procs, peers: dict[str, Path], urls: list[str], model: str, workdir: Path,
-    policies: tuple[str, ...] = ("prefix",), interfaces: tuple[str, ...] = ("asgi",),
+    policies: tuple[str, ...] = ("prefix",), interfaces: tuple[str, ...] | None = None,
 ) -> dict[str, tuple[str, str, int]]:  # fmt: skip
     """Start llmgw's gateway (one per policy and interface) and every installed peer in front of `urls`.
 
-    name -> (URL, key, pid). The default interface's gateway is "llmgw" (or "llmgw <policy>"), another's
-    "llmgw <interface>".
+    name -> (URL, key, pid). The first interface's gateway (by default the first of
+    BENCH_PEERS_INTERFACES, as scripts/gateway.sh serves it) is "llmgw" (or "llmgw <policy>"),
+    another's "llmgw <interface>".
     """
+    interfaces = interfaces or _interfaces()[:1]
     out: dict[str, tuple[str, str]] = {}
     pids: dict[str, int] = {}
     key = subprocess.run([sys.executable, "-c", _SETUP], cwd=ROOT, env=env, input=json.dumps({model: urls}),
@@ -187,6 +190,11 @@ def _fronts(
         except RuntimeError:
             print(f"   {name}: did not answer a request within 180 s; left out of this run", flush=True)
     return ready
+
+
+def _interfaces() -> tuple[str, ...]:
+    """The ways of serving llmgw's gateway to measure, the one scripts/gateway.sh uses by default first."""
+    return tuple(os.environ.get("BENCH_PEERS_INTERFACES", "native,asgi").split(","))
 
 
 def _answers(url: str, key: str, model: str) -> Callable[[], bool]:
@@ -247,8 +255,7 @@ def _overhead(env: dict[str, str], procs: Procs, peers: dict[str, Path], workdir
     seconds = float(os.environ.get("BENCH_PEERS_SECONDS", 3))
     echo = procs.echo(env, "bench", "--token-seconds", "0", "--prefill-tokens-per-s", "0", "--max-batch", "0")
     # The gateway over granian's ASGI interface (as scripts/gateway.sh serves it) and, beside it, over RSGI.
-    interfaces = tuple(os.environ.get("BENCH_PEERS_INTERFACES", "native,asgi").split(","))
-    fronts = _fronts(env, procs, peers, [echo], "bench", workdir, interfaces=interfaces)
+    fronts = _fronts(env, procs, peers, [echo], "bench", workdir, interfaces=_interfaces())
     out: dict[str, list[float]] = {}
     for stream in (False, True):
         kind = "streamed" if stream else "not streamed"

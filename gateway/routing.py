@@ -16,10 +16,13 @@ replica's load (with this request) would exceed `balance` times the mean plus
 `slack`; then to the next longest within the bound. So a conversation's later
 turns go where its history is, and a new conversation sharing a system prompt
 with earlier ones goes where that prompt already is. With nothing cached
-anywhere it goes to the least-loaded replica, ties broken by rendezvous
-hashing over the conversation's start (its system messages and first user
-turn): several gateway processes place a new conversation alike, and a
-conversation too short to fill a block still keeps to one replica.
+anywhere it goes to the least-loaded replica, then to the one holding the
+fewest blocks (as vLLM's router sends a prompt it matches nowhere to its
+smallest tree), ties broken by rendezvous hashing over the conversation's
+start (its system messages and first user turn), so that a conversation too
+short to fill a block still keeps to one replica. Several gateway processes
+place a new prompt each by its own index, so alike only while their indexes
+are.
 
 The index is bounded: each replica's holds at most `capacity` blocks and
 forgets the least recently sent first, as the engine's LRU evicts, and a
@@ -177,14 +180,24 @@ def choose(
         return None
     total = sum(load.get(b.id, 0) for b in candidates)
     cap = balance * (total + 1) / len(candidates) + slack
-    best: tuple[int, float] | None = None
+    # A prompt of a block or more breaks a tie by the replicas' cached blocks, fewest first: with
+    # engines that answer faster than requests come (nothing in flight anywhere), the hash alone
+    # put two of four system prompts on one replica and none on another, whose cache then
+    # overflowed while the other sat empty. A conversation too short for a block keeps the hash,
+    # which keeps its turns on one replica.
+    by_room = index is not None and len(hashes) > 1
+    best: tuple[int, float, int] | None = None
     tied: list[Backend] = []
     for b in candidates:
         busy = load.get(b.id, 0)
         if busy + 1 > cap:
             continue
-        # Longest prefix first, then the least loaded.
-        rank = (-index.matched(b.id, hashes) if index is not None and hashes else 0, busy)
+        # Longest prefix first, then the least loaded, then the emptiest cache.
+        rank = (
+            -index.matched(b.id, hashes) if index is not None and hashes else 0,
+            busy,
+            len(index.replicas.get(b.id, ())) if by_room else 0,
+        )
         if best is None or rank < best:
             best, tied = rank, [b]
         elif rank == best:

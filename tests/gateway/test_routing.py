@@ -145,6 +145,19 @@ def test_new_prompts_spread_over_replicas():
     assert sorted(load.values()) == [10, 10, 10, 10]
 
 
+def test_new_prompts_spread_by_cached_blocks_when_nothing_is_in_flight():
+    # An engine answering faster than requests come: every load reads 0, and the emptiest cache
+    # takes each new prompt (the hash alone gave 2/2/2/2 about one time in 26).
+    index = PrefixIndex()
+    picks = Counter(_route(index, _conv(f"system prompt {i:02d} " * 30, "q")) for i in range(8))
+    assert sorted(picks.values()) == [2, 2, 2, 2]
+    # Each prompt's later turns still go where it is.
+    for i in range(8):
+        first = choose(B, hashes=block_hashes(_conv(f"system prompt {i:02d} " * 30, "q")), load={}, index=index)
+        again = _route(index, _conv(f"system prompt {i:02d} " * 30, "q", "a", "q2"))
+        assert again == first.id
+
+
 def test_the_conversations_start_is_what_every_turn_shares():
     first = conversation_start(_conv("You are terse.", "hi"))
     assert first == b"system\nYou are terse.\nuser\nhi\n"
