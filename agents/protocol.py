@@ -122,6 +122,7 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
     that has none (new, or reset by an operator) and issues its credential.
     """
     secret = None
+    consume = False
     try:
         with transaction.atomic():
             if caller.node is not None:
@@ -134,8 +135,8 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
                         # The node's refusal, in the words every other node gets: a join
                         # token's holder learns nothing about which node ids exist.
                         raise NOT_YOURS
-                elif not credentials.consume_join_token(caller.join, now=now):
-                    raise UNAUTHENTICATED
+                else:
+                    consume = True
             issued = []
             if caller.join is not None and secret is None:
                 secret, issued = credentials.new_credential(
@@ -149,6 +150,10 @@ def register(caller: Caller, reg: wire.Register, *, now: dt.datetime) -> wire.Re
             # A node inserted by this transaction has no commands (a command's node is a foreign
             # key) but the StopShards just queued for what it runs: a join storm is mostly new nodes.
             pending = outbox.pending(reg.node_id, now=now) if sync.fenced or not created else []
+            # A join token's use is counted last: its row stays locked until the commit, and a rack
+            # of nodes joining with one token queued on it for the whole of each other's writes.
+            if consume and not credentials.consume_join_token(caller.join, now=now):
+                raise UNAUTHENTICATED
     except IntegrityError as exc:
         # Two registrations of one new node id racing: the loser retries.
         raise Refused(409, "a concurrent registration of this node won; retry") from exc

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import re
 
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
 
-from agents.models import NodeCredential
+from agents import credentials
+from agents.models import JoinToken, NodeCredential
 from inventory.models import GPU, EngineInstall, FabricAttachment, LocalWeights, Node, NodeEvent, Storage
 from tests.agents.conftest import post
 from tests.factories import register_payload
@@ -97,3 +100,23 @@ def test_a_re_registration_replaces_what_changed(client, join_token):
         "credential issued (bootstrap token)",
         "agent re-registered",
     ]
+
+
+def test_a_join_tokens_use_is_counted_last_so_its_row_is_locked_only_for_the_commit(client):
+    # Every node of a rack joins with the one token: counting its use first held the token's row
+    # locked through each registration's writes, and the rack's registrations queued on it.
+    t0 = timezone.now()
+    token, secret = credentials.create_join_token(
+        name="rack 7", expires_at=t0 + dt.timedelta(hours=1), max_uses=2, now=t0
+    )
+    sql = _statements(client, register_payload("node-a", gpus=8), secret)
+    table = JoinToken._meta.db_table
+    counted = [i for i, s in enumerate(sql) if s.startswith(f'UPDATE "{table}"')]
+    inserted = [i for i, s in enumerate(sql) if s.startswith("WITH")]
+    assert len(counted) == 1 and len(inserted) == 1
+    # The count is the transaction's last statement: after it only the savepoint's release.
+    assert counted[0] > inserted[0]
+    assert sql[counted[0] + 1 :] == [s for s in sql[counted[0] + 1 :] if s.startswith("RELEASE SAVEPOINT")]
+    token.refresh_from_db()
+    assert token.uses == 1
+    assert Node.objects.filter(id="node-a").exists()
