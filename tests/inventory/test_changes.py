@@ -34,6 +34,20 @@ def test_many_marks_are_read_past_the_prefetch():
     assert not feed.gap and len(feed.node_ids) == changes.PREFETCH + 5
 
 
+def test_a_reader_a_join_storm_behind_reads_the_entries_not_a_gap(monkeypatch):
+    # 2,500 marks behind (a storm of 1,250 registrations): read in chunks, every id, no rebuild.
+    monkeypatch.setattr(changes, "FETCH_CHUNK", 1000)
+    start = changes.current_version()
+    for i in range(2500):
+        changes.mark([f"n{i % 1200}"])
+    feed = changes.since(start)
+    assert (feed.gap, feed.version, len(feed.entries)) == (False, start + 2500, 2500)
+    assert feed.node_ids == frozenset(f"n{i}" for i in range(1200))
+    # Past MAX_BEHIND the entries would cost more than a rebuild: a gap.
+    monkeypatch.setattr(changes, "MAX_BEHIND", 2000)
+    assert changes.since(start).gap
+
+
 def test_a_missing_entry_a_flushed_cache_or_no_version_is_a_gap():
     start = changes.current_version()
     changes.mark(["a"])
