@@ -356,9 +356,12 @@ def place_pending(p: Pass) -> None:
     """
     now, report = p.now, p.report
     pending = in_turn(rep.row for reps in p.by_dep.values() for rep in reps if rep.row.state == RS.PENDING)
+    # Kept current on every pass, pending work or not: asked first by a scale-up, the index was
+    # built then (5-10 s at 10,000 nodes, in each worker process), and the first thousand replicas
+    # waited for it; kept warm, a pass with nothing changed costs one cache round trip.
+    snap = kept.current(now=now)
     if not pending:
         return
-    snap = kept.current(now=now)
     # A deployment's refusal holds for its next replicas until the snapshot changes.
     refused: dict[int, planner.NoPlace] = {}
     # A scale-up's placements are written in batches (placement/batch_writes.py).

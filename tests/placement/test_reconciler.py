@@ -336,8 +336,23 @@ def test_steady_state_queries_do_not_grow_with_deployments(now, profile):
 
     small = counted(2)
     big = counted(6)
-    # Orphaned claims, leftover shards, deployments, replicas, shards.
-    assert small == big == 6
+    # Orphaned claims, leftover shards, deployments, replicas, shards; the kept index's lease query.
+    assert small == big == 7
+
+
+def test_a_pass_with_nothing_pending_keeps_the_index_warm_for_the_next_scale_up(now, profile):
+    from placement import kept
+
+    kept.reset()
+    for i in range(3):
+        make_node(f"n{i}", now=now, gpus=8)
+    reconcile(now=now)  # no deployment yet: the index is built now, not by the scale-up
+    assert (kept.index().rebuilds, kept.index().reloaded) == (1, 0)
+    deploy(profile, replicas=2)
+    report = reconcile(now=now)
+    assert report.placed == 2
+    # The scale-up's pass found the index built: no second full build.
+    assert kept.index().rebuilds == 1
 
 
 def test_a_pass_placing_one_replica_costs_eighteen_statements(now, profile):
