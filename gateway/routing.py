@@ -16,11 +16,12 @@ replica's load (with this request) would exceed `balance` times the mean plus
 `slack`; then to the next longest within the bound. So a conversation's later
 turns go where its history is, and a new conversation sharing a system prompt
 with earlier ones goes where that prompt already is. With nothing cached
-anywhere it goes to the least-loaded replica, then to the one holding the
-fewest blocks (as vLLM's router sends a prompt it matches nowhere to its
-smallest tree), ties broken by rendezvous hashing over the conversation's
-start (its system messages and first user turn), so that a conversation too
-short to fill a block still keeps to one replica. Several gateway processes
+anywhere it goes to the least-loaded replica, then, when the conversation's
+start (its system messages and first user turn) fills a block, to the one
+holding the fewest blocks (as vLLM's router sends a prompt it matches
+nowhere to its smallest tree), ties broken by rendezvous hashing over that
+start, so that a conversation too short to fill a block still keeps to one
+replica. Several gateway processes
 place a new prompt each by its own index, so alike only while their indexes
 are.
 
@@ -180,12 +181,13 @@ def choose(
         return None
     total = sum(load.get(b.id, 0) for b in candidates)
     cap = balance * (total + 1) / len(candidates) + slack
-    # A prompt of a block or more breaks a tie by the replicas' cached blocks, fewest first: with
-    # engines that answer faster than requests come (nothing in flight anywhere), the hash alone
-    # put two of four system prompts on one replica and none on another, whose cache then
-    # overflowed while the other sat empty. A conversation too short for a block keeps the hash,
-    # which keeps its turns on one replica.
-    by_room = index is not None and len(hashes) > 1
+    # A conversation whose start (system messages and first user turn) fills a block breaks a tie
+    # by the replicas' cached blocks, fewest first: with engines that answer faster than requests
+    # come (nothing in flight anywhere), the hash alone put two of four system prompts on one
+    # replica and none on another, whose cache then overflowed while the other sat empty. Its
+    # later turns match that first block where it went. A shorter start keeps the hash: its first
+    # turn leaves no full block for the next to match, and the hash keeps the turns together.
+    by_room = index is not None and len(start) >= BLOCK_BYTES
     best: tuple[int, float, int] | None = None
     tied: list[Backend] = []
     for b in candidates:

@@ -158,6 +158,15 @@ def test_new_prompts_spread_by_cached_blocks_when_nothing_is_in_flight():
         assert again == first.id
 
 
+def test_a_short_started_conversation_keeps_its_replica_as_it_grows_past_a_block():
+    # Its first turn leaves no full block to match: the emptiest cache must not pull it away.
+    index = PrefixIndex()
+    turns = ["conversation 0 question 0", "a reply " * 10, "conversation 0 question 1", "more " * 20, "q2"]
+    first = _route(index, _conv("You are a helpful assistant.", *turns[:1]))
+    index.admit(first, block_hashes({"prompt": "another conversation " * 100}))  # its cache the fullest
+    assert {_route(index, _conv("You are a helpful assistant.", *turns[:n])) for n in (3, 5)} == {first}
+
+
 def test_the_conversations_start_is_what_every_turn_shares():
     first = conversation_start(_conv("You are terse.", "hi"))
     assert first == b"system\nYou are terse.\nuser\nhi\n"
