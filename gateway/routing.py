@@ -21,9 +21,8 @@ start (its system messages and first user turn) fills a block, to the one
 holding the fewest blocks (as vLLM's router sends a prompt it matches
 nowhere to its smallest tree), ties broken by rendezvous hashing over that
 start, so that a conversation too short to fill a block still keeps to one
-replica. Several gateway processes
-place a new prompt each by its own index, so alike only while their indexes
-are.
+replica. Several gateway processes place a new prompt each by its own
+index, so alike only while their indexes are.
 
 The index is bounded: each replica's holds at most `capacity` blocks and
 forgets the least recently sent first, as the engine's LRU evicts, and a
