@@ -10,7 +10,9 @@ reloaded node is exactly what a build would make of it. The lease is the one
 fact that changes without a write worth marking (every heartbeat renews it):
 one query of the nodes now past it keeps `silent_s` right.
 
-A full rebuild is the fallback: on first use, on a gap in the feed, on a
+A full rebuild is the fallback: on first use (a worker process builds it
+as it starts, in the background, so the first pass with work to place does
+not wait for it; see `connect_worker_warmup`), on a gap in the feed, on a
 change to holds or budgets, when the settings it was built under change, and
 every LLMGW_KEPT_REBUILD_S seconds (default 300) as a safety net against a
 change whose mark never reached the cache.
@@ -31,14 +33,19 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import logging
 import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
+from celery import signals as celery_signals
+from celery.concurrency.prefork import TaskPool as PreforkPool
 from django.conf import settings
+from django.db import connection
 from django.db.models import Q
 from django.db.models.signals import post_delete, post_save
+from django.utils import timezone
 
 from inventory import changes
 from inventory.models import Node
@@ -47,6 +54,8 @@ from placement.models import Hold, PowerBudget
 from placement.planner import Plan
 from placement.snapshot import HoldInfo, NodeInfo, Snapshot
 from placement.snapshot_db import NodeFacts
+
+log = logging.getLogger(__name__)
 
 DEFAULT_REBUILD_S = 300.0
 
@@ -342,6 +351,51 @@ def connect_signals() -> None:
     for model in (Hold, PowerBudget):
         post_save.connect(_every_node_changed, sender=model, dispatch_uid=f"kept-{model.__name__}-save")
         post_delete.connect(_every_node_changed, sender=model, dispatch_uid=f"kept-{model.__name__}-delete")
+
+
+def warm() -> threading.Thread:
+    """Build this process's kept index in a background thread; the thread is returned (tests join it).
+
+    A pass that comes meanwhile waits on the index's lock for this build
+    rather than making a second one, and then applies what the feed marked
+    since. A build that fails is logged and left to the first pass.
+    """
+
+    def build() -> None:
+        try:
+            _kept.current(now=timezone.now())
+        except Exception:  # the first pass builds it again, and reports what is wrong
+            log.exception("the placement index could not be built as the worker process started")
+        finally:
+            # This thread's own connection: it is never used again.
+            connection.close()
+
+    thread = threading.Thread(target=build, name="llmgw-kept-warmup", daemon=True)
+    thread.start()
+    return thread
+
+
+def _warm_prefork_child(**_: object) -> None:
+    warm()
+
+
+def _warm_unforked_worker(sender: object = None, **_: object) -> None:
+    # A prefork worker's main process runs no task: its children warm their own.
+    if not isinstance(getattr(sender, "pool", None), PreforkPool):
+        warm()
+
+
+def connect_worker_warmup() -> None:
+    """Have every Celery process that runs tasks build its kept index as it starts.
+
+    Built on first use, the index was built by the first reconcile pass with
+    work to place, which at 10,000 nodes is 5-10 s of the scale-up that asked
+    for it, once in each worker process, as passes went to one and then the
+    other. In a thread, because Celery gives a starting child a few seconds
+    to report in, and the build can take longer.
+    """
+    celery_signals.worker_process_init.connect(_warm_prefork_child, dispatch_uid="kept-warm-prefork-child")
+    celery_signals.worker_ready.connect(_warm_unforked_worker, dispatch_uid="kept-warm-worker")
 
 
 def index() -> KeptIndex:

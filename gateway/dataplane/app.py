@@ -116,6 +116,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
             read_timeout=settings.LLMGW_GATEWAY_UPSTREAM_TIMEOUT,
             keepalive_expiry=4.0,
             max_idle=500,
+            on_reopen=self.metrics.upstream_reopened.inc,
         )
         # Pub/sub: its reads block until a message comes, so no timeout.
         self.redis: aioredis.Redis | None = None

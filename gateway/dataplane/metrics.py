@@ -71,6 +71,13 @@ class Metrics:
             ["model", "kind"],
             registry=self.registry,
         )
+        # An engine that closes kept-alive connections after its answers (llama.cpp's server after a
+        # streamed one) shows here: each is a request that waited for a second connect.
+        self.upstream_reopened = Counter(
+            "llmgw_gateway_upstream_reopened",
+            "Requests sent again on a new connection because the kept-alive one was found closed before any answer",
+            registry=self.registry,
+        )
         self.held = Gauge(
             "llmgw_gateway_held_requests",
             "Requests held for a model with no ready replica while one starts (autoscaled, at zero)",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
 READ_SIZE = 65536
@@ -166,14 +166,24 @@ class Response:
 class Pool:
     """Kept-alive connections to each replica, taken last-in first-out."""
 
-    def __init__(self, *, connect_timeout: float, read_timeout: float, keepalive_expiry: float, max_idle: int):
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        keepalive_expiry: float,
+        max_idle: int,
+        on_reopen: Callable[[], object] | None = None,
+    ):
         self.connect_timeout, self.read_timeout = connect_timeout, read_timeout
         self.keepalive_expiry, self.max_idle = keepalive_expiry, max_idle
         self._idle: dict[tuple, list[_Conn]] = {}
         self._origins: dict[str, tuple] = {}
         self._ssl: ssl.SSLContext | None = None
-        # Requests sent again on a new connection after a kept-alive one was found closed (post).
+        # Requests sent again on a new connection after a kept-alive one was found closed (post),
+        # and whoever else counts them (the gateway's llmgw_gateway_upstream_reopened_total).
         self.reopened = 0
+        self._on_reopen = on_reopen
 
     def _origin(self, url: str) -> tuple[tuple, str]:
         base, sep, path = url.partition("/v1/")
@@ -231,6 +241,8 @@ class Pool:
                 if not _closed_unanswered(e.__cause__):
                     raise
                 self.reopened += 1
+                if self._on_reopen is not None:
+                    self._on_reopen()
         return await self._exchange(origin, None, path, body, headers)
 
     async def _exchange(self, origin: tuple, conn: _Conn | None, path: str, body: bytes, headers: bytes) -> Response:

@@ -36,6 +36,7 @@ def test_families_the_issue_names():
         "llmgw_gateway_inflight",
         "llmgw_gateway_replica_ejected",
         "llmgw_gateway_retries_total",
+        "llmgw_gateway_upstream_reopened_total",
     } <= exposed
 
 

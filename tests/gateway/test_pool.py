@@ -6,7 +6,9 @@ import asyncio
 import json
 
 import pytest
+from prometheus_client import generate_latest
 
+from gateway.dataplane.metrics import Metrics
 from gateway.dataplane.pool import Pool, UpstreamError
 from llmgw_sim import echo
 from tests.gateway.conftest import free_port, url_of
@@ -206,13 +208,18 @@ def test_a_kept_alive_connection_closed_as_the_request_went_out_is_retried_once_
     async def run() -> None:
         server, seen = await _serve_then_drop({0: STREAMED, 10: PLAIN})
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
-        pool = _pool()
+        metrics = Metrics()
+        pool = Pool(
+            connect_timeout=2, read_timeout=5, keepalive_expiry=30, max_idle=8, on_reopen=metrics.upstream_reopened.inc
+        )
         assert await _body(pool, url, {}) == (200, b"sse!")
         (conn,) = next(iter(pool._idle.values()))
         assert not conn.reader.at_eof()  # looks alive when taken: the close has not been seen
         assert await _body(pool, url, {}) == (200, b"ok")
         assert seen == [(0, 0), (0, 1), (1, 0)]
         assert pool.reopened == 1
+        # What an operator sees of it: the engine's closes, counted on the gateway's /metrics.
+        assert "\nllmgw_gateway_upstream_reopened_total 1.0\n" in generate_latest(metrics.registry).decode()
         await pool.aclose()
         server.close()
 

@@ -6,6 +6,9 @@ import datetime as dt
 import uuid
 
 import pytest
+from celery import signals as celery_signals
+from celery.concurrency.prefork import TaskPool as PreforkPool
+from celery.concurrency.solo import TaskPool as SoloPool
 from django.core.cache import cache
 
 import llmgw_wire as wire
@@ -269,3 +272,71 @@ def test_an_update_of_the_kept_index_leaves_a_dry_run_copy_alone(now):
     updated = kept.current(now=now)
     assert normalized(scratch) == before
     assert normalized(updated) == normalized(snapshot_db.build(now=now))
+
+
+
+@pytest.fixture
+def warmups(monkeypatch):
+    """The warm-up threads the Celery signals start, joined before the test reads the index."""
+    threads: list = []
+    real = kept.warm
+
+    def spy():
+        threads.append(real())
+        return threads[-1]
+
+    monkeypatch.setattr(kept, "warm", spy)
+
+    def joined() -> int:
+        for t in threads:
+            t.join(timeout=30)
+            assert not t.is_alive()
+        return len(threads)
+
+    return joined
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_starting_prefork_child_builds_its_index_before_any_pass(now, loads, warmups):
+    for i in range(3):
+        make_node(f"n{i}", now=now)
+    # What a prefork child sends as it starts (celery.concurrency.prefork.process_initializer).
+    celery_signals.worker_process_init.send(sender="worker@host")
+    assert warmups() == 1
+    assert loads == [None] and kept.index().rebuilds == 1
+    assert sorted(kept.index().snap.nodes) == ["n0", "n1", "n2"]
+    # The first pass finds it built: nothing read again, nothing rebuilt.
+    kept.current(now=now)
+    assert loads == [None] and kept.index().rebuilds == 1
+
+
+class _Consumer:
+    """What worker_ready is sent with: the consumer, whose pool says whether tasks run in this process."""
+
+    def __init__(self, pool_cls: type) -> None:
+        self.pool = pool_cls.__new__(pool_cls)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_solo_worker_warms_as_it_is_ready_and_a_prefork_parent_does_not(now, loads, warmups):
+    make_node("n0", now=now)
+    celery_signals.worker_ready.send(sender=_Consumer(PreforkPool))
+    assert warmups() == 0 and loads == [] and kept.index().snap is None
+    celery_signals.worker_ready.send(sender=_Consumer(SoloPool))
+    assert warmups() == 1
+    assert loads == [None] and sorted(kept.index().snap.nodes) == ["n0"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_warm_up_that_fails_leaves_the_build_to_the_first_pass(now, monkeypatch, caplog):
+    make_node("n0", now=now)
+
+    def broken(node_ids=None):
+        raise RuntimeError("database went away")
+
+    monkeypatch.setattr(snapshot_db, "load", broken)
+    kept.warm().join(timeout=30)
+    assert kept.index().snap is None and kept.index().rebuilds == 0
+    assert "the placement index could not be built as the worker process started" in caplog.text
+    monkeypatch.undo()
+    assert sorted(kept.current(now=now).nodes) == ["n0"]
