@@ -35,6 +35,7 @@ import contextlib
 import copy
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -54,6 +55,7 @@ try:
 except ImportError:  # a development tool: asyncio's own loop serves, at a higher CPU cost per heartbeat
     uvloop = None
 from llmgw_agent.loop import LEASE_TIMEOUT_S, backoff_delay
+from llmgw_agent.status import MAX_AGAIN
 from llmgw_sim.fleet_http import Answer, Connection, TransportError
 from llmgw_sim.fleet_stats import EDGES, Stats, histogram_percentile
 from llmgw_sim.simulate import NS, PROFILES_DIR, shipped_profiles
@@ -312,7 +314,11 @@ class Fleet:
             self.stats.leases += 1
             if answer.get("send_status"):
                 node.status = None
+            # As an agent's StatusGate: more commands wait, or the status is wanted: come back at once.
+            again = bool(answer.get("again") or answer.get("send_status"))
+            node.again_run = node.again_run + 1 if again else 0
         else:
+            node.again_run = 0
             node.leases, node.status = bool(answer.get("leases")), (now, key)
             self.lease_url = answer.get("lease_url") or ""
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
@@ -342,10 +348,28 @@ class Fleet:
                 ok = False
             if ok:
                 failures = 0
+                delay = self._next_beat(node, delay)
             else:
                 failures += 1
                 delay = backoff_delay(failures, rng)
             await asyncio.sleep(delay)
+
+    def _next_beat(self, node: VirtualNode, delay: float) -> float:
+        """The wait before a node's next heartbeat, as an agent's loop decides it (llmgw_agent/loop.py).
+
+        At once after an answer that said come back (up to MAX_AGAIN in a row);
+        else the interval, cut short when one of its shards changes state: the
+        agent's wait polls its supervisor every second and reports a change at
+        the poll that sees it, so a shard's ready is heard within a second, not
+        an interval later.
+        """
+        if 0 < node.again_run <= MAX_AGAIN:
+            return 0.0
+        now = self.clock()
+        change = node.next_change(now)
+        if change is None or change - now >= delay:
+            return delay
+        return min(delay, float(math.ceil(change - now)))
 
     async def _watch(self, control: Path | None, stats: Path | None) -> None:
         """Re-read the control file and rewrite the stats file while the fleet runs."""

@@ -132,6 +132,7 @@ class VirtualNode:
 
     __slots__ = (
         "acks",
+        "again_run",
         "applied",
         "credential",
         "domain",
@@ -174,6 +175,8 @@ class VirtualNode:
         # the last status it accepted (when, and what it said that can change here), None to send one.
         self.leases = False
         self.status: tuple[float, Any] | None = None
+        # Consecutive answers that said come back at once (an agent follows MAX_AGAIN of them).
+        self.again_run = 0
 
     def _gpu_uuid(self, original: str) -> str:
         return "GPU-" + str(uuid.uuid5(NS, f"{self.node_id}/{original}")) if original else original
@@ -247,6 +250,18 @@ class VirtualNode:
         if self.faults.any_report() or (fabrics and self.profile.gpu_fabrics):
             return self._heartbeat_slow(values, fabrics), acks
         return (self.fleet.templates[self.profile.name] % values).encode(), acks
+
+    def next_change(self, now: float) -> float | None:
+        """When the next of its shards changes state (starting to loading, loading to ready), None if none will."""
+        load_s, ready_s = self.fleet.load_s, self.fleet.ready_s
+        later = [
+            t
+            for s in self.shards.values()
+            if s.stopped is None
+            for t in (s.started + load_s, s.started + ready_s)
+            if t > now
+        ]
+        return min(later) if later else None
 
     def status_key(self, now: float) -> Any:
         """What a simulated node's status says that can change: its sensors are its profile's, steady,

@@ -18,6 +18,7 @@ from django.utils import timezone
 
 import llmgw_wire as wire
 from llmgw_agent import discovery
+from llmgw_agent.status import MAX_AGAIN
 from llmgw_sim.fleet import (
     EDGES,
     TERMINAL_REPORTS,
@@ -136,6 +137,76 @@ def test_shards_start_load_become_ready_and_stop():
     reports = [[s.state for s in _hb(node, 106.0 + i).shards] for i in range(TERMINAL_REPORTS + 1)]
     assert reports == [[S.STOPPED]] * TERMINAL_REPORTS + [[]]
     assert fleet.stats.commands == {"start_shard": 1, "stop_shard": 1}
+
+
+def test_a_shard_changing_state_is_reported_at_the_next_one_second_poll_not_an_interval_later():
+    # The agent's wait polls its supervisor every second and heartbeats when a shard's state
+    # changed (llmgw_agent/loop.py _wait): a virtual node waits no longer than that.
+    fleet = _fleet(nodes=1, interval=5.0, load_s=0.5, ready_s=1.5)
+    node = fleet.nodes[0]
+    now = [100.0]
+    fleet.clock = lambda: now[0]
+    assert fleet._next_beat(node, 5.2) == 5.2  # no shard: the interval (with its jitter)
+    node.apply({"kind": "start_shard", "id": "c1", "replica_id": "r1", "shard_id": "s1", "http_port": 18001,
+                "gpu_indices": [0], "profile": {"engine": "echo"}}, 100.0)  # fmt: skip
+    assert node.next_change(100.0) == 100.5
+    assert fleet._next_beat(node, 5.2) == 1.0  # loading, seen at the first poll
+    now[0] = 101.0
+    assert node.next_change(101.0) == 101.5
+    assert fleet._next_beat(node, 5.2) == 1.0  # ready, seen at the next poll
+    now[0] = 102.0
+    assert node.next_change(102.0) is None
+    assert fleet._next_beat(node, 4.9) == 4.9  # ready and steady: the interval again
+    # A change further off than the interval waits for the heartbeat that comes first.
+    slow = _fleet(nodes=1, interval=5.0, load_s=9.0, ready_s=30.0)
+    slow.clock = lambda: 200.0
+    slow.nodes[0].apply({"kind": "start_shard", "id": "c1", "shard_id": "s1", "gpu_indices": [0]}, 200.0)
+    assert slow._next_beat(slow.nodes[0], 5.0) == 5.0
+
+
+def test_an_answer_that_says_come_back_is_followed_at_once_up_to_the_agents_limit():
+    fleet = _fleet(nodes=1)
+    node = fleet.nodes[0]
+    fleet.clock = lambda: 100.0
+    node.again_run = 1
+    assert fleet._next_beat(node, 5.0) == 0.0
+    node.again_run = MAX_AGAIN
+    assert fleet._next_beat(node, 5.0) == 0.0
+    # As an agent's StatusGate: a control plane that keeps saying `again` does not make a busy loop.
+    node.again_run = MAX_AGAIN + 1
+    assert fleet._next_beat(node, 5.0) == 5.0
+
+
+def test_a_lease_answer_saying_again_or_send_status_counts_towards_coming_back_at_once():
+    import asyncio
+
+    answers = [b'{"again": true}', b'{"send_status": true}', b"{}", b'{"again": true}']
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await _request(reader) is not None:
+            body = answers.pop(0)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            await writer.drain()
+
+    async def main() -> list[int]:
+        cp = await asyncio.start_server(serve, "127.0.0.1", 0)
+        fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
+        fleet._connections = asyncio.Queue()
+        fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
+        node = fleet.nodes[0]
+        node.registered, node.credential = True, "tok"
+        runs = []
+        for _ in range(4):
+            # Leases allowed and the last status still current: what goes out is a lease.
+            node.leases, node.status = True, (fleet.clock(), node.status_key(fleet.clock()))
+            assert await fleet._heartbeat(node)
+            runs.append(node.again_run)
+        fleet._connections.get_nowait().close()
+        cp.close()
+        await cp.wait_closed()
+        return runs
+
+    assert asyncio.run(main()) == [1, 2, 0, 1]
 
 
 def test_heartbeat_carries_acks_until_answered():

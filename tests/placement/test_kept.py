@@ -274,7 +274,6 @@ def test_an_update_of_the_kept_index_leaves_a_dry_run_copy_alone(now):
     assert normalized(updated) == normalized(snapshot_db.build(now=now))
 
 
-
 @pytest.fixture
 def warmups(monkeypatch):
     """The warm-up threads the Celery signals start, joined before the test reads the index."""
