@@ -26,6 +26,7 @@ from inventory import fabric as fabric_rules
 from inventory import heartbeat as hb_rules
 from inventory.nodes import upsert_node
 from llmgw import db
+from llmgw_wire import shard_states
 from placement import agent_sync, queueing
 
 M = TypeVar("M", bound=wire.Message)
@@ -244,7 +245,11 @@ def _record(
         pending_rows = sync.pending
         if sync.changed:
             queueing.queue_reconcile()
-            changes.mark([node_id])
+            if any(to in shard_states.TERMINAL for _, _, to in sync.changed):
+                # What the placement index reads of a shard is its ports, held until it ends: a start's
+                # starting, loading and ready move none of it, and marking them had each scale-up's
+                # nodes reloaded three times over while the next replicas waited to be placed.
+                changes.mark([node_id])
     if hb.gpu_fabrics is not None:
         d = hb_rules.digest(hb.gpu_fabrics)
         if applied.get("fabrics") != d:

@@ -13,7 +13,7 @@ import llmgw_wire as wire
 from agents import credentials
 from agents.api import MAX_HEARTBEAT_BODY
 from agents.models import JoinToken, NodeCredential
-from inventory import outbox, telemetry
+from inventory import changes, outbox, telemetry
 from inventory.models import GPU, Command, FabricScan, Node, NodeEvent
 from tests.agents.conftest import heartbeat_payload, make_shard, post
 from tests.factories import register_payload
@@ -391,6 +391,24 @@ def test_commands_come_in_queue_order_with_a_fence_the_same_heartbeat_queued(
         again = post(client, "heartbeat", heartbeat_payload(shards=shards), joined).json()["commands"]
     assert again == body["commands"]
     assert sorted(Command.objects.filter(acked_at__isnull=True).values_list("deliveries", flat=True)) == [2] * 4
+
+
+def test_a_shard_starting_is_not_a_change_to_the_placement_index_but_a_shard_ending_is(client, joined, now):
+    # The index reads a shard's ports, held until the shard ends; its progress towards ready is not its business.
+    shard = make_shard("node-a", now=now, state="starting", replica_state="starting")
+    start = [{"shard_id": str(shard.id), "replica_id": str(shard.replica_id), "state": "starting"}]
+    # The first heartbeat's telemetry is news to the index (its ports, its power limits): read before counting.
+    assert post(client, "heartbeat", heartbeat_payload(shards=start), joined).status_code == 200
+    version = changes.current_version()
+    for state in ("loading", "ready"):
+        report = [{"shard_id": str(shard.id), "replica_id": str(shard.replica_id), "state": state}]
+        assert post(client, "heartbeat", heartbeat_payload(shards=report), joined).status_code == 200
+        shard.refresh_from_db()
+        assert shard.state == state
+    assert changes.since(version).node_ids == frozenset()
+    report = [{"shard_id": str(shard.id), "replica_id": str(shard.replica_id), "state": "failed", "reason": "oom"}]
+    assert post(client, "heartbeat", heartbeat_payload(shards=report), joined).status_code == 200
+    assert changes.since(version).node_ids == frozenset({"node-a"})
 
 
 def test_acks_of_another_nodes_commands_are_ignored(client, join_token, joined, now):
