@@ -261,6 +261,7 @@ def apply_gpu_fabrics(
         )
     )
     by_index = {g.index: g for g in rows}
+    changed = False
     for r in reports:
         row = by_index.get(r.index)
         if row is None:
@@ -278,8 +279,12 @@ def apply_gpu_fabrics(
             for k, v in values.items():
                 setattr(row, k, v)
             GPU.objects.filter(pk=row.pk).update(**values)
+            changed = True
     domain = gpu_rules.node_domain(rows)
-    changes.mark([node_id])
+    if changed or domain != current_domain:
+        # Only a change: every node's first fabric report after it joins repeats what its
+        # registration wrote, and marking each had ten thousand nodes reloaded for nothing.
+        changes.mark([node_id])
     if domain != current_domain:
         Node.objects.filter(id=node_id).update(nvlink_domain=domain)
         record_event(

@@ -43,7 +43,7 @@ from llmgw_agent.shardload import ShardMeter
 from llmgw_agent.state import AppliedJournal, CredentialFile
 from llmgw_agent.status import StatusGate
 from llmgw_agent.supervisor import Supervisor
-from llmgw_agent.wakeup import Listener, shard_states
+from llmgw_agent.wakeup import Listener, shard_states, worth_reporting_now
 
 # Part of this module's interface: the CLI and the tests take them from here.
 __all__ = ["Agent", "DiscoveryProbe", "NeedsRegister", "Probe", "Refused", "Unreachable", "backoff_delay"]
@@ -397,8 +397,8 @@ class Agent:
                 self.supervisor.poll()
             except Exception:
                 log.exception("supervising shards")
-            if shard_states(self.supervisor) != before:
-                return  # a shard changed state: the control plane hears it now, not next interval
+            if worth_reporting_now(before, shard_states(self.supervisor)):
+                return  # a shard is ready or ended: the control plane hears it now, not next interval
 
     def run(self, *, max_steps: int | None = None) -> None:
         """Heartbeat until stopped; every error is logged and retried with backoff, none ends the agent."""

@@ -31,6 +31,8 @@ from typing import Any
 
 import httpx
 
+from llmgw_wire.shard_states import report_at_once
+
 log = logging.getLogger("llmgw.agent.wakeup")
 
 WAIT_PATH = "/api/v1/agent/wait"
@@ -55,6 +57,16 @@ def backoff(attempt: int, rng: random.Random) -> float:
 def shard_states(supervisor: Any) -> tuple[tuple[str, str], ...]:
     """Each shard's id and state: the loop compares two of these to report a change at once, not next interval."""
     return tuple((sid, str(s.state)) for sid, s in list(supervisor.shards.items()))
+
+
+def worth_reporting_now(before: tuple[tuple[str, str], ...], after: tuple[tuple[str, str], ...]) -> bool:
+    """Whether a shard moved, between two shard_states, in a way the control plane hears at once.
+
+    A start's progress (starting, loading) waits for the next heartbeat
+    (llmgw_wire/shard_states.py report_at_once).
+    """
+    old = dict(before)
+    return any(old.get(sid) != state and report_at_once(old.get(sid), state) for sid, state in after)
 
 
 class Listener:

@@ -358,10 +358,10 @@ class Fleet:
         """The wait before a node's next heartbeat, as an agent's loop decides it (llmgw_agent/loop.py).
 
         At once after an answer that said come back (up to MAX_AGAIN in a row);
-        else the interval, cut short when one of its shards changes state: the
-        agent's wait polls its supervisor every second and reports a change at
-        the poll that sees it, so a shard's ready is heard within a second, not
-        an interval later.
+        else the interval, cut short when one of its shards becomes ready: the
+        agent's wait polls its supervisor every second and reports a ready
+        shard at the poll that sees it, within a second, not an interval later
+        (a start's loading waits for the next heartbeat).
         """
         if 0 < node.again_run <= MAX_AGAIN:
             return 0.0

@@ -252,15 +252,10 @@ class VirtualNode:
         return (self.fleet.templates[self.profile.name] % values).encode(), acks
 
     def next_change(self, now: float) -> float | None:
-        """When the next of its shards changes state (starting to loading, loading to ready), None if none will."""
-        load_s, ready_s = self.fleet.load_s, self.fleet.ready_s
-        later = [
-            t
-            for s in self.shards.values()
-            if s.stopped is None
-            for t in (s.started + load_s, s.started + ready_s)
-            if t > now
-        ]
+        """When the next of its shards becomes ready, None if none will: the change an agent reports at once
+        (a start's loading waits for the next heartbeat, llmgw_wire/shard_states.py report_at_once)."""
+        later = [s.started + self.fleet.ready_s for s in self.shards.values() if s.stopped is None]
+        later = [t for t in later if t > now]
         return min(later) if later else None
 
     def status_key(self, now: float) -> Any:

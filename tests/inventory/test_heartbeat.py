@@ -9,8 +9,8 @@ import pytest
 import llmgw_wire as wire
 from agents import protocol
 from agents.credentials import NodeAuth
+from inventory import changes, telemetry
 from inventory import heartbeat as hb_rules
-from inventory import telemetry
 from inventory.models import GPU, EngineInstall, Node, NodeEvent, NodeState, SMChange
 from inventory.nodes import change_state
 from tests.agents.conftest import heartbeat_payload
@@ -84,6 +84,25 @@ def test_gpu_fabric_updates_recompute_the_nvlink_domain(now):
     assert Node.objects.get(id="node-a").nvlink_domain == ""
     assert GPU.objects.get(node_id="node-a", index=5).fabric_state == "In Progress"
     assert NodeEvent.objects.filter(node_id="node-a", kind="nvlink").count() == 2
+
+
+def test_a_fabric_report_marks_the_change_feed_only_when_it_changes_a_card(now):
+    make_node("node-a", now=now)
+    fabrics = [{"index": i, "fabric": joined_fabric()} for i in range(8)]
+    version = changes.current_version()
+    hb_rules.apply_gpu_fabrics("node-a", [wire.GPUFabricReport.model_validate(f) for f in fabrics],
+                               current_domain="", now=now)  # fmt: skip
+    assert changes.since(version).node_ids == frozenset({"node-a"})
+    version = changes.current_version()
+    # The same report again (the agent re-reads it every minute): nothing written, nothing marked.
+    domain = Node.objects.get(id="node-a").nvlink_domain
+    hb_rules.apply_gpu_fabrics("node-a", [wire.GPUFabricReport.model_validate(f) for f in fabrics],
+                               current_domain=domain, now=now)  # fmt: skip
+    assert changes.since(version).node_ids == frozenset()
+    fabrics[2] = {"index": 2, "fabric": joined_fabric(state="In Progress")}
+    hb_rules.apply_gpu_fabrics("node-a", [wire.GPUFabricReport.model_validate(f) for f in fabrics],
+                               current_domain=domain, now=now)  # fmt: skip
+    assert changes.since(version).node_ids == frozenset({"node-a"})
 
 
 def test_a_card_turning_unhealthy_takes_the_node_out_of_its_domain(now):

@@ -14,7 +14,7 @@ import pytest
 from llmgw_agent import config as config_mod
 from llmgw_agent import wakeup as wakeup_mod
 from llmgw_agent.loop import Agent
-from llmgw_agent.wakeup import WAIT_PATH, Listener, shard_states
+from llmgw_agent.wakeup import WAIT_PATH, Listener, shard_states, worth_reporting_now
 
 
 def listener(answers: list, *, token: str = "llmgw-node-secret") -> tuple[Listener, list[httpx.Request]]:
@@ -185,6 +185,42 @@ def test_the_loops_sleep_ends_when_a_shard_changes_state(agent, monkeypatch):
     t0 = time.monotonic()
     agent._wait(30)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_starts_progress_waits_for_the_next_heartbeat_but_ready_and_ends_do_not(agent, monkeypatch):
+    shards = {"s1": SimpleNamespace(state="starting")}
+    monkeypatch.setattr(agent.supervisor, "shards", shards)
+    polls: list[float] = []
+
+    def poll():
+        polls.append(time.monotonic())
+        shards["s1"].state = "loading"
+
+    monkeypatch.setattr(agent.supervisor, "poll", poll)
+    t0 = time.monotonic()
+    agent._wait(2.5)
+    # Loading changes nothing the control plane acts on: the whole wait, polled every second.
+    assert time.monotonic() - t0 >= 2.5 and len(polls) >= 2
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "now"),
+    [
+        ((("s1", "starting"),), (("s1", "loading"),), False),
+        ((("s1", "pending"),), (("s1", "starting"),), False),
+        ((), (("s1", "starting"),), False),
+        ((("s1", "loading"),), (("s1", "ready"),), True),
+        ((("s1", "starting"),), (("s1", "failed"),), True),
+        ((("s1", "ready"),), (("s1", "stopped"),), True),
+        # A ready engine loading again stops serving: the gateway must hear it now.
+        ((("s1", "ready"),), (("s1", "loading"),), True),
+        ((("s1", "ready"), ("s2", "starting")), (("s1", "ready"), ("s2", "loading")), False),
+        ((("s1", "ready"), ("s2", "loading")), (("s1", "draining"), ("s2", "loading")), True),
+        ((("s1", "ready"),), (("s1", "ready"),), False),
+    ],
+)
+def test_which_moves_are_reported_at_once(before, after, now):
+    assert worth_reporting_now(before, after) is now
 
 
 def test_wakeup_url_is_checked_and_defaults_to_the_control_plane():

@@ -139,9 +139,9 @@ def test_shards_start_load_become_ready_and_stop():
     assert fleet.stats.commands == {"start_shard": 1, "stop_shard": 1}
 
 
-def test_a_shard_changing_state_is_reported_at_the_next_one_second_poll_not_an_interval_later():
-    # The agent's wait polls its supervisor every second and heartbeats when a shard's state
-    # changed (llmgw_agent/loop.py _wait): a virtual node waits no longer than that.
+def test_a_shard_becoming_ready_is_reported_at_the_next_one_second_poll_not_an_interval_later():
+    # The agent's wait polls its supervisor every second and heartbeats when a shard is ready
+    # (llmgw_agent/loop.py _wait): a virtual node waits no longer than that.
     fleet = _fleet(nodes=1, interval=5.0, load_s=0.5, ready_s=1.5)
     node = fleet.nodes[0]
     now = [100.0]
@@ -149,11 +149,12 @@ def test_a_shard_changing_state_is_reported_at_the_next_one_second_poll_not_an_i
     assert fleet._next_beat(node, 5.2) == 5.2  # no shard: the interval (with its jitter)
     node.apply({"kind": "start_shard", "id": "c1", "replica_id": "r1", "shard_id": "s1", "http_port": 18001,
                 "gpu_indices": [0], "profile": {"engine": "echo"}}, 100.0)  # fmt: skip
-    assert node.next_change(100.0) == 100.5
-    assert fleet._next_beat(node, 5.2) == 1.0  # loading, seen at the first poll
+    # Loading at 100.5 is a start's progress, reported with the next heartbeat; ready at 101.5 is not.
+    assert node.next_change(100.0) == 101.5
+    assert fleet._next_beat(node, 5.2) == 2.0  # ready, seen at the second poll
     now[0] = 101.0
     assert node.next_change(101.0) == 101.5
-    assert fleet._next_beat(node, 5.2) == 1.0  # ready, seen at the next poll
+    assert fleet._next_beat(node, 5.2) == 1.0
     now[0] = 102.0
     assert node.next_change(102.0) is None
     assert fleet._next_beat(node, 4.9) == 4.9  # ready and steady: the interval again
