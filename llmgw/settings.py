@@ -366,6 +366,10 @@ LLMGW_SHARD_PORT_BASE = env_int("LLMGW_SHARD_PORT_BASE", 18000, minimum=1)
 # address (a simulated fleet on one host) share their ports without it.
 LLMGW_SHARD_PORTS_UNIQUE = env_bool("LLMGW_SHARD_PORTS_UNIQUE", False)
 LLMGW_RECONCILE_INTERVAL = env_seconds("LLMGW_RECONCILE_INTERVAL", 10.0)
+# The placement index each worker process keeps (placement/kept.py): brought up to date in the
+# background this often, and rebuilt whole this often regardless.
+LLMGW_KEPT_REFRESH_S = env_seconds("LLMGW_KEPT_REFRESH_S", 2.0)
+LLMGW_KEPT_REBUILD_S = env_seconds("LLMGW_KEPT_REBUILD_S", 300.0)
 # A deployment whose replicas keep failing to start is placed again after a
 # growing delay (base x 2^(failures-1), capped), counting failures within the
 # window since its last ready replica; a node where it failed to start

@@ -10,12 +10,19 @@ reloaded node is exactly what a build would make of it. The lease is the one
 fact that changes without a write worth marking (every heartbeat renews it):
 one query of the nodes now past it keeps `silent_s` right.
 
-A full rebuild is the fallback: on first use (a worker process builds it
-as it starts, in the background, so the first pass with work to place does
-not wait for it; see `connect_worker_warmup`), on a gap in the feed, on a
-change to holds or budgets, when the settings it was built under change, and
-every LLMGW_KEPT_REBUILD_S seconds (default 300) as a safety net against a
-change whose mark never reached the cache.
+A worker process builds its index as it starts and keeps it current every
+LLMGW_KEPT_REFRESH_S seconds (default 2) in a thread of its own, so whichever
+of the worker's processes takes a pass finds the index up to date: Celery
+hands tasks to the first idle process, so one process ran the passes while
+the other's index, last brought up to date before a join storm, reloaded
+ten thousand nodes in the first pass of the next scale-up that reached it
+(see `connect_worker_warmup`).
+
+A full rebuild is the fallback: on first use, on a gap in the feed, on a
+change to holds or budgets, when the feed names more than half of the nodes
+(a rebuild reads them faster than a reload names them), when the settings it
+was built under change, and every LLMGW_KEPT_REBUILD_S seconds (default 300)
+as a safety net against a change whose mark never reached the cache.
 
 The planner's claims (`Snapshot.reserve`, after the reconciler's write) go
 into the kept snapshot, and the feed's marks of that write are taken as
@@ -58,6 +65,8 @@ from placement.snapshot_db import NodeFacts
 log = logging.getLogger(__name__)
 
 DEFAULT_REBUILD_S = 300.0
+# A feed naming more nodes than this and than half the index is a rebuild, not a reload.
+REBUILD_PAST = 1000
 
 
 def _config() -> tuple:
@@ -68,9 +77,17 @@ def _config() -> tuple:
     )
 
 
+DEFAULT_REFRESH_S = 2.0
+
+
 def rebuild_interval_s() -> float:
     """Seconds between full rebuilds when the feed says nothing (the safety net)."""
     return float(getattr(settings, "LLMGW_KEPT_REBUILD_S", DEFAULT_REBUILD_S))
+
+
+def refresh_interval_s() -> float:
+    """Seconds between a worker process's background updates of its index (0: none, only on use)."""
+    return float(getattr(settings, "LLMGW_KEPT_REFRESH_S", DEFAULT_REFRESH_S))
 
 
 class KeptIndex:
@@ -113,6 +130,8 @@ class KeptIndex:
             # The claims this index reserved itself are applied already.
             ids = {i for v, marked in feed.entries.items() if v not in self.own for i in marked}
             self.own = {v for v in self.own if v > (feed.version or 0)}
+            if len(ids) > max(REBUILD_PAST, len(self.facts) // 2):
+                return self._rebuild(now)
             if ids:
                 self._reload(ids)
             self.version = feed.version
@@ -353,24 +372,36 @@ def connect_signals() -> None:
         post_delete.connect(_every_node_changed, sender=model, dispatch_uid=f"kept-{model.__name__}-delete")
 
 
-def warm() -> threading.Thread:
-    """Build this process's kept index in a background thread; the thread is returned (tests join it).
+def warm(*, keep_every_s: float | None = None, stop: threading.Event | None = None) -> threading.Thread:
+    """Build this process's kept index in a background thread, then keep it current; the thread is returned.
 
-    A pass that comes meanwhile waits on the index's lock for this build
-    rather than making a second one, and then applies what the feed marked
-    since. A build that fails is logged and left to the first pass.
+    Every `keep_every_s` seconds (default LLMGW_KEPT_REFRESH_S; 0: build
+    only) the thread applies what the feed marked since, until `stop` is set
+    (tests) or the process ends. A pass that comes meanwhile waits on the
+    index's lock rather than doing the same work twice. A build or an update
+    that fails is logged, and the next one (or the next pass) tries again.
     """
+    every = refresh_interval_s() if keep_every_s is None else keep_every_s
+    stop = stop or threading.Event()
 
-    def build() -> None:
+    def keep() -> None:
+        what = "built as the worker process started"
         try:
-            _kept.current(now=timezone.now())
-        except Exception:  # the first pass builds it again, and reports what is wrong
-            log.exception("the placement index could not be built as the worker process started")
+            while True:
+                try:
+                    _kept.current(now=timezone.now())
+                except Exception:  # the next update (or pass) tries again, and reports what is wrong
+                    log.exception("the placement index could not be %s", what)
+                    # A connection the error broke is replaced at the next query.
+                    connection.close()
+                what = "brought up to date in the background"
+                if every <= 0 or stop.wait(every):
+                    return
         finally:
             # This thread's own connection: it is never used again.
             connection.close()
 
-    thread = threading.Thread(target=build, name="llmgw-kept-warmup", daemon=True)
+    thread = threading.Thread(target=keep, name="llmgw-kept", daemon=True)
     thread.start()
     return thread
 
@@ -386,13 +417,14 @@ def _warm_unforked_worker(sender: object = None, **_: object) -> None:
 
 
 def connect_worker_warmup() -> None:
-    """Have every Celery process that runs tasks build its kept index as it starts.
+    """Have every Celery process that runs tasks build its kept index as it starts, and keep it current.
 
     Built on first use, the index was built by the first reconcile pass with
     work to place, which at 10,000 nodes is 5-10 s of the scale-up that asked
     for it, once in each worker process, as passes went to one and then the
-    other. In a thread, because Celery gives a starting child a few seconds
-    to report in, and the build can take longer.
+    other; and kept current only by the passes a process ran, it was as old
+    as that process's last pass. In a thread, because Celery gives a starting
+    child a few seconds to report in, and the build can take longer.
     """
     celery_signals.worker_process_init.connect(_warm_prefork_child, dispatch_uid="kept-warm-prefork-child")
     celery_signals.worker_ready.connect(_warm_unforked_worker, dispatch_uid="kept-warm-worker")

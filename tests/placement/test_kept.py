@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import time
 import uuid
 
 import pytest
@@ -278,15 +280,18 @@ def test_an_update_of_the_kept_index_leaves_a_dry_run_copy_alone(now):
 def warmups(monkeypatch):
     """The warm-up threads the Celery signals start, joined before the test reads the index."""
     threads: list = []
+    stop = threading.Event()
     real = kept.warm
 
     def spy():
-        threads.append(real())
+        threads.append(real(stop=stop))
         return threads[-1]
 
     monkeypatch.setattr(kept, "warm", spy)
 
     def joined() -> int:
+        # Built first whatever the stop says; then the keeping ends.
+        stop.set()
         for t in threads:
             t.join(timeout=30)
             assert not t.is_alive()
@@ -334,8 +339,51 @@ def test_a_warm_up_that_fails_leaves_the_build_to_the_first_pass(now, monkeypatc
         raise RuntimeError("database went away")
 
     monkeypatch.setattr(snapshot_db, "load", broken)
-    kept.warm().join(timeout=30)
+    kept.warm(keep_every_s=0).join(timeout=30)
     assert kept.index().snap is None and kept.index().rebuilds == 0
     assert "the placement index could not be built as the worker process started" in caplog.text
     monkeypatch.undo()
     assert sorted(kept.current(now=now).nodes) == ["n0"]
+
+
+def _until(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.02)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_process_keeps_its_index_current_between_the_passes_it_runs(now):
+    for i in range(3):
+        make_node(f"n{i}", now=now)
+    stop = threading.Event()
+    thread = kept.warm(keep_every_s=0.05, stop=stop)
+    try:
+        _until(lambda: kept.index().snap is not None)
+        change_state("n1", "cordoned", now=now)
+        # No pass ran here: the thread applied the feed by itself, reloading the one node.
+        _until(lambda: kept.index().snap.nodes["n1"].state == "cordoned")
+        assert kept.index().rebuilds == 1 and kept.index().reloaded == 1
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
+def test_a_feed_naming_most_of_the_nodes_is_a_rebuild_not_a_reload(now, loads, monkeypatch):
+    monkeypatch.setattr(kept, "REBUILD_PAST", 2)
+    for i in range(6):
+        make_node(f"n{i}", now=now)
+    kept.current(now=now)
+    for i in range(3):
+        change_state(f"n{i}", "cordoned", now=now)
+    # Three of six: half, reloaded.
+    kept.current(now=now)
+    assert loads == [None, ["n0", "n1", "n2"]] and kept.index().rebuilds == 1
+    for i in range(4):
+        change_state(f"n{i}", "draining", now=now)
+    # Four of six: more than half and than REBUILD_PAST, so read whole.
+    snap = kept.current(now=now)
+    assert loads == [None, ["n0", "n1", "n2"], None] and kept.index().rebuilds == 2
+    assert [snap.nodes[f"n{i}"].state for i in range(6)] == ["draining"] * 4 + ["ready"] * 2
