@@ -19,7 +19,8 @@ interval sends status again.
 The thresholds, and why each is what it is:
 
 - Anything discrete, at once: the shards (their states, reasons, exit codes,
-  ports: placement and the gateway act on them), the TCP ports listening on
+  ports: placement and the gateway act on them; but a start's progress,
+  starting and loading, waits for the next status, see shards_change), the TCP ports listening on
   the node (the planner keeps shard ports off them), engine installs, IMEX, the
   GPUs' NVLink fabric state, a card or a port appearing or vanishing, a port's
   state, speed, identity or subnet manager, throttle reasons, problems, and
@@ -53,10 +54,11 @@ lease or two even without the lease's renewal of it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import llmgw_wire as wire
+from llmgw_wire.shard_states import report_at_once
 
 STATUS_FLOOR_S = 60.0
 TEMP_C = 5.0
@@ -199,6 +201,34 @@ def _by(items: Iterable[Any] | None, key: Callable[[Any], Any]) -> dict[Any, Any
     return {key(i): i for i in items or []}
 
 
+_SHARD_FIELDS = ("replica_id", "reason", "exit_code", "http_port")
+
+
+def shards_change(old: Sequence[wire.ShardStatus], new: Sequence[wire.ShardStatus]) -> bool:
+    """Whether the shards' report changed in a way that is sent as status now, not with the next one.
+
+    A start's progress (a new shard starting, then loading: llmgw_wire/shard_states.py
+    report_at_once) goes with a lease, its StartShard's ack too; its ready, its end,
+    anything else about it, and a shard gone from the report go as status. A thousand
+    replicas started at once were two thousand statuses in seconds, and the control
+    plane acts on none of the first thousand.
+    """
+    before = {s.shard_id: s for s in old}
+    if set(before) - {s.shard_id for s in new}:
+        return True
+    for s in new:
+        was = before.get(s.shard_id)
+        if was is None:
+            if report_at_once(None, str(s.state)):
+                return True
+            continue
+        if any(getattr(was, f) != getattr(s, f) for f in _SHARD_FIELDS):
+            return True
+        if was.state != s.state and report_at_once(str(was.state), str(s.state)):
+            return True
+    return False
+
+
 def status_change(
     old: wire.Heartbeat,
     new: wire.Heartbeat,
@@ -210,10 +240,7 @@ def status_change(
 
     The rates are each port's (tx, rx) bits a second at `old` and now.
     """
-    shard_fields = ("shard_id", "replica_id", "state", "reason", "exit_code", "http_port")
-    if [tuple(getattr(s, f) for f in shard_fields) for s in old.shards] != [
-        tuple(getattr(s, f) for f in shard_fields) for s in new.shards
-    ]:
+    if shards_change(old.shards, new.shards):
         return "shards"
     if new.engine_installs != old.engine_installs:
         return "engine installs"

@@ -20,6 +20,7 @@ from llmgw_agent import discovery
 from llmgw_agent.loop import AGENT_VERSION, FABRIC_EVERY_S
 from llmgw_agent.status import STATUS_FLOOR_S
 from llmgw_sim.simulate import NS, PROFILES_DIR, ZERO_UUID, derive_fabrics
+from llmgw_wire.shard_states import STARTING_UP
 
 if TYPE_CHECKING:
     from llmgw_sim.fleet import Fleet
@@ -260,8 +261,12 @@ class VirtualNode:
 
     def status_key(self, now: float) -> Any:
         """What a simulated node's status says that can change: its sensors are its profile's, steady,
-        and its counters grow at a steady rate, so its shards' states and its faults."""
-        shards = tuple((s.shard_id, self.fleet.shard_state(s, now)) for s in self.shards.values())
+        and its counters grow at a steady rate, so its shards' states and its faults.
+
+        A shard still starting or loading is left out: as an agent's StatusGate, a start's
+        progress goes with a lease (llmgw_agent/status.py shards_change)."""
+        states = ((s.shard_id, self.fleet.shard_state(s, now)) for s in self.shards.values())
+        shards = tuple((sid, st) for sid, st in states if st not in STARTING_UP)
         return shards, frozenset(self.faults.cards_off), frozenset(self.faults.ports_down)
 
     def lease(self, now: float) -> tuple[bytes, list[str]] | None:

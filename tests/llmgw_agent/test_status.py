@@ -167,6 +167,8 @@ def test_rate_thresholds(old, new, changed):
     ("change", "why"),
     [
         ({"shards": [{"shard_id": "s1", "replica_id": "r1", "state": "draining", "http_port": 8000}]}, "shards"),
+        ({"shards": [{"shard_id": "s1", "replica_id": "r1", "state": "loading", "http_port": 8000}]}, "shards"),
+        ({"shards": [{"shard_id": "s1", "replica_id": "r1", "state": "ready", "http_port": 8001}]}, "shards"),
         ({"shards": []}, "shards"),
         ({"engine_installs": [{"engine": "vllm", "version": "0.12.0", "state": "ready"}]}, "engine installs"),
         ({"imex": {"state": "DOWN", "channels": 2048}}, "imex"),
@@ -242,6 +244,22 @@ def test_a_lost_status_is_sent_at_once_and_again_is_bounded():
     assert waits == [0.0] * status.MAX_AGAIN + [5.0, 5.0]
     accept(gate, hb(at=20.0), 20.0)
     assert gate.wait_s(5.0) == 5.0
+
+
+def test_a_starts_progress_goes_with_a_lease_and_its_ready_as_status():
+    gate = StatusGate()
+    accept(gate, hb(at=0.0, shards=[]), 0.0)
+    started = {"shard_id": "s2", "replica_id": "r2", "http_port": 8001}
+    # The StartShard arrived: the new shard starting, then loading, change nothing the control plane acts on.
+    for k, state in enumerate(["starting", "loading", "loading"]):
+        t = 5.0 * (k + 1)
+        lease = gate.lease(hb(at=t, shards=[{**started, "state": state}]), now=t)
+        assert lease is not None, state
+        gate.answered(lease, wire.LeaseResponse(), now=t)
+    # Ready (or failed) is what it waits for: sent as status, at once.
+    assert gate.lease(hb(at=20.0, shards=[{**started, "state": "ready"}]), now=20.0) is None
+    assert gate.reason == "shards"
+    assert gate.lease(hb(at=20.0, shards=[{**started, "state": "failed", "reason": "exit 1"}]), now=20.0) is None
 
 
 def test_an_unanswered_status_is_sent_again():

@@ -165,6 +165,19 @@ def test_a_shard_becoming_ready_is_reported_at_the_next_one_second_poll_not_an_i
     assert slow._next_beat(slow.nodes[0], 5.0) == 5.0
 
 
+def test_a_starts_progress_leaves_the_status_as_it_was_and_its_ready_does_not():
+    # As an agent's StatusGate (llmgw_agent/status.py shards_change): a lease until the shard is ready.
+    fleet = _fleet(nodes=1, load_s=0.5, ready_s=1.5)
+    node = fleet.nodes[0]
+    before = node.status_key(100.0)
+    node.apply({"kind": "start_shard", "id": "c1", "shard_id": "s1", "gpu_indices": [0]}, 100.0)
+    assert node.status_key(100.2) == before  # starting
+    assert node.status_key(101.0) == before  # loading
+    assert node.status_key(101.5) != before  # ready
+    node.leases, node.status = True, (100.0, before)
+    assert node.lease(101.0) is not None and node.lease(101.5) is None
+
+
 def test_an_answer_that_says_come_back_is_followed_at_once_up_to_the_agents_limit():
     fleet = _fleet(nodes=1)
     node = fleet.nodes[0]
