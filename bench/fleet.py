@@ -264,7 +264,7 @@ class Loop:
         """The fleet's counters summed over its processes."""
         total: dict = {"registered": 0, "heartbeats": 0, "leases": 0, "unreachable": 0, "register_refused": {},
                        "heartbeat_errors": {}, "latency": [0] * len(EDGES),
-                       "register_latency": [0] * len(EDGES)}  # fmt: skip
+                       "register_latency": [0] * len(EDGES), "lateness": [0] * len(EDGES)}  # fmt: skip
         for k in range(len(self.fleet)):
             try:
                 s = json.loads((self.work / f"stats-{k}.json").read_text())
@@ -275,8 +275,8 @@ class Loop:
             for key in ("register_refused", "heartbeat_errors"):
                 for code, n in s[key].items():
                     total[key][code] = total[key].get(code, 0) + n
-            for key in ("latency", "register_latency"):
-                total[key] = [a + b for a, b in zip(total[key], s[key], strict=True)]
+            for key in ("latency", "register_latency", "lateness"):
+                total[key] = [a + b for a, b in zip(total[key], s.get(key) or [0] * len(EDGES), strict=True)]
         return total
 
     def groups(self) -> dict[str, list[int]]:
@@ -389,11 +389,13 @@ def _phases(loop: Loop) -> Iterator[str]:
     cpu = {k: c1[k] - c0[k] for k in c0}
     per_node = {k: v / elapsed / n * 1e6 for k, v in cpu.items()}
     per_beat = {k: v / max(1, beats) * 1e3 for k, v in cpu.items()}
+    late = _hist_diff(s1["lateness"], s0["lateness"])
     yield (
         f"steady state ({elapsed:.0f} s): {beats / elapsed:,.0f} heartbeats/s (expected {n / loop.interval:,.0f}; "
         f"{leases / max(1, beats):.0%} of them leases), "
         f"p50 {_ms(histogram_percentile(lat, 50))}, p99 {_ms(histogram_percentile(lat, 99))} "
-        f"(histogram buckets 5% wide), errors {errors or 'none'}"
+        f"(histogram buckets 5% wide), errors {errors or 'none'}; the simulator's own lateness "
+        f"p99 {_ms(histogram_percentile(late, 99))}, max {_ms(histogram_percentile(late, 100))}"
     )
     yield (
         "  CPU per node per second (us): "
@@ -410,7 +412,7 @@ def _phases(loop: Loop) -> Iterator[str]:
         yield f"scale-up and silent nodes skipped: {why}"
         yield from _scrape(loop)
         return
-    t0 = time.monotonic()
+    t0, u0 = time.monotonic(), loop.stats()
     spec = json.dumps({"replicas": replicas})
     made = subprocess.run([sys.executable, "-c", _CREATE], cwd=ROOT, env=loop.env, input=spec,
                           capture_output=True, text=True, check=True)  # fmt: skip
@@ -445,6 +447,16 @@ def _phases(loop: Loop) -> Iterator[str]:
         f"scale-up of {replicas:,} single-GPU replicas (reconcile every {loop.tick:g} s and on change): "
         f"all placed in {placed:.1f} s ({replicas / placed:,.0f}/s), all ready {ready:.1f} s "
         f"after the deployment was created (a simulated shard is ready 1.5 s after its StartShard arrives){limits}"
+    )
+    u1 = loop.stats()
+    lat, late = _hist_diff(u1["latency"], u0["latency"]), _hist_diff(u1["lateness"], u0["lateness"])
+    up_s = time.monotonic() - t0
+    yield (
+        f"  during it ({up_s:.0f} s): {(u1['heartbeats'] - u0['heartbeats']) / up_s:,.0f} heartbeats/s "
+        f"({(u1['leases'] - u0['leases']) / max(1, u1['heartbeats'] - u0['heartbeats']):.0%} leases), "
+        f"p50 {_ms(histogram_percentile(lat, 50))}, p99 {_ms(histogram_percentile(lat, 99))}, "
+        f"max {_ms(histogram_percentile(lat, 100))}; the simulator's own lateness "
+        f"p99 {_ms(histogram_percentile(late, 99))}, max {_ms(histogram_percentile(late, 100))}"
     )
     # The scale-up loads the web with statuses and the gateway with routes: live nodes misjudged during it count too.
     yield f"  false verdicts so far (no node was silenced yet): {_verdicts(loop)}; load average {_loadavg()}"

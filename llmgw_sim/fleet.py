@@ -352,7 +352,9 @@ class Fleet:
             else:
                 failures += 1
                 delay = backoff_delay(failures, rng)
+            due = time.monotonic() + delay
             await asyncio.sleep(delay)
+            self.stats.observe(self.stats.lateness, max(0.0, time.monotonic() - due))
 
     def _next_beat(self, node: VirtualNode, delay: float) -> float:
         """The wait before a node's next heartbeat, as an agent's loop decides it (llmgw_agent/loop.py).

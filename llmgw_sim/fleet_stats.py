@@ -45,6 +45,9 @@ class Stats:
     commands: Counter = field(default_factory=Counter)
     latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
     register_latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
+    # How late each heartbeat left against when it was due: the simulator's own event loop behind
+    # (short of CPU), which a real fleet, each agent on its own machine, does not have.
+    lateness: list[int] = field(default_factory=lambda: [0] * len(EDGES))
 
     def observe(self, hist: list[int], seconds: float) -> None:
         """Count one request's latency."""
@@ -63,4 +66,5 @@ class Stats:
             "commands": dict(self.commands),
             "latency": list(self.latency),
             "register_latency": list(self.register_latency),
+            "lateness": list(self.lateness),
         }
