@@ -255,9 +255,9 @@ class VirtualNode:
     def next_change(self, now: float) -> float | None:
         """When the next of its shards becomes ready, None if none will: the change an agent reports at once
         (a start's loading waits for the next heartbeat, llmgw_wire/shard_states.py report_at_once)."""
-        later = [s.started + self.fleet.ready_s for s in self.shards.values() if s.stopped is None]
-        later = [t for t in later if t > now]
-        return min(later) if later else None
+        ready_s = self.fleet.ready_s
+        return min((t for s in self.shards.values() if s.stopped is None and (t := s.started + ready_s) > now),
+                   default=None)  # fmt: skip
 
     def status_key(self, now: float) -> Any:
         """What a simulated node's status says that can change: its sensors are its profile's, steady,

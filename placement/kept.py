@@ -65,6 +65,7 @@ from placement.snapshot_db import NodeFacts
 log = logging.getLogger(__name__)
 
 DEFAULT_REBUILD_S = 300.0
+DEFAULT_REFRESH_S = 2.0
 # A feed naming more nodes than this and than half the index is a rebuild, not a reload.
 REBUILD_PAST = 1000
 
@@ -77,16 +78,13 @@ def _config() -> tuple:
     )
 
 
-DEFAULT_REFRESH_S = 2.0
-
-
 def rebuild_interval_s() -> float:
     """Seconds between full rebuilds when the feed says nothing (the safety net)."""
     return float(getattr(settings, "LLMGW_KEPT_REBUILD_S", DEFAULT_REBUILD_S))
 
 
 def refresh_interval_s() -> float:
-    """Seconds between a worker process's background updates of its index (0: none, only on use)."""
+    """Seconds between a worker process's background updates of its index (LLMGW_KEPT_REFRESH_S)."""
     return float(getattr(settings, "LLMGW_KEPT_REFRESH_S", DEFAULT_REFRESH_S))
 
 
