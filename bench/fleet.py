@@ -263,19 +263,22 @@ class Loop:
     def stats(self) -> dict:
         """The fleet's counters summed over its processes."""
         total: dict = {"registered": 0, "heartbeats": 0, "leases": 0, "unreachable": 0, "register_refused": {},
-                       "heartbeat_errors": {}, "latency": [0] * len(EDGES),
-                       "register_latency": [0] * len(EDGES), "lateness": [0] * len(EDGES)}  # fmt: skip
+                       "heartbeat_errors": {}, "statuses_why": {}, "latency": [0] * len(EDGES),
+                       "register_latency": [0] * len(EDGES), "lateness": [0] * len(EDGES),
+                       "lease_latency": [0] * len(EDGES), "lease_fallbacks": 0,
+                       "leases_to_control_plane": 0}  # fmt: skip
         for k in range(len(self.fleet)):
             try:
                 s = json.loads((self.work / f"stats-{k}.json").read_text())
             except (OSError, ValueError):
                 continue
-            for key in ("registered", "heartbeats", "leases", "unreachable"):
+            counts = ("registered", "heartbeats", "leases", "unreachable", "lease_fallbacks", "leases_to_control_plane")
+            for key in counts:
                 total[key] += s.get(key, 0)
-            for key in ("register_refused", "heartbeat_errors"):
-                for code, n in s[key].items():
+            for key in ("register_refused", "heartbeat_errors", "statuses_why"):
+                for code, n in s.get(key, {}).items():
                     total[key][code] = total[key].get(code, 0) + n
-            for key in ("latency", "register_latency", "lateness"):
+            for key in ("latency", "register_latency", "lateness", "lease_latency"):
                 total[key] = [a + b for a, b in zip(total[key], s.get(key) or [0] * len(EDGES), strict=True)]
         return total
 
@@ -403,6 +406,7 @@ def _phases(loop: Loop) -> Iterator[str]:
         + (f"; cores busy: {sum(cpu.values()) / elapsed:.2f}")
     )
     yield "  CPU per heartbeat (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in per_beat.items())
+    yield _lease_paths(s0, s1)
     yield "  memory: " + "; ".join(loop.memory())
     yield f"  false verdicts (no node was silenced yet): {_verdicts(loop)}; load average {_loadavg()}"
     # 3. Scale-up.
@@ -458,6 +462,7 @@ def _phases(loop: Loop) -> Iterator[str]:
         f"max {_ms(histogram_percentile(lat, 100))}; the simulator's own lateness "
         f"p99 {_ms(histogram_percentile(late, 99))}, max {_ms(histogram_percentile(late, 100))}"
     )
+    yield _lease_paths(u0, u1)
     # The scale-up loads the web with statuses and the gateway with routes: live nodes misjudged during it count too.
     yield f"  false verdicts so far (no node was silenced yet): {_verdicts(loop)}; load average {_loadavg()}"
     # 4. Nodes going silent at once.
@@ -467,6 +472,22 @@ def _phases(loop: Loop) -> Iterator[str]:
     elif silent_n:
         yield _silence(loop, dep, replicas, silent_n, timeout)
     yield from _scrape(loop)
+
+
+def _lease_paths(s0: dict, s1: dict) -> str:
+    """The gateway's leases told apart: their latency, and how many went to the web server after it failed."""
+    lat = _hist_diff(s1["lease_latency"], s0["lease_latency"])
+    fell = s1["lease_fallbacks"] - s0["lease_fallbacks"]
+    to_cp = s1["leases_to_control_plane"] - s0["leases_to_control_plane"]
+    why = {
+        k: n - s0["statuses_why"].get(k, 0) for k, n in s1["statuses_why"].items() if n > s0["statuses_why"].get(k, 0)
+    }
+    return (
+        f"  leases the gateway answered: {sum(lat):,}, p50 {_ms(histogram_percentile(lat, 50))}, "
+        f"p99 {_ms(histogram_percentile(lat, 99))}, max {_ms(histogram_percentile(lat, 100))}; "
+        f"gateway failures that sent a simulator process's leases to the web server for 60 s: {fell}, "
+        f"leases sent there instead: {to_cp:,}; full statuses by why: {why or 'none'}"
+    )
 
 
 def _verdicts(loop: Loop) -> str:

@@ -230,8 +230,11 @@ class Fleet:
 
         To the control plane's own endpoint when none is named, and for a minute after the gateway failed.
         """
-        if not self.lease_url or self.clock() < self.lease_fallback_until:
+        if not self.lease_url:
             return await self._post(wire.LEASE_PATH, body, token)
+        if self.clock() < self.lease_fallback_until:
+            return await self._lease_to_control_plane(body, token)
+        t0 = time.perf_counter()
         if self._lease_connections is None:
             self._lease_connections = asyncio.Queue()
             for _ in range(self.connections):
@@ -244,7 +247,7 @@ class Fleet:
         if self.clock() < self.lease_fallback_until:
             # The gateway failed while this lease waited for a connection to it.
             self._lease_connections.put_nowait(conn)
-            return await self._post(wire.LEASE_PATH, body, token)
+            return await self._lease_to_control_plane(body, token)
         try:
             r = await conn.post(urlsplit(self.lease_url).path, body, token)
         except TransportError as e:
@@ -253,8 +256,15 @@ class Fleet:
         finally:
             self._lease_connections.put_nowait(conn)
         if r is not None and r.status_code not in (404, 405) and r.status_code < 500:
+            self.stats.observe(self.stats.lease_latency, time.perf_counter() - t0)
             return r
         self.lease_fallback_until = self.clock() + 60.0
+        self.stats.lease_fallbacks += 1
+        return await self._lease_to_control_plane(body, token)
+
+    async def _lease_to_control_plane(self, body: bytes, token: str) -> Answer:
+        # A lease a named gateway did not take: counted, to tell its cost on the web server apart.
+        self.stats.leases_to_control_plane += 1
         return await self._post(wire.LEASE_PATH, body, token)
 
     async def _register(self, node: VirtualNode) -> bool:

@@ -40,10 +40,18 @@ class Stats:
     # Of the heartbeats, those sent as leases (wire.Lease) rather than the whole status.
     leases: int = 0
     heartbeat_errors: Counter = field(default_factory=Counter)
+    # Why each full status went instead of a lease (VirtualNode.status_due).
+    statuses_why: Counter = field(default_factory=Counter)
     unreachable: int = 0
     answers_dropped: int = 0
     commands: Counter = field(default_factory=Counter)
     latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
+    # Of the heartbeats, the leases the gateway answered: its path told apart from the web's.
+    lease_latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
+    # Times the gateway's lease endpoint failed (timeout, 5xx, 404/405) and the leases of the next
+    # minute went to the control plane's own endpoint; leases sent there while a gateway was named.
+    lease_fallbacks: int = 0
+    leases_to_control_plane: int = 0
     register_latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
     # How late each heartbeat left against when it was due: the simulator's own event loop behind
     # (short of CPU), which a real fleet, each agent on its own machine, does not have.
@@ -61,10 +69,14 @@ class Stats:
             "heartbeats": self.heartbeats,
             "leases": self.leases,
             "heartbeat_errors": dict(self.heartbeat_errors),
+            "statuses_why": dict(self.statuses_why),
             "unreachable": self.unreachable,
             "answers_dropped": self.answers_dropped,
             "commands": dict(self.commands),
             "latency": list(self.latency),
+            "lease_latency": list(self.lease_latency),
+            "lease_fallbacks": self.lease_fallbacks,
+            "leases_to_control_plane": self.leases_to_control_plane,
             "register_latency": list(self.register_latency),
             "lateness": list(self.lateness),
         }

@@ -269,11 +269,21 @@ class VirtualNode:
         shards = tuple((sid, st) for sid, st in states if st not in STARTING_UP)
         return shards, frozenset(self.faults.cards_off), frozenset(self.faults.ports_down)
 
+    def status_due(self, now: float) -> str:
+        """Why the status must go now rather than a lease ("" when a lease will do)."""
+        if not self.leases:
+            return "no leases" if self.status is not None else "first"
+        if self.status is None:
+            return "asked"
+        if now - self.status[0] >= STATUS_FLOOR_S:
+            return "floor"
+        return "changed" if self.status[1] != self.status_key(now) else ""
+
     def lease(self, now: float) -> tuple[bytes, list[str]] | None:
         """A lease instead of the status, None when the status must go (as StatusGate decides for an agent)."""
-        if not self.leases or self.status is None or now - self.status[0] >= STATUS_FLOOR_S:
-            return None
-        if self.status[1] != self.status_key(now):
+        why = self.status_due(now)
+        if why:
+            self.fleet.stats.statuses_why[why] += 1
             return None
         acks = list(self.acks)[: wire.MAX_COMMANDS]
         # Spliced, not dumped: the node id is JSON-encoded once (_identity), only the clock and acks change.

@@ -381,9 +381,16 @@ def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails()
             srv.close()
             await srv.wait_closed()
 
+        counted.update(fleet.stats.as_dict())
+
+    counted: dict = {}
     asyncio.run(main())
     lease = wire.LEASE_PATH.encode()
     assert seen == [("cp", lease), ("gw", lease), ("gw", lease), ("cp", lease), ("cp", lease), ("gw", lease)]
+    # One failure of the gateway; the lease it failed and the one 30 s later went to the web server;
+    # the two the gateway answered were timed apart.
+    assert (counted["lease_fallbacks"], counted["leases_to_control_plane"]) == (1, 2)
+    assert sum(counted["lease_latency"]) == 2
 
 
 async def _request(reader) -> tuple[bytes, bytes] | None:
@@ -637,3 +644,12 @@ def test_a_steady_virtual_node_sends_leases_and_its_status_at_the_floor():
         assert node.lease(105.0) is None
         fleet.port_down(node.node_id, "mlx5_0", down=False)
         assert node.lease(105.0) is not None
+    # Each status that went instead of a lease, counted by why.
+    assert dict(fleet.stats.statuses_why) == {"first": 4, "floor": 4, "changed": 4}
+    node = fleet.nodes[0]
+    node.status = None  # the control plane asked for it (send_status)
+    assert (node.status_due(106.0), node.lease(106.0)) == ("asked", None)
+    node.leases = False
+    node.status = (106.0, node.status_key(106.0))
+    assert node.status_due(107.0) == "no leases"
+    assert fleet.stats.as_dict()["statuses_why"] == {"first": 4, "floor": 4, "changed": 4, "asked": 1}
