@@ -77,7 +77,12 @@ def asks_status() -> bool:
 
 
 def lease_answer(
-    renewal: lease_db.Renewal, *, token_hash: str, now: dt.datetime, want_status: bool | None = None
+    renewal: lease_db.Renewal,
+    *,
+    token_hash: str,
+    now: dt.datetime,
+    want_status: bool | None = None,
+    taken: tuple[list, bool] | None = None,
 ) -> wire.LeaseResponse:
     """The answer to a renewed lease: the commands that wait, and whether to come back at once.
 
@@ -85,6 +90,8 @@ def lease_answer(
     Both lease endpoints answer with it (this one, and the batched one of agents/lease_asgi.py).
     `want_status`: whether the control plane lost the node's last status, when the caller
     already asked the cache (a batch asks for all its leases at once); None to ask here.
+    `taken`: the node's waiting commands and whether more wait, when the caller took them
+    (a batch takes them for all its nodes in one statement); None to take them here.
     """
     if renewal.previous_hash is not None and renewal.token_hash == token_hash:
         # The agent uses the new secret of a rotation: the old one is done
@@ -96,7 +103,7 @@ def lease_answer(
     pending: list[outbox.WireCommand] = []
     more = False
     if renewal.waiting:
-        rows, more = lease_db.take_waiting(TABLES, renewal.node_id, now=now, limit=wire.MAX_COMMANDS)
+        rows, more = taken or lease_db.take_waiting(TABLES, renewal.node_id, now=now, limit=wire.MAX_COMMANDS)
         pending = [outbox.to_wire(Command(id=i, kind=k, payload=p)) for i, k, p in rows]
     # Every node renews every few seconds: routine, DEBUG (the commands it carries are logged where they are queued).
     log.debug("lease: node %s renewed, %d commands", renewal.node_id, len(pending))

@@ -22,8 +22,10 @@ The guarantees of the Django endpoint, kept:
   refusals come in the order of every agent endpoint (401, then the body's
   415/413/400, then 403), told apart by a lookup only when one is due.
 - Commands waiting are announced: the statement says which renewed nodes
-  have some, and their answers carry them (agents/lease.py lease_answer, the
-  same answer the Django endpoint gives); acks ride in the batch statement.
+  have some, one more statement takes theirs for all of them at once
+  (inventory/lease.py take_waiting_batch), and their answers carry them
+  (agents/lease.py lease_answer, the same answer the Django endpoint gives);
+  acks ride in the batch statement.
 - An unreachable or lost node comes back to ready with its event
   (inventory/lease.py, as for a single renewal).
 - Nothing is lost if the process dies: a lease is answered only after its
@@ -81,8 +83,17 @@ def write_batch(asks: Sequence[lease_db.Ask]) -> dict[str, wire.LeaseResponse | 
         by_node = {a.node_id: a for a in asks}
         # The leases that check their node's last status is kept (one in STATUS_CHECK_EVERY), in one round trip.
         gone = lease_db.keep_statuses([n for n in renewals if asks_status()])
+        # The commands of every renewed node that has some, in one statement too.
+        waiting = [n for n, r in renewals.items() if r.waiting]
+        taken = lease_db.take_waiting_batch(TABLES, waiting, now=now, limit=wire.MAX_COMMANDS)
         answers: dict[str, wire.LeaseResponse | object] = {
-            node_id: lease_answer(r, token_hash=by_node[node_id].token_hash, now=now, want_status=node_id in gone)
+            node_id: lease_answer(
+                r,
+                token_hash=by_node[node_id].token_hash,
+                now=now,
+                want_status=node_id in gone,
+                taken=taken.get(node_id, ([], False)),
+            )
             for node_id, r in renewals.items()
         }
         answers.update(dict.fromkeys(busy, BUSY))

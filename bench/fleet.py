@@ -265,7 +265,7 @@ class Loop:
         total: dict = {"registered": 0, "heartbeats": 0, "leases": 0, "unreachable": 0, "register_refused": {},
                        "heartbeat_errors": {}, "statuses_why": {}, "latency": [0] * len(EDGES),
                        "register_latency": [0] * len(EDGES), "lateness": [0] * len(EDGES),
-                       "lease_latency": [0] * len(EDGES), "lease_fallbacks": 0,
+                       "lease_latency": [0] * len(EDGES), "pool_wait": [0] * len(EDGES), "lease_fallbacks": 0,
                        "leases_to_control_plane": 0}  # fmt: skip
         for k in range(len(self.fleet)):
             try:
@@ -278,7 +278,7 @@ class Loop:
             for key in ("register_refused", "heartbeat_errors", "statuses_why"):
                 for code, n in s.get(key, {}).items():
                     total[key][code] = total[key].get(code, 0) + n
-            for key in ("latency", "register_latency", "lateness", "lease_latency"):
+            for key in ("latency", "register_latency", "lateness", "lease_latency", "pool_wait"):
                 total[key] = [a + b for a, b in zip(total[key], s.get(key) or [0] * len(EDGES), strict=True)]
         return total
 
@@ -477,6 +477,7 @@ def _phases(loop: Loop) -> Iterator[str]:
 def _lease_paths(s0: dict, s1: dict) -> str:
     """The gateway's leases told apart: their latency, and how many went to the web server after it failed."""
     lat = _hist_diff(s1["lease_latency"], s0["lease_latency"])
+    wait = _hist_diff(s1["pool_wait"], s0["pool_wait"])
     fell = s1["lease_fallbacks"] - s0["lease_fallbacks"]
     to_cp = s1["leases_to_control_plane"] - s0["leases_to_control_plane"]
     why = {
@@ -486,7 +487,9 @@ def _lease_paths(s0: dict, s1: dict) -> str:
         f"  leases the gateway answered: {sum(lat):,}, p50 {_ms(histogram_percentile(lat, 50))}, "
         f"p99 {_ms(histogram_percentile(lat, 99))}, max {_ms(histogram_percentile(lat, 100))}; "
         f"gateway failures that sent a simulator process's leases to the web server for 60 s: {fell}, "
-        f"leases sent there instead: {to_cp:,}; full statuses by why: {why or 'none'}"
+        f"leases sent there instead: {to_cp:,}; full statuses by why: {why or 'none'}; "
+        f"the simulator's own wait for a connection (in the latencies) p50 {_ms(histogram_percentile(wait, 50))}, "
+        f"p99 {_ms(histogram_percentile(wait, 99))}, max {_ms(histogram_percentile(wait, 100))}"
     )
 
 

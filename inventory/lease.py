@@ -318,6 +318,53 @@ def take_waiting(
     return [(r[0], r[1], _json(r[2])) for r in rows], more
 
 
+@functools.cache
+def take_batch_sql(tables: Tables) -> str:
+    """The PostgreSQL statement fetching the waiting commands of several nodes and counting their delivery.
+
+    The same work as take_sql for every node of a lease batch with commands
+    waiting: each node's oldest %(limit)s, and a rank past it to tell that more wait.
+    """
+    t = tables.commands
+    return (
+        "WITH r AS (SELECT id, node_id, created_at, "
+        "row_number() OVER (PARTITION BY node_id ORDER BY created_at, id) AS k "
+        f"FROM {t} WHERE node_id = ANY(%(nodes)s::varchar[]) AND acked_at IS NULL), "
+        "w AS (SELECT id, node_id, k FROM r WHERE k <= %(more)s), "
+        f"u AS (UPDATE {t} AS m SET deliveries = m.deliveries + 1, "
+        "first_delivered_at = COALESCE(m.first_delivered_at, %(now)s) "
+        "FROM w WHERE m.id = w.id AND w.k <= %(limit)s RETURNING m.node_id, m.id, m.kind, m.payload, w.k) "
+        "SELECT u.node_id, u.id, u.kind, u.payload, (SELECT max(x.k) FROM w AS x WHERE x.node_id = u.node_id) "
+        "FROM u ORDER BY u.node_id, u.k"
+    )
+
+
+def take_waiting_batch(
+    tables: Tables, node_ids: Sequence[str], *, now: dt.datetime, limit: int
+) -> dict[str, tuple[list[tuple[uuid.UUID, str, dict]], bool]]:
+    """take_waiting for every node of `node_ids` at once: by node, its commands and whether more wait.
+
+    One statement on PostgreSQL however many nodes: a scale-up's leases carry
+    commands to a thousand nodes together, and a statement each had the
+    lease writer's one thread spend its batches on round trips. A node with
+    nothing waiting any more is absent.
+    """
+    if not node_ids:
+        return {}
+    if connection.vendor != "postgresql":
+        found = {n: _take_portable(tables, n, now=now, limit=limit) for n in node_ids}
+        return {n: got for n, got in found.items() if got[0]}
+    params = {"nodes": sorted(set(node_ids)), "now": now, "limit": limit, "more": limit + 1}
+    with prepared_cursor() as cur:
+        cur.execute(take_batch_sql(tables), params)
+        rows = cur.fetchall()
+    out: dict[str, tuple[list[tuple[uuid.UUID, str, dict]], bool]] = {}
+    for node_id, i, kind, payload, deepest in rows:
+        taken = out.setdefault(node_id, ([], deepest > limit))
+        taken[0].append((i, kind, _json(payload)))
+    return out
+
+
 def _json(value: Any) -> dict:
     # Django has psycopg hand JSON columns over as text (and SQLite has nothing else).
     return json.loads(value) if isinstance(value, str | bytes) else value

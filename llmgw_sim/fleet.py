@@ -219,11 +219,21 @@ class Fleet:
     async def _post(self, path: str, body: bytes, token: str) -> Answer:
         """POST on one of the fleet's connections, waiting for a free one (a node at a time on each)."""
         assert self._connections is not None
-        conn = await self._connections.get()
+        conn = await self._take(self._connections)
         try:
             return await conn.post(path, body, token)
         finally:
             self._connections.put_nowait(conn)
+
+    async def _take(self, pool: asyncio.Queue[Connection]) -> Connection:
+        """A free connection of `pool`; the wait is counted: a fleet of agents, a connection each, has none."""
+        if not pool.empty():
+            self.stats.observe(self.stats.pool_wait, 0.0)
+            return pool.get_nowait()
+        t0 = time.perf_counter()
+        conn = await pool.get()
+        self.stats.observe(self.stats.pool_wait, time.perf_counter() - t0)
+        return conn
 
     async def _post_lease(self, body: bytes, token: str) -> Answer:
         """A lease to the gateway the control plane named (lease_url), as an agent sends it (llmgw_agent/loop.py).
@@ -243,7 +253,7 @@ class Fleet:
                 conn = Connection(self.lease_url, timeout_s=min(self.timeout_s, LEASE_TIMEOUT_S), watched=True)
                 self._all_connections.append(conn)
                 self._lease_connections.put_nowait(conn)
-        conn = await self._lease_connections.get()
+        conn = await self._take(self._lease_connections)
         if self.clock() < self.lease_fallback_until:
             # The gateway failed while this lease waited for a connection to it.
             self._lease_connections.put_nowait(conn)

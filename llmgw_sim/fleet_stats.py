@@ -56,6 +56,9 @@ class Stats:
     # How late each heartbeat left against when it was due: the simulator's own event loop behind
     # (short of CPU), which a real fleet, each agent on its own machine, does not have.
     lateness: list[int] = field(default_factory=lambda: [0] * len(EDGES))
+    # How long each request waited for one of the process's connections before it was sent: the
+    # simulator's own queue (part of `latency`), which agents on machines of their own do not have.
+    pool_wait: list[int] = field(default_factory=lambda: [0] * len(EDGES))
 
     def observe(self, hist: list[int], seconds: float) -> None:
         """Count one request's latency."""
@@ -79,4 +82,5 @@ class Stats:
             "leases_to_control_plane": self.leases_to_control_plane,
             "register_latency": list(self.register_latency),
             "lateness": list(self.lateness),
+            "pool_wait": list(self.pool_wait),
         }

@@ -194,6 +194,37 @@ def test_waiting_commands_are_carried_and_acks_applied(nodes, now):
     assert (row.deliveries, row.acked_at) == (1, None)
 
 
+def test_a_batch_costs_two_statements_however_many_of_its_nodes_have_commands_waiting(nodes, now):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from agents.lease_asgi import write_batch
+    from inventory import lease as lease_db
+
+    made = {
+        n: [
+            outbox.enqueue(n, wire.InstallEngine(engine=f"{n}-{i}"), now=now + dt.timedelta(seconds=i))
+            for i in range(k)
+        ]
+        for n, k in (("gpu-a", 2), ("gpu-b", 1))
+    }
+    asks = [lease_db.Ask(node_id=n, token_hash=credentials.hash_secret(c)) for n, c in nodes.items()]
+    with CaptureQueriesContext(connection) as q:
+        answers = write_batch(asks)
+    # The renewal of all three, then the commands of the two with some: a statement each, not one per node.
+    assert [x["sql"].split(" ", 1)[0] for x in q.captured_queries] == ["WITH", "WITH"]
+    assert "row_number()" in q.captured_queries[1]["sql"]
+    got = {n: [c.id for c in a.commands] for n, a in answers.items()}
+    assert got == {"gpu-a": [str(c.id) for c in made["gpu-a"]], "gpu-b": [str(made["gpu-b"][0].id)], "gpu-c": []}
+    assert sorted(Command.objects.values_list("deliveries", flat=True)) == [1, 1, 1]
+    # No command waits: the renewal alone.
+    Command.objects.update(acked_at=now)
+    with CaptureQueriesContext(connection) as q:
+        answers = write_batch(asks)
+    assert len(q.captured_queries) == 1
+    assert {n: a.commands for n, a in answers.items()} == {"gpu-a": [], "gpu-b": [], "gpu-c": []}
+
+
 def test_a_lost_status_is_asked_for(nodes):
     telemetry.forget("gpu-a")
     a = wire.LeaseResponse.model_validate_json(send(nodes["gpu-a"], lease("gpu-a")).content)

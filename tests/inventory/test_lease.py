@@ -146,6 +146,47 @@ def test_acks_under_a_refused_credential_are_not_taken(node_a, now):
     assert Command.objects.get(id=a.id).acked_at is None
 
 
+TAKE_BATCH = (
+    "WITH r AS (SELECT id, node_id, created_at, "
+    "row_number() OVER (PARTITION BY node_id ORDER BY created_at, id) AS k "
+    "FROM agents_command WHERE node_id = ANY(%(nodes)s::varchar[]) AND acked_at IS NULL), "
+    "w AS (SELECT id, node_id, k FROM r WHERE k <= %(more)s), "
+    "u AS (UPDATE agents_command AS m SET deliveries = m.deliveries + 1, "
+    "first_delivered_at = COALESCE(m.first_delivered_at, %(now)s) "
+    "FROM w WHERE m.id = w.id AND w.k <= %(limit)s RETURNING m.node_id, m.id, m.kind, m.payload, w.k) "
+    "SELECT u.node_id, u.id, u.kind, u.payload, (SELECT max(x.k) FROM w AS x WHERE x.node_id = u.node_id) "
+    "FROM u ORDER BY u.node_id, u.k"
+)
+
+
+def test_take_waiting_batch_is_one_statement_for_every_node_each_oldest_first(node_a, now):
+    assert lease.take_batch_sql(TABLES) == TAKE_BATCH
+    for n in ("node-b", "node-c", "node-d"):
+        make_node(n, now=now)
+    made = {
+        n: [
+            outbox.enqueue(n, wire.InstallEngine(engine=f"{n}/{i}"), now=now + dt.timedelta(seconds=i))
+            for i in range(k)
+        ]
+        for n, k in (("node-a", 5), ("node-b", 3), ("node-c", 1))
+    }
+    acked = made["node-c"][0]
+    Command.objects.filter(id=acked.id).update(acked_at=now)
+    with CaptureQueriesContext(connection) as q:
+        got = lease.take_waiting_batch(TABLES, ["node-b", "node-a", "node-c", "node-d"], now=now, limit=3)
+    assert len(q.captured_queries) == 1
+    # Each node's oldest three, and whether more wait (exactly three waiting is not "more").
+    assert {n: ([r[0] for r in rows], more) for n, (rows, more) in got.items()} == {
+        "node-a": ([m.id for m in made["node-a"][:3]], True),
+        "node-b": ([m.id for m in made["node-b"]], False),
+    }
+    assert [r[2]["engine"] for r in got["node-b"][0]] == ["node-b/0", "node-b/1", "node-b/2"]
+    deliveries = dict(Command.objects.values_list("payload__engine", "deliveries"))
+    assert deliveries == {"node-a/0": 1, "node-a/1": 1, "node-a/2": 1, "node-a/3": 0, "node-a/4": 0,
+                          "node-b/0": 1, "node-b/1": 1, "node-b/2": 1, "node-c/0": 0}  # fmt: skip
+    assert lease.take_waiting_batch(TABLES, [], now=now, limit=3) == {}
+
+
 def test_take_waiting_is_one_statement_oldest_first(node_a, now):
     made = [
         outbox.enqueue("node-a", wire.InstallEngine(engine=f"e{i}"), now=now + dt.timedelta(seconds=i))
