@@ -55,6 +55,13 @@ from llmgw_sim.fleet import EDGES, histogram_percentile
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# Keep-alive connections per simulator process, to the web server and as many to the gateway. Agents
+# have one each; a process's 2,500 nodes share these, and at 32 a scale-up's slower answers had its
+# requests queue for a free one (p50 0.26 s, p99 4.8 s, the simulator's own wait) until live nodes
+# were judged unreachable: the simulator throttling what it measured.
+CONNECTIONS = 128
+
+
 def _env(name: str, default: float) -> float:
     return float(os.environ.get(name, default))
 
@@ -219,7 +226,7 @@ class Loop:
                         "--ramp",
                         str(_env("BENCH_FLEET_RAMP", 0)),
                         "--connections",
-                        str(int(_env("BENCH_FLEET_CONNECTIONS", 32))),
+                        str(int(_env("BENCH_FLEET_CONNECTIONS", CONNECTIONS))),
                         "--control",
                         str(self.control),
                         "--stats",

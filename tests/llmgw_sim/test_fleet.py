@@ -442,6 +442,9 @@ def test_a_lease_unanswered_past_the_agents_lease_timeout_goes_to_the_control_pl
         lease_conn.expire(time.monotonic() + LEASE_TIMEOUT_S + 0.01)  # the watchdog's next look
         assert ((await first).status_code, (await second).status_code) == (200, 200)
         assert fleet.lease_fallback_until > fleet.clock()
+        # Four connections taken: the first lease's two at once, the second's two after waiting for them.
+        waits = fleet.stats.pool_wait
+        assert (sum(waits), waits[0]) == (4, 2)
         for c in fleet._all_connections:
             c.close()
         fleet._connections.get_nowait().close()
