@@ -3,7 +3,7 @@
 Sized for the agent heartbeat, the busiest request by far: short, CPU-bound
 requests that wait on PostgreSQL and Redis for a few round trips each.
 WEB_CONCURRENCY (processes, default one per core) and LLMGW_WEB_THREADS
-(threads per process, default 4: they overlap those waits) as for granian.
+(threads per process, default 8: they overlap those waits) as for granian.
 LLMGW_ACCESS_LOG=1 logs every request to stderr, as it does for granian.
 """
 
@@ -11,7 +11,7 @@ import os
 
 workers = int(os.environ.get("WEB_CONCURRENCY") or os.cpu_count() or 1)
 worker_class = "gthread"
-threads = int(os.environ.get("LLMGW_WEB_THREADS") or 4)
+threads = int(os.environ.get("LLMGW_WEB_THREADS") or 8)
 # Agents keep their connection open between heartbeats (every few seconds):
 # a new TCP connection per heartbeat would cost more than the heartbeat.
 keepalive = 30

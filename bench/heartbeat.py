@@ -19,7 +19,7 @@ depend on that).
 Knobs (environment): BENCH_HB_NODES (default 500), BENCH_HB_SECONDS (10 per
 phase), BENCH_HB_RATE (offered heartbeats/s of the paced phase, 1000; 0
 skips it), BENCH_HB_SERVER (granian or gunicorn), BENCH_HB_WORKERS (server
-processes, one per core), BENCH_HB_THREADS (threads per process, 4),
+processes, one per core), BENCH_HB_THREADS (threads per process, 8),
 BENCH_HB_CLIENTS (load processes, 2), BENCH_HB_CONCURRENCY (connections per
 load process, 8).
 """
@@ -518,7 +518,7 @@ def _loadavg() -> str:
 def _server_description(env: dict[str, str]) -> str:
     """The server settings scripts/serve.sh runs with."""
     workers = env.get("WEB_CONCURRENCY") or os.cpu_count()
-    threads = env.get("LLMGW_WEB_THREADS") or 4
+    threads = env.get("LLMGW_WEB_THREADS") or 8
     return f"{env.get('LLMGW_WEB_SERVER') or 'granian'}, {workers} workers x {threads} threads"
 
 

@@ -2,7 +2,7 @@
 # llmgw's production web server on HOST:PORT, in the foreground (make run, the benchmark).
 #   LLMGW_WEB_SERVER   granian (default), granian-wsgi (without the front) or gunicorn (gunicorn.conf.py)
 #   WEB_CONCURRENCY    worker processes (default: one per core)
-#   LLMGW_WEB_THREADS  threads per worker running the WSGI application (default 4)
+#   LLMGW_WEB_THREADS  threads per worker running the WSGI application (default 8)
 #   LLMGW_BODY_TIMEOUT seconds a client has to send a body (default 10; then 408)
 #   LLMGW_ACCESS_LOG   1: log every request (off by default)
 #   DATABASE_POOL_MAX  default 0 here: persistent connections, one per thread
@@ -25,7 +25,10 @@ case "${LLMGW_ACCESS_LOG:-}" in
 *) access_log=--no-access-log ;;
 esac
 export WEB_CONCURRENCY="${WEB_CONCURRENCY:-$(nproc)}"
-export LLMGW_WEB_THREADS="${LLMGW_WEB_THREADS:-4}"
+# Eight: a status spends most of its time waiting on PostgreSQL and Redis, not on the CPU. At ten
+# thousand nodes, four a process left a scale-up's statuses queued for seconds, until live nodes
+# were judged unreachable; eight served them (docs/benchmarks.md, the fleet at 10,000 nodes).
+export LLMGW_WEB_THREADS="${LLMGW_WEB_THREADS:-8}"
 export DATABASE_POOL_MAX="${DATABASE_POOL_MAX:-0}"
 export DATABASE_CONN_MAX_AGE="${DATABASE_CONN_MAX_AGE:-600}"
 # The listening socket is bound once, by a process that keeps it (llmgw/listen.py): a master or a
