@@ -8,7 +8,7 @@ message is answered by a small ASGI handler beside the agents' long-poll
 (agents/wakeup.py, mounted in front of the gateway's data plane by
 `with_agent_lease`, gateway/asgi.py): it reads the body on the event loop, and hands the
 lease to the writer, which gathers every lease that arrives within
-LLMGW_LEASE_BATCH_S (5 ms) and writes them all with one statement
+LLMGW_LEASE_BATCH_S (20 ms) and writes them all with one statement
 (inventory/lease.py renew_batch) in one thread of its own. Each request is
 answered once its batch is written, from what the statement returned.
 

@@ -479,8 +479,11 @@ LLMGW_LEASE_URL = lease_url(
     postgresql=DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql",
 )
 # How long the batched lease endpoint gathers leases before writing them in one statement:
-# each lease's answer waits up to this long; at 2,000 leases a second, 5 ms makes batches of ten.
-LLMGW_LEASE_BATCH_S = env_seconds("LLMGW_LEASE_BATCH_S", 0.005)
+# each lease's answer waits up to this long. At 2,000 leases a second, 5 ms made batches of ten
+# and a lease cost 0.20 ms of CPU (gateway and PostgreSQL), most of it each batch's own round
+# trips; 20 ms makes batches of forty at 0.14 ms, and an agent renewing every 5 s does not
+# notice 20 ms (docs/benchmarks.md, the lease bench of 2026-12-03).
+LLMGW_LEASE_BATCH_S = env_seconds("LLMGW_LEASE_BATCH_S", 0.02)
 
 # Access logs (every request the web server and the gateway answer) are off
 # unless LLMGW_ACCESS_LOG is set; scripts/serve.sh and scripts/gateway.sh read
