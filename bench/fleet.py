@@ -362,7 +362,7 @@ def _phases(loop: Loop) -> Iterator[str]:
     yield (
         f"{n:,} virtual nodes over the shipped profiles in {loop.procs_n} process(es), heartbeat every "
         f"{loop.interval:g} s +-10%; server: {loop.env.get('WEB_CONCURRENCY') or os.cpu_count()} workers x "
-        f"{loop.env.get('LLMGW_WEB_THREADS') or 4} threads (granian); "
+        f"{loop.env.get('LLMGW_WEB_THREADS') or 8} threads (granian); "
         f"worker: celery -B, concurrency {loop.concurrency}; "
         f"{os.cpu_count()} cores shared with everything else (load average at the start: {_loadavg()})"
     )
