@@ -39,6 +39,10 @@ log = logging.getLogger("gateway.server")
 IDLE_S = 60.0
 # How long a stop lets the requests in hand finish before cancelling them (within llmgw/orphans.py's grace).
 GRACE_S = 8.0
+# How long a stop leaves an idle kept-alive connection open. Closed at once, it raced the request its
+# client was sending on it, and that request was reset; left open, that request is answered with
+# "Connection: close" and the client's next one goes to a connection of the worker that stays.
+LINGER_S = 0.5
 
 
 class Server:
@@ -94,11 +98,14 @@ class Server:
     async def _stop(self, listener: asyncio.AbstractServer) -> None:
         self.stopping = True
         listener.close()
-        for conn in list(self.connections):
-            if conn.current is None and not conn.head_since:
-                conn.close()
-        end = time.monotonic() + GRACE_S
-        while self.tasks and time.monotonic() < end:
+        start = time.monotonic()
+        end = start + GRACE_S
+        while time.monotonic() < end:
+            lingered = time.monotonic() - start >= LINGER_S
+            if lingered:
+                self._close_idle()
+            if lingered and not self.tasks:
+                break
             await asyncio.sleep(0.05)
         tasks = list(self.tasks)
         for task in tasks:
@@ -107,6 +114,11 @@ class Server:
             await asyncio.wait(tasks, timeout=1.0)
         for conn in list(self.connections):
             conn.close()
+
+    def _close_idle(self) -> None:
+        for conn in list(self.connections):
+            if conn.current is None and not conn.head_since and not conn.pending:
+                conn.close()
 
 
 def run(app: Any, sock: socket.socket, *, head_timeout: float, access_log: bool = False) -> None:
