@@ -309,19 +309,25 @@ def test_a_stop_lets_the_request_in_hand_finish():
     assert echoed(answer)["body"] == "helloworld" and answer[1]["connection"] == "close"
 
 
+def _answered_then_stopped(s: Served, c: socket.socket) -> bytes:
+    """One request answered on `c`, kept alive; then the server told to stop. The first answer's bytes."""
+    c.sendall(b"GET /first HTTP/1.1\r\nHost: test\r\n\r\n")
+    first = b""
+    while b'"path": "/first"' not in first:
+        first += c.recv(65536)
+    s.loop.call_soon_threadsafe(s.stop.set)
+    wait = threading.Event()
+    while not s.server.stopping:
+        wait.wait(0.01)
+    return first
+
+
 def test_a_stop_answers_the_request_an_idle_kept_alive_connection_sends_next_then_closes_it():
     # A kept-alive connection closed at once by a stopping worker reset the request its client was
     # sending on it just then; the stop leaves it open a moment and answers that request.
     s = Served()
     with contextlib.closing(socket.create_connection(("127.0.0.1", s.port), timeout=10)) as c:
-        c.sendall(b"GET /first HTTP/1.1\r\nHost: test\r\n\r\n")
-        first = b""
-        while b'"path": "/first"' not in first:
-            first += c.recv(65536)
-        s.loop.call_soon_threadsafe(s.stop.set)
-        wait = threading.Event()
-        while not s.server.stopping:
-            wait.wait(0.01)
+        first = _answered_then_stopped(s, c)
         c.sendall(b"GET /second HTTP/1.1\r\nHost: test\r\n\r\n")
         raw = b""
         while chunk := c.recv(65536):
@@ -335,11 +341,7 @@ def test_a_stop_answers_the_request_an_idle_kept_alive_connection_sends_next_the
 def test_a_stop_closes_an_idle_kept_alive_connection_after_its_linger():
     s = Served()
     with contextlib.closing(socket.create_connection(("127.0.0.1", s.port), timeout=10)) as c:
-        c.sendall(b"GET /first HTTP/1.1\r\nHost: test\r\n\r\n")
-        first = b""
-        while b'"path": "/first"' not in first:
-            first += c.recv(65536)
-        s.loop.call_soon_threadsafe(s.stop.set)
+        _answered_then_stopped(s, c)
         # Nothing more is sent: the connection ends (an orderly close, no reset) once the linger is over.
         assert c.recv(65536) == b""
     s.thread.join(20)
