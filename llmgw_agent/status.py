@@ -49,17 +49,11 @@ The thresholds, and why each is what it is:
 STATUS_FLOOR_S (60 s) bounds how stale a reading below every threshold can
 be, and stays under the control plane's telemetry time to live
 (LLMGW_TELEMETRY_TTL, 120 s by default) so the last status outlives a lost
-lease or two even without the lease's renewal of it. A node's first floor
-after it registers comes up to FIRST_FLOOR_SPREAD of the floor later, by
-an amount its id sets (first_floor_delay): a fleet that joined together
-would otherwise send its floors together, a minute after the join and every
-minute after that. Later, not sooner: sooner put a join storm's first floors
-into the storm itself, on the web it was saturating.
+lease or two even without the lease's renewal of it.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -67,9 +61,6 @@ import llmgw_wire as wire
 from llmgw_wire.shard_states import report_at_once
 
 STATUS_FLOOR_S = 60.0
-# Of the floor, how much later a node's first floor status after registering may come (first_floor_delay);
-# the floor and this together stay under the control plane's telemetry time to live.
-FIRST_FLOOR_SPREAD = 0.5
 TEMP_C = 5.0
 POWER_FRACTION = 0.10
 UTIL_POINTS = 10.0
@@ -277,25 +268,6 @@ def status_change(
     return f"host {why}" if why else ""
 
 
-def first_floor_delay(node_id: str, floor_s: float = STATUS_FLOOR_S) -> float:
-    """How much later than `floor_s` a node's first floor status after it registers is due.
-
-    A join storm registers ten thousand nodes within a minute, and a floor
-    counted from each registration bunched their statuses into that part of
-    every minute: at 5,000 nodes joined in 23 s, 177 statuses a second for
-    23 s of each minute against 83 on average, on the web a scale-up needs.
-    Each node's first floor comes later by a share of FIRST_FLOOR_SPREAD of
-    the floor, read from its id (the same node always draws the same), and
-    every later floor a whole floor after the last status: the phases spread
-    at once and no node sends a status more for it. (Sooner, it put the first
-    floors of a 10,000-node join storm, which takes most of a minute, into
-    the storm itself: the storm took 61 s instead of 46 s, and live nodes
-    waiting behind it were judged unreachable.)
-    """
-    digest = hashlib.blake2b(node_id.encode(), digest_size=8).digest()
-    return floor_s * FIRST_FLOOR_SPREAD * int.from_bytes(digest, "big") / 2**64
-
-
 class StatusGate:
     """Decides, interval by interval, whether the agent sends its status or a lease.
 
@@ -376,9 +348,7 @@ class StatusGate:
         """Record the control plane's answer to what was sent."""
         if isinstance(sent, wire.Heartbeat) and isinstance(answer, wire.HeartbeatResponse):
             self.supported = bool(answer.leases)
-            # The first status since a registration starts a floor lengthened by the node's own delay.
-            later = first_floor_delay(sent.node_id, self.floor_s) if self.last is None else 0.0
-            self.last, self.last_at, self.last_rates = sent, now + later, dict(self.rates)
+            self.last, self.last_at, self.last_rates = sent, now, dict(self.rates)
             if sent.gpu_fabrics is not None:
                 self.last_fabrics = sent.gpu_fabrics
             self.wanted = self.again = False

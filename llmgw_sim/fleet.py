@@ -339,7 +339,7 @@ class Fleet:
             node.again_run = node.again_run + 1 if again else 0
         else:
             node.again_run = 0
-            node.status_accepted(now, key, leases=bool(answer.get("leases")))
+            node.leases, node.status = bool(answer.get("leases")), (now, key)
             self.lease_url = answer.get("lease_url") or ""
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         now = self.clock()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import llmgw_wire as wire
 from llmgw_agent import discovery
 from llmgw_agent.loop import AGENT_VERSION, FABRIC_EVERY_S
-from llmgw_agent.status import STATUS_FLOOR_S, first_floor_delay
+from llmgw_agent.status import STATUS_FLOOR_S
 from llmgw_sim.simulate import NS, PROFILES_DIR, ZERO_UUID, derive_fabrics
 from llmgw_wire.shard_states import STARTING_UP
 
@@ -268,16 +268,6 @@ class VirtualNode:
         states = ((s.shard_id, self.fleet.shard_state(s, now)) for s in self.shards.values())
         shards = tuple((sid, st) for sid, st in states if st not in STARTING_UP)
         return shards, frozenset(self.faults.cards_off), frozenset(self.faults.ports_down)
-
-    def status_accepted(self, now: float, key: Any, *, leases: bool) -> None:
-        """The control plane took the status sent at `now` (its status_key `key`); whether it takes leases.
-
-        As an agent's StatusGate: the first status since registering starts a floor lengthened by
-        the node's own delay (llmgw_agent/status.py first_floor_delay), so that a fleet that
-        joined together does not send its floors together.
-        """
-        later = first_floor_delay(self.node_id) if self.status is None and not self.leases else 0.0
-        self.leases, self.status = leases, (now + later, key)
 
     def status_due(self, now: float) -> str:
         """Why the status must go now rather than a lease ("" when a lease will do)."""

@@ -203,34 +203,13 @@ def test_status_first_then_leases_then_the_floor():
     gate = StatusGate()
     assert accept(gate, hb(at=0.0), 0.0) is None
     assert gate.reason == "leases not offered"
-    # node-a's first floor after registering comes 15.45 s later (its id's share of half the floor).
-    assert round(status.first_floor_delay("node-a"), 2) == 15.45
-    for t in (5.0, 10.0, 75.4):
+    for t in (5.0, 10.0, 55.0):
         lease = accept(gate, hb(at=t, acks=["c1"]), t)
         assert lease == wire.Lease(node_id="node-a", at=t, acks=["c1"])
         assert len(lease.model_dump_json()) < 200
-    assert accept(gate, hb(at=75.5), 75.5) is None
+    assert accept(gate, hb(at=60.0), 60.0) is None
     assert gate.reason == "floor"
-    # The floors after it are whole ones.
-    assert accept(gate, hb(at=135.4), 135.4) is not None
-    assert accept(gate, hb(at=135.6), 135.6) is None
-    assert gate.reason == "floor"
-    # A registration starts over: the first floor is lengthened again.
-    gate.reset()
-    assert accept(gate, hb(at=200.0), 200.0) is None
-    assert accept(gate, hb(at=275.4), 275.4) is not None
-    assert accept(gate, hb(at=275.5), 275.5) is None
-
-
-def test_a_fleet_that_joined_together_spreads_its_first_floors_over_half_a_floor():
-    offsets = sorted(status.first_floor_delay(f"fleet-node-{i:05d}") for i in range(10_000))
-    floor = status.STATUS_FLOOR_S * status.FIRST_FLOOR_SPREAD
-    assert offsets[0] >= 0 and offsets[-1] < floor
-    # Evenly: each tenth of the spread holds about a tenth of the nodes.
-    tenths = [sum(1 for o in offsets if k * floor / 10 <= o < (k + 1) * floor / 10) for k in range(10)]
-    assert min(tenths) > 900 and max(tenths) < 1100, tenths
-    # The same node draws the same delay every time.
-    assert status.first_floor_delay("fleet-node-00042") == status.first_floor_delay("fleet-node-00042")
+    assert accept(gate, hb(at=65.0), 65.0) is not None
 
 
 def test_drift_adds_up_against_the_last_status_sent():
@@ -320,5 +299,5 @@ def test_registration_starts_over():
 
 
 def test_the_floor_stays_under_the_control_planes_telemetry_ttl():
-    # The default, as shipped; a first floor's delay included.
-    assert status.STATUS_FLOOR_S * (1 + status.FIRST_FLOOR_SPREAD) < project_settings.LLMGW_TELEMETRY_TTL
+    # The default, as shipped.
+    assert status.STATUS_FLOOR_S < project_settings.LLMGW_TELEMETRY_TTL

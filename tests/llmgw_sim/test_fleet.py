@@ -456,24 +456,6 @@ def test_a_lease_unanswered_past_the_agents_lease_timeout_goes_to_the_control_pl
     assert seen == ["gw", "cp", "cp"]
 
 
-def test_a_virtual_nodes_first_floor_after_registering_is_lengthened_as_an_agents():
-    from llmgw_agent.status import STATUS_FLOOR_S, first_floor_delay
-
-    node = _fleet(nodes=1).nodes[0]
-    later = first_floor_delay(node.node_id)
-    assert 0 < later < STATUS_FLOOR_S / 2
-    node.status_accepted(100.0, node.status_key(100.0), leases=True)
-    assert node.status[0] == 100.0 + later
-    first = node.status[0] + STATUS_FLOOR_S
-    assert (node.status_due(first - 0.1), node.status_due(first + 0.001)) == ("", "floor")
-    # The next floor is a whole one after the status that answered it.
-    node.status_accepted(first, node.status_key(first), leases=True)
-    assert (node.status_due(first + STATUS_FLOOR_S - 0.1), node.status_due(first + STATUS_FLOOR_S + 0.001)) == (
-        "",
-        "floor",
-    )
-
-
 def test_a_lease_is_spliced_yet_valid_on_the_wire():
     fleet = _fleet(nodes=2)
     node = fleet.nodes[1]
