@@ -296,17 +296,27 @@ def test_a_stop_lets_the_request_in_hand_finish():
         READING.clear()
         c.sendall(b"POST /up HTTP/1.1\r\nHost: test\r\nContent-Length: 10\r\n\r\nhello")
         assert READING.wait(10)
-        s.loop.call_soon_threadsafe(s.stop.set)
-        wait = threading.Event()
-        while not s.server.stopping:
-            wait.wait(0.01)
+        _stopping(s)
         c.sendall(b"world")
-        raw = b""
-        while chunk := c.recv(65536):
-            raw += chunk
+        raw = _until_closed(c)
     s.thread.join(20)
     [answer] = answers(raw)
     assert echoed(answer)["body"] == "helloworld" and answer[1]["connection"] == "close"
+
+
+def _stopping(s: Served) -> None:
+    """Tell the server to stop, and return once it has begun to."""
+    s.loop.call_soon_threadsafe(s.stop.set)
+    wait = threading.Event()
+    while not s.server.stopping:
+        wait.wait(0.01)
+
+
+def _until_closed(c: socket.socket) -> bytes:
+    raw = b""
+    while chunk := c.recv(65536):
+        raw += chunk
+    return raw
 
 
 def _answered_then_stopped(s: Served, c: socket.socket) -> bytes:
@@ -315,10 +325,7 @@ def _answered_then_stopped(s: Served, c: socket.socket) -> bytes:
     first = b""
     while b'"path": "/first"' not in first:
         first += c.recv(65536)
-    s.loop.call_soon_threadsafe(s.stop.set)
-    wait = threading.Event()
-    while not s.server.stopping:
-        wait.wait(0.01)
+    _stopping(s)
     return first
 
 
@@ -329,9 +336,7 @@ def test_a_stop_answers_the_request_an_idle_kept_alive_connection_sends_next_the
     with contextlib.closing(socket.create_connection(("127.0.0.1", s.port), timeout=10)) as c:
         first = _answered_then_stopped(s, c)
         c.sendall(b"GET /second HTTP/1.1\r\nHost: test\r\n\r\n")
-        raw = b""
-        while chunk := c.recv(65536):
-            raw += chunk
+        raw = _until_closed(c)
     s.thread.join(20)
     [answer] = answers(raw)
     assert (echoed(answer)["path"], answer[1]["connection"]) == ("/second", "close")
