@@ -49,8 +49,10 @@ import httpx
 
 import llmgw_wire as wire
 from bench import procs
-from bench.heartbeat import _free_port, _loadavg, _proc_cpu, _recreate_database, _wait_until_up
+from bench.heartbeat import _free_port, _loadavg, _proc_cpu, _recreate_database, _server_description, _wait_until_up
+from llmgw_agent.loop import LEASE_FALLBACK_S
 from llmgw_sim.fleet import EDGES, histogram_percentile
+from llmgw_sim.fleet_stats import Stats
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -268,25 +270,24 @@ class Loop:
             return conn.execute(query, params or []).fetchall()
 
     def stats(self) -> dict:
-        """The fleet's counters summed over its processes."""
-        total: dict = {"registered": 0, "heartbeats": 0, "leases": 0, "unreachable": 0, "register_refused": {},
-                       "heartbeat_errors": {}, "statuses_why": {}, "latency": [0] * len(EDGES),
-                       "register_latency": [0] * len(EDGES), "lateness": [0] * len(EDGES),
-                       "lease_latency": [0] * len(EDGES), "pool_wait": [0] * len(EDGES), "lease_fallbacks": 0,
-                       "leases_to_control_plane": 0}  # fmt: skip
+        """The fleet's counters summed over its processes (every one of llmgw_sim/fleet_stats.py's Stats)."""
+        total = Stats().as_dict()
         for k in range(len(self.fleet)):
             try:
                 s = json.loads((self.work / f"stats-{k}.json").read_text())
             except (OSError, ValueError):
                 continue
-            counts = ("registered", "heartbeats", "leases", "unreachable", "lease_fallbacks", "leases_to_control_plane")
-            for key in counts:
-                total[key] += s.get(key, 0)
-            for key in ("register_refused", "heartbeat_errors", "statuses_why"):
-                for code, n in s.get(key, {}).items():
-                    total[key][code] = total[key].get(code, 0) + n
-            for key in ("latency", "register_latency", "lateness", "lease_latency", "pool_wait"):
-                total[key] = [a + b for a, b in zip(total[key], s.get(key) or [0] * len(EDGES), strict=True)]
+            for key, sum_ in total.items():
+                got = s.get(key)
+                if got is None:
+                    continue
+                if isinstance(sum_, dict):
+                    for code, n in got.items():
+                        sum_[code] = sum_.get(code, 0) + n
+                elif isinstance(sum_, list):
+                    total[key] = [a + b for a, b in zip(sum_, got, strict=True)]
+                else:
+                    total[key] = sum_ + got
         return total
 
     def groups(self) -> dict[str, list[int]]:
@@ -361,8 +362,7 @@ def _phases(loop: Loop) -> Iterator[str]:
     n = loop.nodes
     yield (
         f"{n:,} virtual nodes over the shipped profiles in {loop.procs_n} process(es), heartbeat every "
-        f"{loop.interval:g} s +-10%; server: {loop.env.get('WEB_CONCURRENCY') or os.cpu_count()} workers x "
-        f"{loop.env.get('LLMGW_WEB_THREADS') or 8} threads (granian); "
+        f"{loop.interval:g} s +-10%; server: {_server_description(loop.env)}; "
         f"worker: celery -B, concurrency {loop.concurrency}; "
         f"{os.cpu_count()} cores shared with everything else (load average at the start: {_loadavg()})"
     )
@@ -493,7 +493,8 @@ def _lease_paths(s0: dict, s1: dict) -> str:
     return (
         f"  leases the gateway answered: {sum(lat):,}, p50 {_ms(histogram_percentile(lat, 50))}, "
         f"p99 {_ms(histogram_percentile(lat, 99))}, max {_ms(histogram_percentile(lat, 100))}; "
-        f"gateway failures that sent a simulator process's leases to the web server for 60 s: {fell}, "
+        f"gateway failures that sent a simulator process's leases to the web server for {LEASE_FALLBACK_S:g} s: "
+        f"{fell}, "
         f"leases sent there instead: {to_cp:,}; full statuses by why: {why or 'none'}; "
         f"the simulator's own wait for a connection (in the latencies) p50 {_ms(histogram_percentile(wait, 50))}, "
         f"p99 {_ms(histogram_percentile(wait, 99))}, max {_ms(histogram_percentile(wait, 100))}"

@@ -54,7 +54,7 @@ try:
     import uvloop
 except ImportError:  # a development tool: asyncio's own loop serves, at a higher CPU cost per heartbeat
     uvloop = None
-from llmgw_agent.loop import LEASE_TIMEOUT_S, backoff_delay
+from llmgw_agent.loop import LEASE_FALLBACK_S, LEASE_TIMEOUT_S, backoff_delay
 from llmgw_agent.status import MAX_AGAIN
 from llmgw_sim.fleet_http import Answer, Connection, TransportError
 from llmgw_sim.fleet_stats import EDGES, Stats, histogram_percentile
@@ -261,14 +261,15 @@ class Fleet:
         try:
             r = await conn.post(urlsplit(self.lease_url).path, body, token)
         except TransportError as e:
-            log.warning("lease: %s failed (%s); the control plane's own endpoint for 60 s", self.lease_url, e)
+            log.warning("lease: %s failed (%s); the control plane's own endpoint for %g s", self.lease_url, e,
+                        LEASE_FALLBACK_S)  # fmt: skip
             r = None
         finally:
             self._lease_connections.put_nowait(conn)
         if r is not None and r.status_code not in (404, 405) and r.status_code < 500:
             self.stats.observe(self.stats.lease_latency, time.perf_counter() - t0)
             return r
-        self.lease_fallback_until = self.clock() + 60.0
+        self.lease_fallback_until = self.clock() + LEASE_FALLBACK_S
         self.stats.lease_fallbacks += 1
         return await self._lease_to_control_plane(body, token)
 
