@@ -217,6 +217,11 @@ def test_a_batch_costs_two_statements_however_many_of_its_nodes_have_commands_wa
     got = {n: [c.id for c in a.commands] for n, a in answers.items()}
     assert got == {"gpu-a": [str(c.id) for c in made["gpu-a"]], "gpu-b": [str(made["gpu-b"][0].id)], "gpu-c": []}
     assert sorted(Command.objects.values_list("deliveries", flat=True)) == [1, 1, 1]
+    # A lease refused for its credential takes none of its node's commands.
+    deliveries = dict(Command.objects.values_list("id", "deliveries"))
+    answers = write_batch([lease_db.Ask(node_id="gpu-a", token_hash=credentials.hash_secret(nodes["gpu-b"]))])
+    assert answers == {}
+    assert dict(Command.objects.values_list("id", "deliveries")) == deliveries
     # No command waits: the renewal alone.
     Command.objects.update(acked_at=now)
     with CaptureQueriesContext(connection) as q:
