@@ -29,6 +29,7 @@ from gateway.dataplane.catalog import Catalog
 from gateway.dataplane.hold import Holder
 from gateway.dataplane.http import (
     ClientGone,
+    Native,
     Receive,
     Scope,
     Send,
@@ -62,8 +63,8 @@ class Answer:
     """What one request was answered: its status once sent, the model it named once known, whether it is counted."""
 
     status: int | None = None
-    # The server's hooks run when the client's connection is lost (the native server's "llmgw.lost").
-    lost: list | None = None
+    # The native server's ways past ASGI (its "llmgw.native" extension): None under another server.
+    native: Native | None = None
     # Only a routed model's name: a client's arbitrary one would be a label of its own in /metrics.
     model: str = ""
     counted: bool = False
@@ -189,7 +190,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
         rid = request_id(scope)
         # Every answer carries the request's id; the rate-limit headers join them once the key is counted.
         extra = [(b"x-request-id", rid)]
-        answer = Answer(lost=(scope.get("extensions") or {}).get("llmgw.lost"))
+        answer = Answer(native=(scope.get("extensions") or {}).get("llmgw.native"))
         send = answer.watch(stamped(send, extra))
         failed = False
         try:
@@ -440,7 +441,7 @@ class DataPlane(Background, Catalog, Holder, Upstream, Relay):
             await self.limiter.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
             await self.budgets.spend(key, o.prompt_tokens + o.completion_tokens, time.time())
 
-        out = await self._forward(receive, send, route, body, raw, path, started, spend, rid, answer.lost)
+        out = await self._forward(receive, send, route, body, raw, path, started, spend, rid, answer.native)
         await out.settle_once()
         answer.counted = True
         m = self.metrics

@@ -48,7 +48,10 @@ class Connection(asyncio.Protocol):
         # Called as the connection is lost, before any task runs again: the data plane's relay stops
         # its client's stream this way without a task of its own waiting on `receive`.
         self.lost_hooks: list[Callable[[], None]] = []
-        self.extensions = {"llmgw.lost": self.lost_hooks}
+        # Called once the client has caught up with what was written (a relay paused for it).
+        self.drain_hooks: list[Callable[[], None]] = []
+        # The request's way past ASGI's messages (gateway.dataplane.http.Native).
+        self.extensions = {"llmgw.native": self}
         self.closing = False
         # Lingering: what still arrives is dropped unread.
         self.dropping = False
@@ -79,6 +82,7 @@ class Connection(asyncio.Protocol):
                 exchange._wake()
         for hook in list(self.lost_hooks):
             hook()
+        self._drained()
         for fut in self.gone_waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -114,6 +118,12 @@ class Connection(asyncio.Protocol):
         self.writing_paused = False
         if self.drained is not None and not self.drained.done():
             self.drained.set_result(None)
+        self._drained()
+
+    def _drained(self) -> None:
+        hooks, self.drain_hooks = self.drain_hooks, []
+        for hook in hooks:
+            hook()
 
     # The parser's callbacks.
 
@@ -262,6 +272,17 @@ class Connection(asyncio.Protocol):
                 return
             self.reading_paused = False
             self.transport.resume_reading()
+
+    def write_body(self, data: bytes) -> bool:
+        """A part of the running request's answer, written at once (gateway.dataplane.http.Native)."""
+        return False if self.current is None else self.current.write(data)
+
+    def when_drained(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the client has caught up, or at once if it is not behind."""
+        if self.writing_paused and not self.lost:
+            self.drain_hooks.append(callback)
+        else:
+            callback()
 
     async def drain(self) -> None:
         """Wait until the client has read what was written (or gone)."""

@@ -90,14 +90,27 @@ class Exchange:
             return
         if self.status is None:
             raise RuntimeError("an answer's body before its start")
+        if self._write(message.get("body", b""), message.get("more_body", False)):
+            await self.conn.drain()
+
+    def write(self, body: bytes) -> bool:
+        """A part of the answer's body written at once, outside any task (its start sent before); True: client behind.
+
+        The relay's way of passing a stream through from the replica's read
+        callback (pool.Response.relay): an await per part was a task step per token.
+        """
+        if self.status is None:
+            raise RuntimeError("an answer's body before its start")
+        return False if self.finished else self._write(body, True)
+
+    def _write(self, body: bytes, more: bool) -> bool:
+        # The bytes framed and written; True while the client is behind reading them.
         conn = self.conn
-        body = message.get("body", b"")
-        more = message.get("more_body", False)
         if conn.lost:
             # The client has gone: what is left of the answer has no one to read it.
             if not more:
                 self.finished = True
-            return
+            return False
         if self.scope["method"] == "HEAD":
             body = b""
         if not self.started:
@@ -113,8 +126,8 @@ class Exchange:
         if not more:
             self.finished = True
             conn.answered(self)
-        elif conn.writing_paused:
-            await conn.drain()
+            return False
+        return conn.writing_paused
 
     def head(self, body: bytes, more: bool) -> bytes:
         """The answer's status line and headers, framed for what follows, with `body`'s first part."""

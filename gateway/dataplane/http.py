@@ -6,7 +6,7 @@ import json
 import re
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -32,6 +32,19 @@ INSIDES = re.compile(
     r"Traceback \(most recent call last\)|File \"/|\b\w+(Error|Exception)\("
     r"|\b\d{1,3}(\.\d{1,3}){3}\b|localhost|\[::1?\]"
 )
+
+
+class Native(Protocol):
+    """What the native server (gateway/dataplane/server.py) offers a request past ASGI: its "llmgw.native" extension."""
+
+    # Called as the client's connection is lost, before any task runs again.
+    lost_hooks: list[Callable[[], None]]
+
+    def write_body(self, data: bytes) -> bool:
+        """A part of the answer's body written at once, its start sent before; True while the client is behind."""
+
+    def when_drained(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the client has read what was written, or has gone."""
 
 
 class ClientGone(Exception):

@@ -1,4 +1,4 @@
-"""The data plane's connections to replicas: HTTP/1.1 over asyncio streams, kept alive per replica.
+"""The data plane's connections to replicas: HTTP/1.1 on the loop's own protocol (link.py), kept alive per replica.
 
 A request takes the connection its replica used last (LIFO) in constant time;
 one the engine has closed is seen from the event loop (its end of stream
@@ -19,6 +19,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from urllib.parse import urlsplit
 
+from gateway.dataplane.link import Link
+
 READ_SIZE = 65536
 # The most an answer's status line and headers may take.
 HEAD_LIMIT = 64 * 1024
@@ -29,13 +31,13 @@ class UpstreamError(Exception):
 
 
 class _Conn:
-    __slots__ = ("idle_since", "reader", "writer")
+    __slots__ = ("idle_since", "link")
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer, self.idle_since = reader, writer, 0.0
+    def __init__(self, link: Link) -> None:
+        self.link, self.idle_since = link, 0.0
 
     def usable(self, now: float, expiry: float) -> bool:
-        return not self.reader.at_eof() and not self.writer.is_closing() and now - self.idle_since < expiry
+        return not self.link.eof and not self.link.is_closing() and now - self.idle_since < expiry
 
 
 class Deadline:
@@ -83,6 +85,64 @@ class Deadline:
         self.handle.cancel()
 
 
+class Framing:
+    """An answer's body framing undone as its bytes arrive: chunks, a length, or the connection's end.
+
+    Fed each read; gives back the body's bytes in it. Every complete chunk in
+    what has arrived comes out at once (one write to the client, not one per
+    chunk), walked by offset and cut once a read: cutting after each chunk
+    copied the rest every time.
+    """
+
+    __slots__ = ("buf", "chunked", "done", "left", "to_close")
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        self.chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        self.to_close = not self.chunked and "content-length" not in headers
+        self.left = 0 if self.chunked or self.to_close else int(headers["content-length"])
+        self.done = not self.chunked and not self.to_close and self.left <= 0
+        self.buf = b""
+
+    def feed(self, data: bytes) -> bytes:
+        """The body's bytes in `data`; ValueError for chunks that are not HTTP's."""
+        if self.done:
+            return b""
+        if self.to_close:
+            return data
+        if not self.chunked:
+            data = data[: self.left]
+            self.left -= len(data)
+            self.done = self.left <= 0
+            return data
+        buf = self.buf + data if self.buf else data
+        out = []
+        pos = 0
+        while (i := buf.find(b"\r\n", pos)) >= 0:
+            size = int(buf[pos:i].split(b";", 1)[0], 16)
+            if size == 0:
+                if buf.find(b"\r\n\r\n", i) < 0:
+                    break
+                self.done = True
+                self.buf = b""
+                return b"".join(out)
+            end = i + 2 + size
+            if len(buf) < end + 2:
+                break
+            out.append(buf[i + 2 : end])
+            pos = end + 2
+        self.buf = buf[pos:] if pos else buf
+        if not out:
+            return b""
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def end(self) -> None:
+        """The connection has ended: the body with it, or UpstreamError if it was not complete."""
+        if self.to_close:
+            self.done = True
+        if not self.done:
+            raise UpstreamError("the replica closed the connection mid-answer")
+
+
 class Response:
     """A replica's answer: its status and headers (lower-case names), the body read as it arrives."""
 
@@ -93,63 +153,79 @@ class Response:
         self.status_code = status
         self.headers = headers
         self._pool, self._origin, self._conn = pool, origin, conn
-        self._keep = keep
-        self._done = False
+        self._framing = Framing(headers)
+        # Read to its close, the connection cannot carry another answer.
+        self._keep = keep and not self._framing.to_close
+        self._done = self._framing.done
         self._deadline = deadline
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (chunked framing removed); UpstreamError if it breaks off."""
+        framing, link = self._framing, self._conn.link
         try:
-            if self.headers.get("transfer-encoding", "").lower() == "chunked":
-                async for data in self._chunked():
-                    yield data
-            elif "content-length" in self.headers:
-                left = int(self.headers["content-length"])
-                while left > 0:
-                    data = await self._read(min(left, READ_SIZE))
-                    if not data:
-                        raise UpstreamError("the replica closed the connection mid-answer")
-                    left -= len(data)
-                    yield data
-            else:
-                self._keep = False
-                while data := await self._read(READ_SIZE):
-                    yield data
+            while not framing.done:
+                data = await self._deadline.read(link.read(READ_SIZE))
+                if not data:
+                    framing.end()
+                    break
+                if body := framing.feed(data):
+                    yield body
         except (OSError, asyncio.IncompleteReadError, ValueError) as e:
             raise UpstreamError(f"{type(e).__name__}: {e}") from e
         self._done = True
 
-    async def _read(self, n: int) -> bytes:
-        return await self._deadline.read(self._conn.reader.read(n))
+    async def relay(self, deliver: Callable[[bytes], None]) -> None:
+        """Hand the body's bytes to `deliver` from the loop's read callback as they arrive; return at its end.
 
-    async def _chunked(self) -> AsyncIterator[bytes]:
-        # Every complete chunk in what has arrived goes out at once: one send to the client, not one per chunk.
-        # Walked by offset, and cut once a read: cutting after each chunk copied the rest every time.
-        buf = b""
-        while True:
-            out = []
-            pos = 0
-            while (i := buf.find(b"\r\n", pos)) >= 0:
-                size = int(buf[pos:i].split(b";", 1)[0], 16)
-                if size == 0:
-                    if buf.find(b"\r\n\r\n", i) < 0:
-                        break
-                    if out:
-                        yield b"".join(out)
-                    return
-                end = i + 2 + size
-                if len(buf) < end + 2:
-                    break
-                out.append(buf[i + 2 : end])
-                pos = end + 2
-            if pos:
-                buf = buf[pos:]
-            if out:
-                yield out[0] if len(out) == 1 else b"".join(out)
-            data = await self._read(READ_SIZE)
-            if not data:
-                raise UpstreamError("the replica closed the connection mid-answer")
-            buf += data
+        No task wakes for a read: `deliver` runs in the callback, and must not
+        block. UpstreamError if the body breaks off, or (its cause a
+        TimeoutError) when no byte has come for the read timeout. `pause` and `resume` hold
+        the replica while the client is behind.
+        """
+        framing, link, deadline = self._framing, self._conn.link, self._deadline
+        loop = deadline.loop
+        ended = loop.create_future()
+
+        def sink(data: bytes) -> None:
+            try:
+                if not data:
+                    framing.end()
+                else:
+                    # The timeout counts from the last byte: a stream that keeps coming never times out.
+                    deadline.since = loop.time()
+                    if body := framing.feed(data):
+                        deliver(body)
+                if framing.done and not ended.done():
+                    link.sink = None
+                    ended.set_result(None)
+            except BaseException as e:  # a malformed chunk, a break-off, or `deliver`'s own failure
+                link.sink = None
+                if not ended.done():
+                    ended.set_exception(e)
+
+        if first := link.take():
+            sink(first)
+        elif link.eof:
+            sink(b"")
+        if not ended.done():
+            link.sink = sink
+        try:
+            await deadline.read(ended)
+        except (OSError, ValueError) as e:
+            raise UpstreamError(f"{type(e).__name__}: {e}") from e
+        finally:
+            link.sink = None
+        self._done = True
+
+    def pause(self) -> None:
+        """Stop reading the replica (the client is behind)."""
+        if self._conn is not None and self._conn.link.transport is not None:
+            self._conn.link.transport.pause_reading()
+
+    def resume(self) -> None:
+        """Read the replica again."""
+        if self._conn is not None and self._conn.link.transport is not None:
+            self._conn.link.transport.resume_reading()
 
     async def aclose(self) -> None:
         """Give the connection back if the answer was read to its end, else close it (the engine sees it)."""
@@ -160,7 +236,7 @@ class Response:
         if self._done and self._keep:
             self._pool._put(self._origin, conn)
         else:
-            conn.writer.close()
+            conn.link.close()
 
 
 class Pool:
@@ -201,9 +277,10 @@ class Pool:
         host, port, tls = origin[0], origin[1], origin[2]
         if tls and self._ssl is None:
             self._ssl = ssl.create_default_context()
+        loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.connect_timeout):
-            reader, writer = await asyncio.open_connection(host, port, ssl=self._ssl if tls else None, limit=HEAD_LIMIT)
-        return _Conn(reader, writer)
+            _, link = await loop.create_connection(lambda: Link(loop), host, port, ssl=self._ssl if tls else None)
+        return _Conn(link)
 
     def _take(self, origin: tuple) -> _Conn | None:
         idle = self._idle.get(origin)
@@ -212,13 +289,13 @@ class Pool:
             conn = idle.pop()
             if conn.usable(now, self.keepalive_expiry):
                 return conn
-            conn.writer.close()
+            conn.link.close()
         return None
 
     def _put(self, origin: tuple, conn: _Conn) -> None:
         idle = self._idle.setdefault(origin, [])
         if len(idle) >= self.max_idle:
-            conn.writer.close()
+            conn.link.close()
             return
         conn.idle_since = time.monotonic()
         idle.append(conn)
@@ -257,14 +334,15 @@ class Pool:
                 len(body),
                 headers,
             )
-            conn.writer.write(head + body if len(body) < READ_SIZE else head)
+            link = conn.link
+            link.write(head + body if len(body) < READ_SIZE else head)
             if len(body) >= READ_SIZE:
-                conn.writer.write(body)
-            await conn.writer.drain()
+                link.write(body)
+            await link.drain()
             deadline = Deadline(self.read_timeout)
-            raw = await deadline.read(conn.reader.readuntil(b"\r\n\r\n"))
+            raw = await deadline.read(link.readuntil(b"\r\n\r\n", HEAD_LIMIT))
             status, fields, keep = _parse_head(raw)
-        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as e:
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as e:
             _abandon(conn, deadline)
             raise UpstreamError(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from e
         except BaseException:
@@ -276,7 +354,7 @@ class Pool:
         """Close every idle connection."""
         for idle in self._idle.values():
             for conn in idle:
-                conn.writer.close()
+                conn.link.close()
         self._idle.clear()
 
 
@@ -290,7 +368,7 @@ def _closed_unanswered(exc: BaseException | None) -> bool:
 
 def _abandon(conn: _Conn | None, deadline: Deadline | None) -> None:
     if conn is not None:
-        conn.writer.close()
+        conn.link.close()
     if deadline is not None:
         deadline.close()
 

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.dataplane.http import ClientGone, Receive, Send, engine_error, error_body, send_raw
+from gateway.dataplane.http import ClientGone, Native, Receive, Send, engine_error, error_body, send_raw
 from gateway.dataplane.pool import Response, UpstreamError
 from gateway.dataplane.sse import UsageStripper
 from gateway.table import Backend
@@ -84,19 +84,21 @@ class Relay:
         started: float,
         settle: Callable[[Outcome], Awaitable[None]] | None,
         ask: Ask,
-        lost: list[Callable[[], None]] | None = None,
+        native: Native | None = None,
     ) -> Outcome:
         """Pass the replica's answer through as it arrives; stop at once when the client goes away.
 
-        `lost`: the server's hooks called when the client's connection is lost
-        (the native server's "llmgw.lost" extension); without it the client is
-        watched by a task waiting on `receive` for http.disconnect.
+        `native`: the native server's ways past ASGI (its "llmgw.native"
+        extension): hooks called when the client's connection is lost, and a
+        stream's parts written from the replica's read callback. Without it the
+        client is watched by a task waiting on `receive` for http.disconnect.
         """
         out = Outcome(code=response.status_code, error=response.status_code >= 400, settle=settle)
         if response.status_code >= 400:
             pump = self._refusal(send, response, backend, out, started, ask)
         else:
-            pump = self._pump(send, response, backend, out, started, ask)
+            pump = self._pump(send, response, backend, out, started, ask, native)
+        lost = native.lost_hooks if native is not None else None
         # The relay runs in the request's own task, which a client gone cancels: a task for the
         # relay and a wait on two tasks were a third of the loop's turns a request took.
         watch = _Watch(asyncio.current_task())
@@ -162,8 +164,9 @@ class Relay:
             raise ClientGone from e
 
     async def _pump(
-        self, send: Send, response: Response, backend: Backend, out: Outcome, started: float, ask: Ask
-    ) -> None:
+        self, send: Send, response: Response, backend: Backend, out: Outcome, started: float, ask: Ask,
+        native: Native | None,
+    ) -> None:  # fmt: skip
         headers = [(b"x-llmgw-replica", backend.id.encode())]
         ctype = response.headers.get("content-type", "application/json")
         headers.append((b"content-type", ctype.encode()))
@@ -173,19 +176,24 @@ class Relay:
             return
         headers.append((b"cache-control", b"no-cache"))
         await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-        tail = b""
         strip = UsageStripper() if ask.strip_usage else None
-        async for chunk in response.aiter_raw():
-            if out.ttft is None:
-                out.ttft = time.monotonic() - started
-            passed = chunk if strip is None else strip.feed(chunk)
-            try:
-                if passed:
-                    await send({"type": "http.response.body", "body": passed, "more_body": True})
-            except Exception as e:
-                raise ClientGone from e
-            if strip is None:
-                tail = self._scan_sse(tail + chunk, out)
+        part_of = self._parts(out, started, strip)
+        if native is not None:
+            # Each part written from the replica's read callback, no task step: a client behind
+            # reading holds the replica until it has caught up.
+            def passed(chunk: bytes) -> None:
+                if (part := part_of(chunk)) and native.write_body(part):
+                    response.pause()
+                    native.when_drained(response.resume)
+
+            await response.relay(passed)
+        else:
+            async for chunk in response.aiter_raw():
+                if part := part_of(chunk):
+                    try:
+                        await send({"type": "http.response.body", "body": part, "more_body": True})
+                    except Exception as e:
+                        raise ClientGone from e
         rest = b""
         if strip is not None:
             # The stripper parsed every usage line it took out (chat and text completions' streams).
@@ -193,6 +201,21 @@ class Relay:
             self._take_usage(strip.usage, out)
         await out.settle_once()
         await send({"type": "http.response.body", "body": rest, "more_body": False})
+
+    def _parts(self, out: Outcome, started: float, strip: UsageStripper | None) -> Callable[[bytes], bytes]:
+        """What of each read of a stream goes to the client; the time to its first byte and its usage noted."""
+        tail = b""
+
+        def part_of(chunk: bytes) -> bytes:
+            nonlocal tail
+            if out.ttft is None:
+                out.ttft = time.monotonic() - started
+            if strip is not None:
+                return strip.feed(chunk)
+            tail = self._scan_sse(tail + chunk, out)
+            return chunk
+
+        return part_of
 
     async def _whole(
         self, send: Send, response: Response, headers: list[tuple[bytes, bytes]], out: Outcome, started: float

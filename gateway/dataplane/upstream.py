@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from django.conf import settings
 
 from gateway import routing
-from gateway.dataplane.http import Receive, Send, error_body, send_raw
+from gateway.dataplane.http import Native, Receive, Send, error_body, send_raw
 from gateway.dataplane.metrics import Metrics
 from gateway.dataplane.pool import Pool, UpstreamError
 from gateway.dataplane.streaming import Ask, Outcome
@@ -89,11 +89,11 @@ class Upstream:
         started: float,
         settle: Callable[[Outcome], Awaitable[None]] | None = None,
         rid: bytes = b"-",
-        lost: list[Callable[[], None]] | None = None,
+        native: Native | None = None,
     ) -> Outcome:
         """Send the request to a replica, once more to another on a failure before the first byte, and relay.
 
-        `lost`: the server's hooks for the client's connection lost, when it offers them (Relay._relay).
+        `native`: the native server's ways past ASGI, under it (Relay._relay).
         """
         if not route.backends and route.hold:
             waited = time.monotonic()
@@ -176,7 +176,7 @@ class Upstream:
                     self.metrics.retries.inc(1 - attempt)
                     continue
                 self._succeeded(backend)
-                return await self._relay(receive, send, response, backend, started, settle, ask, lost)
+                return await self._relay(receive, send, response, backend, started, settle, ask, native)
             finally:
                 self.inflight[backend.id] -= 1
                 if not self.inflight[backend.id]:

@@ -79,13 +79,14 @@ READING = threading.Event()
 class Served:
     """The native server on 127.0.0.1 (a free port), on a uvloop event loop in a thread of its own."""
 
-    def __init__(self, head_timeout: float = 30.0) -> None:
+    def __init__(self, head_timeout: float = 30.0, application: Any = app) -> None:
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.sock.setblocking(False)
         self.port = self.sock.getsockname()[1]
         self.head_timeout = head_timeout
+        self.application = application
         self.ready = threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stop: asyncio.Event | None = None
@@ -98,7 +99,7 @@ class Served:
         async def main() -> None:
             self.loop = asyncio.get_running_loop()
             self.stop = asyncio.Event()
-            self.server = Server(app, head_timeout=self.head_timeout)
+            self.server = Server(self.application, head_timeout=self.head_timeout)
             self.ready.set()
             await self.server.serve(self.sock, self.stop)
 

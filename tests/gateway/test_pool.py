@@ -84,7 +84,7 @@ def test_chunks_split_anywhere_are_read_whole_and_a_closed_connection_is_not_reu
         pool = _pool()
         assert await _body(pool, url, {}) == (200, b"hello world")
         (conn,) = next(iter(pool._idle.values()))
-        while not conn.reader.at_eof():  # the replica's close reaches the event loop
+        while not conn.link.at_eof():  # the replica's close reaches the event loop
             await asyncio.sleep(0.01)
         # The closed connection is left, a new one taken: no error reaches the caller.
         assert await _body(pool, url, {}) == (200, b"ok")
@@ -214,7 +214,7 @@ def test_a_kept_alive_connection_closed_as_the_request_went_out_is_retried_once_
         )
         assert await _body(pool, url, {}) == (200, b"sse!")
         (conn,) = next(iter(pool._idle.values()))
-        assert not conn.reader.at_eof()  # looks alive when taken: the close has not been seen
+        assert not conn.link.at_eof()  # looks alive when taken: the close has not been seen
         assert await _body(pool, url, {}) == (200, b"ok")
         assert seen == [(0, 0), (0, 1), (1, 0)]
         assert pool.reopened == 1
@@ -259,6 +259,94 @@ def test_a_partial_head_on_a_kept_alive_connection_is_not_retried():
             await pool.post(url, b"{}", HEADERS)
         assert seen == [(0, 0), (0, 1)]
         assert pool.reopened == 0
+        await pool.aclose()
+        server.close()
+
+    asyncio.run(run())
+
+
+async def _relayed(pool: Pool, url: str) -> tuple[list[bytes], object]:
+    """The parts Response.relay hands over for one answer, and what it ended with (None, or the exception)."""
+    r = await pool.post(url, b"{}", HEADERS)
+    parts: list[bytes] = []
+    try:
+        await r.relay(parts.append)
+        ended = None
+    except Exception as e:
+        ended = e
+    await r.aclose()
+    return parts, ended
+
+
+def test_a_relayed_body_comes_whole_in_order_whatever_its_framing_and_the_connection_is_kept():
+    # Chunked and split byte by byte (every boundary between two reads somewhere), then by length.
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+
+    async def run() -> None:
+        split, _ = await _serve([[bytes([b]) for b in chunked]])
+        pool = _pool()
+        parts, ended = await _relayed(pool, f"http://127.0.0.1:{split.sockets[0].getsockname()[1]}/v1/completions")
+        assert (b"".join(parts), ended) == (b"hello world", None)
+        assert all(parts)
+        assert len(next(iter(pool._idle.values()))) == 1  # read to its end: kept for the next request
+        # The body's first bytes came with the head: handed over before anything more is read.
+        whole, _ = await _serve([[STREAMED]])
+        parts, ended = await _relayed(pool, f"http://127.0.0.1:{whole.sockets[0].getsockname()[1]}/v1/completions")
+        assert (parts, ended) == ([b"sse!"], None)
+        by_length, _ = await _serve([[b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf", b"-rest!"]])
+        parts, ended = await _relayed(pool, f"http://127.0.0.1:{by_length.sockets[0].getsockname()[1]}/v1/x")
+        assert (b"".join(parts), ended) == (b"half-rest!", None)
+        await pool.aclose()
+        for s in (split, whole, by_length):
+            s.close()
+
+    asyncio.run(run())
+
+
+def test_a_relayed_body_cut_off_or_stalled_is_an_upstream_error_and_the_connection_is_dropped():
+    async def run() -> None:
+        pool = Pool(connect_timeout=2, read_timeout=0.3, keepalive_expiry=30, max_idle=8)
+        cut, _ = await _serve([[b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nsse!\r\n"]])
+        parts, ended = await _relayed(pool, f"http://127.0.0.1:{cut.sockets[0].getsockname()[1]}/v1/x")
+        assert parts == [b"sse!"]
+        assert isinstance(ended, UpstreamError) and "mid-answer" in str(ended)
+        stall = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nsse!\r\n")
+            await writer.drain()
+            await stall.wait()
+            writer.close()
+
+        stalled = await asyncio.start_server(handle, "127.0.0.1", 0)
+        parts, ended = await _relayed(pool, f"http://127.0.0.1:{stalled.sockets[0].getsockname()[1]}/v1/x")
+        assert parts == [b"sse!"]
+        assert isinstance(ended, UpstreamError) and isinstance(ended.__cause__, TimeoutError)
+        # Neither answer was read to its end: no connection kept, and the timer of each gone.
+        assert all(idle == [] for idle in pool._idle.values())
+        stall.set()
+        await pool.aclose()
+        cut.close()
+        stalled.close()
+
+    asyncio.run(run())
+
+
+def test_a_failure_of_the_relays_receiver_ends_the_relay_with_it():
+    async def run() -> None:
+        server, _ = await _serve([[STREAMED]])
+        pool = _pool()
+        r = await pool.post(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/x", b"{}", HEADERS)
+
+        def refuse(part: bytes) -> None:
+            raise LookupError(part)
+
+        with pytest.raises(LookupError, match="sse!"):
+            await r.relay(refuse)
+        await r.aclose()
+        assert all(idle == [] for idle in pool._idle.values())
         await pool.aclose()
         server.close()
 
