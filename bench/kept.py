@@ -6,8 +6,10 @@ heartbeat leaves it). Measured, each several times (min / median / max, the
 machine being shared): the full build every pass paid before, a reconcile
 pass that places one new replica (the feed read, the reload of the node the
 previous pass placed on, the lease query, the planning and the writes), and
-a dry run (the kept index brought up to date, copied, one replica planned
-and reserved; and the same through the REST endpoint, with its JSON).
+another process's change to one node, and its claim on one (only what the
+node's shards hold read again), and a dry run (the kept index brought up to
+date, copied, one replica planned and reserved; and the same through the
+REST endpoint, with its JSON).
 Targets: a pass placing one replica at 5,000 nodes under 50 ms; a dry run
 at 10,000 nodes under 100 ms.
 """
@@ -108,6 +110,19 @@ def _one_size(size: int) -> list[str]:
                 kept.current(now=now)
                 reload_.append(time.perf_counter() - started)
             out.append(f"{size:,} nodes: kept.current() after another process changed one node: {_spread(reload_)}")
+            # Another process's claim on one node: its holdings alone are read again (changes.HOLDINGS).
+            held, held_statements = [], 0
+            for _ in range(RUNS):
+                changes.mark([one], holdings=True)
+                with StatementCounter(connection) as q:
+                    started = time.perf_counter()
+                    kept.current(now=now)
+                    held.append(time.perf_counter() - started)
+                held_statements = q.count
+            out.append(
+                f"{size:,} nodes: kept.current() after another process's claim on one node (its holdings read "
+                f"again): {_spread(held)}, {held_statements} statement(s)"
+            )
 
             req = planner.ReplicaRequest(gpus_per_node=2)
             dry, copies, explained = [], [], []

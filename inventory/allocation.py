@@ -41,13 +41,13 @@ def allocate(
         AllocatedGPU.objects.bulk_create(
             [AllocatedGPU(allocation=alloc, node_id=node_id, gpu_index=i) for i in sorted(set(gpu_indices))]
         )
-        changes.mark([node_id])
+        changes.mark([node_id], holdings=True)
     return alloc
 
 
 def release_shard(shard_id: uuid.UUID) -> int:
     """Free what one shard held. Returns the number of allocations removed."""
-    changes.mark(Allocation.objects.filter(shard_id=shard_id).values_list("node_id", flat=True))
+    changes.mark(Allocation.objects.filter(shard_id=shard_id).values_list("node_id", flat=True), holdings=True)
     deleted, _ = Allocation.objects.filter(shard_id=shard_id).delete()
     return 1 if deleted else 0
 
@@ -61,7 +61,7 @@ def release_replica(replica_id: uuid.UUID) -> int:
     with transaction.atomic():
         held_on = list(Allocation.objects.filter(replica_id=replica_id).values_list("node_id", flat=True))
         Allocation.objects.filter(replica_id=replica_id).delete()
-        changes.mark(held_on)
+        changes.mark(held_on, holdings=True)
     return len(held_on)
 
 

@@ -107,6 +107,7 @@ class KeptIndex:
         # What happened, for the tests and the benchmark.
         self.rebuilds = 0
         self.reloaded = 0
+        self.reloaded_holdings = 0
         self.lock = threading.Lock()
 
     # -- reading -------------------------------------------------------------
@@ -126,12 +127,22 @@ class KeptIndex:
             if feed.everything:
                 return self._rebuild(now)
             # The claims this index reserved itself are applied already.
-            ids = {i for v, marked in feed.entries.items() if v not in self.own for i in marked}
+            ids: set[str] = set()
+            held: set[str] = set()
+            for v, marked in feed.entries.items():
+                if v not in self.own:
+                    (held if v in feed.holdings else ids).update(marked)
             self.own = {v for v in self.own if v > (feed.version or 0)}
-            if len(ids) > max(REBUILD_PAST, len(self.facts) // 2):
+            # A node this index does not know yet is read whole.
+            held -= ids
+            ids |= held - self.facts.keys()
+            held &= self.facts.keys()
+            if len(ids) + len(held) > max(REBUILD_PAST, len(self.facts) // 2):
                 return self._rebuild(now)
             if ids:
                 self._reload(ids)
+            if held:
+                self._reload_holdings(held)
             self.version = feed.version
             self._refresh_silence(now)
             return self.snap
@@ -221,6 +232,20 @@ class KeptIndex:
                 # A subnet manager joined or left a fabric: every node's keys may read differently.
                 self.canon = canon
                 redo = list(self.facts)
+        self._redo(redo, addrs)
+
+    def _reload_holdings(self, node_ids: Iterable[str]) -> None:
+        # Nodes whose shards' holdings alone changed (another process's claims and releases).
+        ids = sorted(node_ids)
+        self.facts.update(snapshot_db.reload_holdings({i: self.facts[i] for i in ids}))
+        self.reloaded_holdings += len(ids)
+        self.silent.difference_update(ids)
+        self._redo(ids, {self.facts[i].base.mgmt_addr for i in ids})
+
+    def _redo(self, redo: Iterable[str], addrs: set[str]) -> None:
+        # The records of `redo` made again from their facts, and what the cluster sums of them.
+        snap = self.snap
+        assert snap is not None
         lease = settings.LLMGW_UNREACHABLE_AFTER
         for i in redo:
             # The lease is applied by _refresh_silence, from one query for every node.

@@ -141,7 +141,10 @@ def release_shards(shards: list[tuple[Any, Any]], *, deployment_id: int | None, 
     if events:
         PlacementEvent.objects.bulk_create(events)
         # The snapshot reads shard ports: the nodes' ports are free again.
-        changes.mark(list(Shard.objects.filter(id__in=[e.shard_id for e in events]).values_list("node_id", flat=True)))
+        changes.mark(
+            list(Shard.objects.filter(id__in=[e.shard_id for e in events]).values_list("node_id", flat=True)),
+            holdings=True,
+        )
     return len(events)
 
 

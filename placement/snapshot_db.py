@@ -123,15 +123,7 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
         .order_by("node_id", "index")
     ):
         gpus[row[0]].append(row)
-    held_gpus: dict[str, set[int]] = defaultdict(set)
-    for node_id, idx in AllocatedGPU.objects.filter(f).values_list("node_id", "gpu_index"):
-        held_gpus[node_id].add(idx)
-    claims = {
-        r["node_id"]: r
-        for r in Allocation.objects.filter(f)
-        .values("node_id")
-        .annotate(mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w"))
-    }
+    held_gpus, claims, ports = _holdings(f)
     fabrics: dict[str, list[tuple]] = defaultdict(list)
     for row in FabricAttachment.objects.filter(f).values_list("node_id", "name", "hcas", "rate_gbps"):
         fabrics[row[0]].append(row)
@@ -151,14 +143,6 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
             installed[node_id].add(engine)
         elif state in ("unsupported", "failed"):
             installs[node_id][engine] = f"engine {engine} {state}" + (f": {detail}" if detail else "")
-    ports: dict[str, set[int]] = defaultdict(set)
-    live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=shard_states.TERMINAL)
-    for node_id, port, after, rendezvous in (
-        Shard.objects.filter(f).filter(live).values_list("node_id", "http_port", "ports_after", "rendezvous_port")
-    ):
-        ports[node_id].update(range(port, port + 1 + after))
-        if rendezvous:
-            ports[node_id].add(rendezvous)
 
     out: dict[str, NodeFacts] = {}
     for (
@@ -223,6 +207,51 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
             sm_pairs=sm_pairs(node_ports),
             power_claimed=float(c.get("power") or 0),
         )
+    return out
+
+
+def _holdings(f: Q) -> tuple[dict[str, set[int]], dict[str, dict[str, Any]], dict[str, set[int]]]:
+    # What the nodes' shards hold: GPUs, the allocations' sums, the ports of live shards.
+    held_gpus: dict[str, set[int]] = defaultdict(set)
+    for node_id, idx in AllocatedGPU.objects.filter(f).values_list("node_id", "gpu_index"):
+        held_gpus[node_id].add(idx)
+    claims = {
+        r["node_id"]: r
+        for r in Allocation.objects.filter(f)
+        .values("node_id")
+        .annotate(mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w"))
+    }
+    ports: dict[str, set[int]] = defaultdict(set)
+    live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=shard_states.TERMINAL)
+    for node_id, port, after, rendezvous in (
+        Shard.objects.filter(f).filter(live).values_list("node_id", "http_port", "ports_after", "rendezvous_port")
+    ):
+        ports[node_id].update(range(port, port + 1 + after))
+        if rendezvous:
+            ports[node_id].add(rendezvous)
+    return held_gpus, claims, ports
+
+
+def reload_holdings(facts: Mapping[str, NodeFacts]) -> dict[str, NodeFacts]:
+    """These nodes' facts with what their shards hold read again (three queries), the rest kept.
+
+    The same record `load` makes of a node whose holdings alone changed since
+    `facts` were read (changes.mark(..., holdings=True)).
+    """
+    if not facts:
+        return {}
+    held_gpus, claims, ports = _holdings(_by_node(facts))
+    out: dict[str, NodeFacts] = {}
+    for node_id, f in facts.items():
+        c = claims.get(node_id) or {}
+        base = dataclasses.replace(
+            f.base,
+            free=frozenset(resources.free_gpu_indices(f.base.gpus, held_gpus.get(node_id, ()))),
+            memory_claimed_gb=c.get("mem") or 0,
+            cpu_claimed=c.get("cpu") or 0,
+            ports=frozenset(ports.get(node_id, ())),
+        )
+        out[node_id] = dataclasses.replace(f, base=base, power_claimed=float(c.get("power") or 0))
     return out
 
 

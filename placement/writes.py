@@ -217,7 +217,7 @@ def write(batch: list[Placement], *, now: dt.datetime) -> tuple[list[Placement],
     # kept placement indexes reload these nodes.
     for node_id in sorted({node_id for p in written for node_id, *_ in p.commands}):
         wakeups.publish_on_commit(node_id)
-    changes.mark(node_id for node_id, *_ in claims)
+    changes.mark((node_id for node_id, *_ in claims), holdings=True)
     ids = [p.row.id for p in written]
     # Routers see the new replicas as soon as they are committed.
     transaction.on_commit(lambda: replicas_changed.send(sender=Replica, replica_ids=ids))

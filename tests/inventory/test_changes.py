@@ -26,6 +26,18 @@ def test_marks_are_read_in_order_after_a_version():
     assert changes.since(feed.version) == changes.Changes(feed.version)
 
 
+def test_a_holdings_mark_reads_as_its_nodes_and_says_it_named_holdings_only():
+    start = changes.current_version()
+    changes.mark(["b", "a"], holdings=True)
+    changes.mark(["a"])
+    feed = changes.since(start)
+    assert feed.node_ids == frozenset({"a", "b"})
+    assert feed.entries == {start + 1: frozenset({"a", "b"}), start + 2: frozenset({"a"})}
+    assert feed.holdings == frozenset({start + 1})
+    # What this thread published is the nodes, without the entry's tag: the reconciler compares them.
+    assert changes.published_here()[-2:] == [(start + 1, ["a", "b"]), (start + 2, ["a"])]
+
+
 def test_many_marks_are_read_past_the_prefetch():
     start = changes.current_version()
     for i in range(changes.PREFETCH + 5):

@@ -33,6 +33,8 @@ SM_A = "0x0002c90300000001"
 SM_B = "0x0002c90300000002"
 # One query per table of a node's reload, and the lease's one query.
 RELOAD_QUERIES = 9
+# A node whose holdings alone changed: its allocated GPUs, its allocations' sums, its shards' ports.
+HOLDINGS_QUERIES = 3
 LEASE_QUERIES = 1
 
 
@@ -112,6 +114,34 @@ def test_a_change_to_one_node_reloads_exactly_that_node(now, loads, django_asser
     assert kept.index().rebuilds == 1 and kept.index().reloaded == 1
     assert snap.nodes["n2"].state == "cordoned"
     assert not any("n2" in ids for b in snap._index.values() for ids in b.values())
+
+
+def test_another_writers_claim_and_release_reload_the_nodes_holdings_alone(now, loads, django_assert_num_queries):
+    for i in range(3):
+        fabric_node(f"n{i}", now)
+    kept.current(now=now)
+    replica = uuid.uuid4()
+    allocate(node_id="n1", replica_id=replica, shard_id=uuid.uuid4(), gpu_indices=[0, 3], memory_gb=12, power_w=800.0)
+    with django_assert_num_queries(HOLDINGS_QUERIES + LEASE_QUERIES):
+        snap = kept.current(now=now)
+    claimed = normalized(snap)
+    assert loads == [None]
+    assert (kept.index().reloaded, kept.index().reloaded_holdings) == (0, 1)
+    n1 = snap.nodes["n1"]
+    assert (sorted(set(range(8)) - n1.free), n1.memory_claimed_gb) == ([0, 3], 12)
+    assert claimed == normalized(snapshot_db.build(now=now))
+    release_replica(replica)
+    snap = kept.current(now=now)
+    assert kept.index().rebuilds == 1 and kept.index().reloaded_holdings == 2
+    assert snap.nodes["n1"].free == frozenset(range(8)) and snap.nodes["n1"].memory_claimed_gb == 0
+    assert normalized(snap) == normalized(snapshot_db.build(now=now))
+    # Holdings and another change of one node in the same read: it is read whole, once.
+    allocate(node_id="n2", replica_id=replica, shard_id=uuid.uuid4(), gpu_indices=[1], memory_gb=1)
+    change_state("n2", "cordoned", now=now)
+    del loads[:]
+    snap = kept.current(now=now)
+    assert loads == [["n2"]] and kept.index().reloaded_holdings == 2
+    assert normalized(snap) == normalized(snapshot_db.build(now=now))
 
 
 def test_a_gap_in_the_feed_rebuilds(now, loads):
