@@ -13,7 +13,8 @@ BENCH_FLEET_PROCS processes) against them. Phases:
    PostgreSQL (the bench database's backends), Redis, the worker and the fleet;
    memory of every process;
 3. scale-up: a deployment of BENCH_FLEET_REPLICAS single-GPU echo replicas;
-   time to all placed, to all ready (shards ready as the simulated nodes report);
+   time to all placed, to all ready (shards ready as the simulated nodes report),
+   and each part's CPU during it;
 4. BENCH_FLEET_SILENT nodes that host replicas go silent at once: time to
    the unreachable and the lost verdicts, and from the last lost verdict to
    every replica ready again elsewhere (thresholds BENCH_FLEET_UNREACHABLE_AFTER
@@ -423,7 +424,7 @@ def _phases(loop: Loop) -> Iterator[str]:
         yield f"scale-up and silent nodes skipped: {why}"
         yield from _scrape(loop)
         return
-    t0, u0 = time.monotonic(), loop.stats()
+    t0, u0, k0 = time.monotonic(), loop.stats(), loop.cpu()
     spec = json.dumps({"replicas": replicas})
     made = subprocess.run([sys.executable, "-c", _CREATE], cwd=ROOT, env=loop.env, input=spec,
                           capture_output=True, text=True, check=True)  # fmt: skip
@@ -459,15 +460,22 @@ def _phases(loop: Loop) -> Iterator[str]:
         f"all placed in {placed:.1f} s ({replicas / placed:,.0f}/s), all ready {ready:.1f} s "
         f"after the deployment was created (a simulated shard is ready 1.5 s after its StartShard arrives){limits}"
     )
-    u1 = loop.stats()
+    u1, k1 = loop.stats(), loop.cpu()
     lat, late = _hist_diff(u1["latency"], u0["latency"]), _hist_diff(u1["lateness"], u0["lateness"])
     up_s = time.monotonic() - t0
+    # Where the scale-up's cores went: the two are shared by every part, so the one that grows is the limit.
+    spent = {k: k1[k] - k0[k] for k in k0}
     yield (
         f"  during it ({up_s:.0f} s): {(u1['heartbeats'] - u0['heartbeats']) / up_s:,.0f} heartbeats/s "
         f"({(u1['leases'] - u0['leases']) / max(1, u1['heartbeats'] - u0['heartbeats']):.0%} leases), "
         f"p50 {_ms(histogram_percentile(lat, 50))}, p99 {_ms(histogram_percentile(lat, 99))}, "
         f"max {_ms(histogram_percentile(lat, 100))}; the simulator's own lateness "
         f"p99 {_ms(histogram_percentile(late, 99))}, max {_ms(histogram_percentile(late, 100))}"
+    )
+    yield (
+        "  CPU during it (core-seconds): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in spent.items())
+        + f"; cores busy: {sum(spent.values()) / up_s:.2f}"
     )
     yield _lease_paths(u0, u1)
     # The scale-up loads the web with statuses and the gateway with routes: live nodes misjudged during it count too.
