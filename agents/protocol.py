@@ -201,7 +201,8 @@ def heartbeat_request(token: str | None, body: Body[wire.Heartbeat], *, now: dt.
 
     A steady-state heartbeat costs two statements whatever it carries: the
     credential lookup with the lease update, and the read of the shards it
-    reports with its pending commands. Telemetry goes to the cache. The refusals come in the endpoints' order: 401, then
+    reports with its pending commands; one for a node with no shards and no
+    command waiting (the lease update says none waits). Telemetry goes to the cache. The refusals come in the endpoints' order: 401, then
     the body's (415, 413, 400), then 403; a refused heartbeat
     leaves nothing written, the lease renewal included (it is rolled back).
     """
@@ -264,6 +265,9 @@ def _record(
         hb_rules.apply_imex(node_id, hb.imex, touched=touched, now=now)
     if hb.ib_ports:
         hb_rules.record_sm_changes(node_id, hb.ib_ports, previous, now=now)
+    if pending_rows is None and not touched.waiting:
+        # None was waiting as the lease was renewed: one committed since is announced by the next lease.
+        pending_rows = []
     return outbox.pending(node_id, now=now, rows=pending_rows), applied
 
 

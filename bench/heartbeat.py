@@ -21,7 +21,8 @@ phase), BENCH_HB_RATE (offered heartbeats/s of the paced phase, 1000; 0
 skips it), BENCH_HB_SERVER (granian or gunicorn), BENCH_HB_WORKERS (server
 processes, one per core), BENCH_HB_THREADS (threads per process, 8),
 BENCH_HB_CLIENTS (load processes, 2), BENCH_HB_CONCURRENCY (connections per
-load process, 8).
+load process, 8), BENCH_HB_SHARDS (4; 0: nodes with no shards, as most of a
+fleet before its replicas are placed, and no re-registration measured).
 """
 
 from __future__ import annotations
@@ -586,14 +587,17 @@ def run() -> list[str]:
             if status != 200:
                 raise RuntimeError(f"registration of {node_id}: {status} {answer[:300]!r}")
             creds[node_id] = json.loads(answer)["credential"]
-        made = subprocess.run(
-            [sys.executable, "-c", _MAKE_SHARDS], cwd=ROOT, env=env, input=json.dumps(ids),
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        shards = json.loads(made.stdout)
+        with_shards = _env_int("BENCH_HB_SHARDS", 4) > 0
+        shards: dict[str, list[str]] = {n: [] for n in ids}
+        if with_shards:
+            made = subprocess.run(
+                [sys.executable, "-c", _MAKE_SHARDS], cwd=ROOT, env=env, input=json.dumps(ids),
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            shards = json.loads(made.stdout)
         # Re-registration with the node's credential, adopting 4 running shards.
         rereg = []
-        for node_id in ids[: min(100, n_nodes)]:
+        for node_id in ids[: min(100, n_nodes)] if with_shards else ():
             running = [{"replica_id": str(uuid.uuid4()), "shard_id": s, "state": "ready"} for s in shards[node_id]]
             body = json.dumps(register_payload(node_id, running)).encode()
             t0 = time.perf_counter()
@@ -616,7 +620,12 @@ def run() -> list[str]:
             *(_figures(f"heartbeats, offered {rate:,.0f}/s", *paced) if paced else []),
             f"register (8 GPUs, new node, join token): median {statistics.median(reg_times) * 1000:.1f} ms, "
             f"p99 {_percentile(reg_times, 99) * 1000:.1f} ms",
-            f"re-register (8 GPUs, 4 shards adopted): median {statistics.median(rereg) * 1000:.1f} ms, "
-            f"p99 {_percentile(rereg, 99) * 1000:.1f} ms",
         ]
+        if rereg:
+            lines.append(
+                f"re-register (8 GPUs, 4 shards adopted): median {statistics.median(rereg) * 1000:.1f} ms, "
+                f"p99 {_percentile(rereg, 99) * 1000:.1f} ms"
+            )
+        else:
+            lines.append("heartbeats without shards (BENCH_HB_SHARDS=0): no re-registration")
     return lines

@@ -22,7 +22,7 @@ import llmgw_wire as wire
 from inventory import changes
 from inventory import fabric as fabric_rules
 from inventory import gpus as gpu_rules
-from inventory.models import GPU, EngineInstall, Node, NodeState
+from inventory.models import GPU, Command, EngineInstall, Node, NodeState
 from inventory.nodes import change_state, record_event
 from llmgw.db import prepared_cursor
 
@@ -40,6 +40,9 @@ class Touched:
     imex_state: str
     imex_channels: int
     nvlink_domain: str
+    # Whether it had unacknowledged commands as the lease was renewed (True when not read): a status
+    # of a node with none skips the outbox's read, most statuses of a large fleet.
+    waiting: bool = True
 
 
 def _relax(durable: bool) -> list[str]:
@@ -55,7 +58,8 @@ def _touched(node_id: str, row: tuple, *, now: dt.datetime) -> Touched:
         node_id, NodeState.READY, now=now, expected=state, reason="heartbeat resumed", actor_name="agent"
     ):
         state = NodeState.READY
-    return Touched(state=state, imex_state=row[1], imex_channels=row[2], nvlink_domain=row[3])
+    waiting = bool(row[4]) if len(row) > 4 else True
+    return Touched(state=state, imex_state=row[1], imex_channels=row[2], nvlink_domain=row[3], waiting=waiting)
 
 
 def touch(node_id: str, *, now: dt.datetime, durable: bool = True) -> Touched | None:
@@ -119,7 +123,8 @@ def touch_found(lookup: NodeLookup, *, now: dt.datetime, durable: bool = True) -
         cur.execute(
             f"UPDATE {Node._meta.db_table} AS n SET last_seen = %s, unreachable_since = NULL FROM {from_items} "
             f"WHERE ({lookup.where}) AND n.id = c.node_id "
-            f"RETURNING {returning}, n.state, n.imex_state, n.imex_channels, n.nvlink_domain",
+            f"RETURNING {returning}, n.state, n.imex_state, n.imex_channels, n.nvlink_domain, "
+            f"EXISTS (SELECT 1 FROM {Command._meta.db_table} AS m WHERE m.node_id = n.id AND m.acked_at IS NULL)",
             [now, *lookup.params],
         )
         row = cur.fetchone()

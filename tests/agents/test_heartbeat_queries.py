@@ -42,6 +42,19 @@ def test_steady_state_heartbeat_query_count(client, joined, now, django_assert_n
     assert resp.status_code == 200
 
 
+def test_a_node_with_no_shards_and_no_commands_costs_one_statement(client, joined, now, django_assert_num_queries):
+    # Most of a large fleet: the lease renewal says no command waits, and the outbox is not read.
+    post(client, "heartbeat", realistic([], at=1.0, counters=10), joined)
+    with django_assert_num_queries(1 + 2):  # + the savepoint pair of the test's transaction
+        body = post(client, "heartbeat", realistic([], at=2.0, counters=10), joined).json()
+    assert body["commands"] == []
+    # A command queued meanwhile is seen by the same statement, read and delivered.
+    cmd = outbox.enqueue("node-a", wire.InstallEngine(engine="sglang"), now=now)
+    with django_assert_num_queries(3 + 2):
+        body = post(client, "heartbeat", realistic([], at=3.0, counters=10), joined).json()
+    assert [c["id"] for c in body["commands"]] == [str(cmd.id)]
+
+
 def test_heartbeat_with_a_command_and_an_ack(client, joined, now, django_assert_num_queries):
     shards = [make_shard("node-a", now=now) for _ in range(4)]
     post(client, "heartbeat", realistic(shards, at=1.0, counters=10), joined)
