@@ -39,6 +39,24 @@ def _load() -> str:
         return "unknown"
 
 
+def _timed_current(now, before=None) -> tuple[list[float], int]:
+    """RUNS calls of kept.current(), each after `before` (a change marked): their times, the last one's statements."""
+    from django.db import connection
+
+    from placement import kept
+
+    times, statements = [], 0
+    for _ in range(RUNS):
+        if before is not None:
+            before()
+        with StatementCounter(connection) as q:
+            started = time.perf_counter()
+            kept.current(now=now)
+            times.append(time.perf_counter() - started)
+        statements = q.count
+    return times, statements
+
+
 def _one_size(size: int) -> list[str]:
     from django.contrib.auth.models import User
     from django.db import connection
@@ -91,34 +109,16 @@ def _one_size(size: int) -> list[str]:
                 f"{index.rebuilds} rebuild(s) in all, {index.reloaded} node reload(s)"
             )
 
-            current, current_statements = [], 0
-            for _ in range(RUNS):
-                with StatementCounter(connection) as q:
-                    started = time.perf_counter()
-                    kept.current(now=now)
-                    current.append(time.perf_counter() - started)
-                current_statements = q.count
+            current, current_statements = _timed_current(now)
             out.append(
                 f"{size:,} nodes: kept.current() with nothing changed (the feed's round trip, the lease's query): "
                 f"{_spread(current)}, {current_statements} statement(s)"
             )
             one = ids[len(ids) // 2]
-            reload_ = []
-            for _ in range(RUNS):
-                changes.mark([one])
-                started = time.perf_counter()
-                kept.current(now=now)
-                reload_.append(time.perf_counter() - started)
+            reload_, _ = _timed_current(now, before=lambda: changes.mark([one]))
             out.append(f"{size:,} nodes: kept.current() after another process changed one node: {_spread(reload_)}")
             # Another process's claim on one node: its holdings alone are read again (changes.HOLDINGS).
-            held, held_statements = [], 0
-            for _ in range(RUNS):
-                changes.mark([one], holdings=True)
-                with StatementCounter(connection) as q:
-                    started = time.perf_counter()
-                    kept.current(now=now)
-                    held.append(time.perf_counter() - started)
-                held_statements = q.count
+            held, held_statements = _timed_current(now, before=lambda: changes.mark([one], holdings=True))
             out.append(
                 f"{size:,} nodes: kept.current() after another process's claim on one node (its holdings read "
                 f"again): {_spread(held)}, {held_statements} statement(s)"
