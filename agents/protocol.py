@@ -202,9 +202,10 @@ def heartbeat_request(token: str | None, body: Body[wire.Heartbeat], *, now: dt.
     A steady-state heartbeat costs two statements whatever it carries: the
     credential lookup with the lease update, and the read of the shards it
     reports with its pending commands; one for a node with no shards and no
-    command waiting (the lease update says none waits). Telemetry goes to the cache. The refusals come in the endpoints' order: 401, then
-    the body's (415, 413, 400), then 403; a refused heartbeat
-    leaves nothing written, the lease renewal included (it is rolled back).
+    command waiting (the lease update says none waits). Telemetry goes to
+    the cache. The refusals come in the endpoints' order: 401, then the
+    body's (415, 413, 400), then 403; a refused heartbeat leaves nothing
+    written, the lease renewal included (it is rolled back).
     """
     if token is None:
         raise UNAUTHENTICATED
