@@ -21,7 +21,7 @@ phase), BENCH_HB_RATE (offered heartbeats/s of the paced phase, 1000; 0
 skips it), BENCH_HB_SERVER (granian or gunicorn), BENCH_HB_WORKERS (server
 processes, one per core), BENCH_HB_THREADS (threads per process, 8),
 BENCH_HB_CLIENTS (load processes, 2), BENCH_HB_CONCURRENCY (connections per
-load process, 8), BENCH_HB_SHARDS (4; 0: nodes with no shards, as most of a
+load process, 8), BENCH_HB_SHARDS (4 shards a node; 0: none, as most of a
 fleet before its replicas are placed, and no re-registration measured).
 """
 
