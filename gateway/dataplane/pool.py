@@ -158,6 +158,8 @@ class Response:
         self._keep = keep and not self._framing.to_close
         self._done = self._framing.done
         self._deadline = deadline
+        # Reading held while the client is behind (pause): resumed before the connection is kept.
+        self._paused = False
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (chunked framing removed); UpstreamError if it breaks off."""
@@ -219,12 +221,14 @@ class Response:
 
     def pause(self) -> None:
         """Stop reading the replica (the client is behind)."""
-        if self._conn is not None and self._conn.link.transport is not None:
+        if self._conn is not None and self._conn.link.transport is not None and not self._paused:
+            self._paused = True
             self._conn.link.transport.pause_reading()
 
     def resume(self) -> None:
         """Read the replica again."""
-        if self._conn is not None and self._conn.link.transport is not None:
+        if self._conn is not None and self._conn.link.transport is not None and self._paused:
+            self._paused = False
             self._conn.link.transport.resume_reading()
 
     async def aclose(self) -> None:
@@ -234,6 +238,10 @@ class Response:
             return
         self._deadline.close()
         if self._done and self._keep:
+            # An answer whose last part found the client behind: the next request's answer must be read.
+            if self._paused and conn.link.transport is not None:
+                self._paused = False
+                conn.link.transport.resume_reading()
             self._pool._put(self._origin, conn)
         else:
             conn.link.close()

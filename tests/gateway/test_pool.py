@@ -351,3 +351,28 @@ def test_a_failure_of_the_relays_receiver_ends_the_relay_with_it():
         server.close()
 
     asyncio.run(run())
+
+
+def test_a_connection_kept_after_an_answer_that_ended_paused_reads_the_next_answer():
+    # The relay holds the replica while its client is behind; an answer whose last part did so
+    # must not go back to the pool with its reading still held.
+    async def run() -> None:
+        server, seen = await _serve_then_drop({0: STREAMED, 1: PLAIN})
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/chat/completions"
+        pool = Pool(connect_timeout=2, read_timeout=2, keepalive_expiry=30, max_idle=8)
+        r = await pool.post(url, b"{}", HEADERS)
+        parts: list[bytes] = []
+
+        def behind(part: bytes) -> None:
+            parts.append(part)
+            r.pause()
+
+        await r.relay(behind)
+        await r.aclose()
+        assert parts == [b"sse!"]
+        assert await _body(pool, url, {}) == (200, b"ok")
+        assert seen == [(0, 0), (0, 1)]
+        await pool.aclose()
+        server.close()
+
+    asyncio.run(run())
