@@ -31,6 +31,7 @@ class Link(asyncio.Protocol):
         self.error: BaseException | None = None
         self.waiter: asyncio.Future | None = None
         self.write_waiter: asyncio.Future | None = None
+        # Reading paused: the buffer is full, or the client a stream goes to is behind (hold).
         self.paused = False
         # Called with each read's bytes instead of buffering them, and with b"" at the connection's end.
         self.sink: Callable[[bytes], None] | None = None
@@ -47,9 +48,8 @@ class Link(asyncio.Protocol):
             self.sink(data)
             return
         self.buf += data
-        if len(self.buf) > HIGH_WATER and not self.paused:
-            self.paused = True
-            self.transport.pause_reading()
+        if len(self.buf) > HIGH_WATER:
+            self.hold()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -93,10 +93,6 @@ class Link(asyncio.Protocol):
 
     # The caller's side.
 
-    def at_eof(self) -> bool:
-        """The replica's side is closed and nothing buffered is left."""
-        return self.eof and not self.buf
-
     def is_closing(self) -> bool:
         """The connection is closed or closing."""
         return self.transport is None or self.transport.is_closing()
@@ -114,10 +110,20 @@ class Link(asyncio.Protocol):
             if self.error is not None:
                 raise self.error
 
-    async def _wait(self) -> None:
-        if self.paused:
+    def hold(self) -> None:
+        """Stop reading the replica until `release`."""
+        if not self.paused and not self.is_closing():
+            self.paused = True
+            self.transport.pause_reading()
+
+    def release(self) -> None:
+        """Read the replica again."""
+        if self.paused and not self.is_closing():
             self.paused = False
             self.transport.resume_reading()
+
+    async def _wait(self) -> None:
+        self.release()
         self.waiter = self.loop.create_future()
         try:
             await self.waiter
@@ -165,9 +171,7 @@ class Link(asyncio.Protocol):
         """What is buffered, at once (the bytes that came with an answer's head)."""
         data = bytes(self.buf)
         self.buf.clear()
-        if self.paused:
-            self.paused = False
-            self.transport.resume_reading()
+        self.release()
         return data
 
     def close(self) -> None:

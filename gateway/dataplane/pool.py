@@ -158,8 +158,6 @@ class Response:
         self._keep = keep and not self._framing.to_close
         self._done = self._framing.done
         self._deadline = deadline
-        # Reading held while the client is behind (pause): resumed before the connection is kept.
-        self._paused = False
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body's bytes as they arrive (chunked framing removed); UpstreamError if it breaks off."""
@@ -181,8 +179,8 @@ class Response:
 
         No task wakes for a read: `deliver` runs in the callback, and must not
         block. UpstreamError if the body breaks off, or (its cause a
-        TimeoutError) when no byte has come for the read timeout. `pause` and `resume` hold
-        the replica while the client is behind.
+        TimeoutError) when no byte has come for the read timeout. `pause`
+        and `resume` hold the replica while the client is behind.
         """
         framing, link, deadline = self._framing, self._conn.link, self._deadline
         loop = deadline.loop
@@ -221,15 +219,13 @@ class Response:
 
     def pause(self) -> None:
         """Stop reading the replica (the client is behind)."""
-        if self._conn is not None and self._conn.link.transport is not None and not self._paused:
-            self._paused = True
-            self._conn.link.transport.pause_reading()
+        if self._conn is not None:
+            self._conn.link.hold()
 
     def resume(self) -> None:
         """Read the replica again."""
-        if self._conn is not None and self._conn.link.transport is not None and self._paused:
-            self._paused = False
-            self._conn.link.transport.resume_reading()
+        if self._conn is not None:
+            self._conn.link.release()
 
     async def aclose(self) -> None:
         """Give the connection back if the answer was read to its end, else close it (the engine sees it)."""
@@ -239,9 +235,7 @@ class Response:
         self._deadline.close()
         if self._done and self._keep:
             # An answer whose last part found the client behind: the next request's answer must be read.
-            if self._paused and conn.link.transport is not None:
-                self._paused = False
-                conn.link.transport.resume_reading()
+            conn.link.release()
             self._pool._put(self._origin, conn)
         else:
             conn.link.close()

@@ -84,7 +84,7 @@ def test_chunks_split_anywhere_are_read_whole_and_a_closed_connection_is_not_reu
         pool = _pool()
         assert await _body(pool, url, {}) == (200, b"hello world")
         (conn,) = next(iter(pool._idle.values()))
-        while not conn.link.at_eof():  # the replica's close reaches the event loop
+        while not conn.link.eof:  # the replica's close reaches the event loop
             await asyncio.sleep(0.01)
         # The closed connection is left, a new one taken: no error reaches the caller.
         assert await _body(pool, url, {}) == (200, b"ok")
@@ -214,7 +214,7 @@ def test_a_kept_alive_connection_closed_as_the_request_went_out_is_retried_once_
         )
         assert await _body(pool, url, {}) == (200, b"sse!")
         (conn,) = next(iter(pool._idle.values()))
-        assert not conn.link.at_eof()  # looks alive when taken: the close has not been seen
+        assert not conn.link.eof  # looks alive when taken: the close has not been seen
         assert await _body(pool, url, {}) == (200, b"ok")
         assert seen == [(0, 0), (0, 1), (1, 0)]
         assert pool.reopened == 1
