@@ -123,7 +123,7 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
         .order_by("node_id", "index")
     ):
         gpus[row[0]].append(row)
-    held_gpus, claims, ports = _holdings(f)
+    holdings = _Holdings(f)
     fabrics: dict[str, list[tuple]] = defaultdict(list)
     for row in FabricAttachment.objects.filter(f).values_list("node_id", "name", "hcas", "rate_gbps"):
         fabrics[row[0]].append(row)
@@ -168,7 +168,7 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
             _gpu(idx, cls, ecc, problems, numa, peers, nic, limits.get(idx, 0.0))
             for _, idx, cls, ecc, problems, numa, peers, nic, _health in rows
         )
-        c = claims.get(node_id) or {}
+        held, power_claimed = holdings.of(node_id, ginfo)
         load_ = t.get("load") or {}
         draw = sum(float(s.get("power_w") or 0) for s in t.get("gpus") or []) + float(load_.get("cpu_power_w") or 0)
         disk_free, disk_total = resources.local_disk(storage.get(node_id, ()))
@@ -181,11 +181,8 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
                 mgmt_addr=mgmt,
                 labels=dict(labels or {}),
                 gpus=ginfo,
-                free=frozenset(resources.free_gpu_indices(ginfo, held_gpus.get(node_id, ()))),
                 memory_total_gb=(mem_mb or 0) // 1024,
-                memory_claimed_gb=c.get("mem") or 0,
                 cpu_count=cpus or 0,
-                cpu_claimed=c.get("cpu") or 0,
                 disk_free_bytes=disk_free,
                 # Both zero is unknown, not a full disk.
                 disk_known=storage_rep and (disk_free, disk_total) != (0, 0),
@@ -198,38 +195,50 @@ def load(node_ids: Collection[str] | None = None) -> dict[str, NodeFacts]:
                 nvlink_out="; ".join(sick),
                 imex_up=gpu_rules.imex_up(imex),
                 power_draw_w=draw,
-                ports=frozenset(ports.get(node_id, ())),
                 busy_ports=listening(t),
+                **held,
             ),
             last_seen=last_seen,
             attachments=tuple((name, tuple(hcas), rate) for _, name, hcas, rate in fabrics.get(node_id, [])),
             ports=node_ports,
             sm_pairs=sm_pairs(node_ports),
-            power_claimed=float(c.get("power") or 0),
+            power_claimed=power_claimed,
         )
     return out
 
 
-def _holdings(f: Q) -> tuple[dict[str, set[int]], dict[str, dict[str, Any]], dict[str, set[int]]]:
-    # What the nodes' shards hold: GPUs, the allocations' sums, the ports of live shards.
-    held_gpus: dict[str, set[int]] = defaultdict(set)
-    for node_id, idx in AllocatedGPU.objects.filter(f).values_list("node_id", "gpu_index"):
-        held_gpus[node_id].add(idx)
-    claims = {
-        r["node_id"]: r
-        for r in Allocation.objects.filter(f)
-        .values("node_id")
-        .annotate(mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w"))
-    }
-    ports: dict[str, set[int]] = defaultdict(set)
-    live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=shard_states.TERMINAL)
-    for node_id, port, after, rendezvous in (
-        Shard.objects.filter(f).filter(live).values_list("node_id", "http_port", "ports_after", "rendezvous_port")
-    ):
-        ports[node_id].update(range(port, port + 1 + after))
-        if rendezvous:
-            ports[node_id].add(rendezvous)
-    return held_gpus, claims, ports
+class _Holdings:
+    """What the nodes' shards hold, read in three queries: GPUs, the allocations' sums, the ports of live shards."""
+
+    def __init__(self, f: Q) -> None:
+        self.gpus: dict[str, set[int]] = defaultdict(set)
+        for node_id, idx in AllocatedGPU.objects.filter(f).values_list("node_id", "gpu_index"):
+            self.gpus[node_id].add(idx)
+        self.claims = {
+            r["node_id"]: r
+            for r in Allocation.objects.filter(f)
+            .values("node_id")
+            .annotate(mem=Sum("memory_gb"), cpu=Sum("cpu_cores"), power=Sum("power_w"))
+        }
+        self.ports: dict[str, set[int]] = defaultdict(set)
+        live = ~Q(replica__state__in=[ReplicaState.STOPPED, ReplicaState.FAILED]) | ~Q(state__in=shard_states.TERMINAL)
+        for node_id, port, after, rendezvous in (
+            Shard.objects.filter(f).filter(live).values_list("node_id", "http_port", "ports_after", "rendezvous_port")
+        ):
+            self.ports[node_id].update(range(port, port + 1 + after))
+            if rendezvous:
+                self.ports[node_id].add(rendezvous)
+
+    def of(self, node_id: str, gpus: Iterable[GPUInfo]) -> tuple[dict[str, Any], float]:
+        """A node's NodeInfo fields its holdings decide, and the power its allocations claim (W)."""
+        c = self.claims.get(node_id) or {}
+        fields = {
+            "free": frozenset(resources.free_gpu_indices(gpus, self.gpus.get(node_id, ()))),
+            "memory_claimed_gb": c.get("mem") or 0,
+            "cpu_claimed": c.get("cpu") or 0,
+            "ports": frozenset(self.ports.get(node_id, ())),
+        }
+        return fields, float(c.get("power") or 0)
 
 
 def reload_holdings(facts: Mapping[str, NodeFacts]) -> dict[str, NodeFacts]:
@@ -240,18 +249,11 @@ def reload_holdings(facts: Mapping[str, NodeFacts]) -> dict[str, NodeFacts]:
     """
     if not facts:
         return {}
-    held_gpus, claims, ports = _holdings(_by_node(facts))
+    holdings = _Holdings(_by_node(facts))
     out: dict[str, NodeFacts] = {}
     for node_id, f in facts.items():
-        c = claims.get(node_id) or {}
-        base = dataclasses.replace(
-            f.base,
-            free=frozenset(resources.free_gpu_indices(f.base.gpus, held_gpus.get(node_id, ()))),
-            memory_claimed_gb=c.get("mem") or 0,
-            cpu_claimed=c.get("cpu") or 0,
-            ports=frozenset(ports.get(node_id, ())),
-        )
-        out[node_id] = dataclasses.replace(f, base=base, power_claimed=float(c.get("power") or 0))
+        held, power = holdings.of(node_id, f.base.gpus)
+        out[node_id] = dataclasses.replace(f, base=dataclasses.replace(f.base, **held), power_claimed=power)
     return out
 
 
