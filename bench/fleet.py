@@ -499,7 +499,8 @@ def _lease_paths(s0: dict, s1: dict) -> str:
         k: n - s0["statuses_why"].get(k, 0) for k, n in s1["statuses_why"].items() if n > s0["statuses_why"].get(k, 0)
     }
     return (
-        f"  leases the gateway answered: {sum(lat):,}, p50 {_ms(histogram_percentile(lat, 50))}, "
+        f"  leases the gateway answered: {sum(lat):,} ({s1['keepalives'] - s0['keepalives']:,} while a status waited), "
+        f"p50 {_ms(histogram_percentile(lat, 50))}, "
         f"p99 {_ms(histogram_percentile(lat, 99))}, max {_ms(histogram_percentile(lat, 100))}; "
         f"gateway failures that sent a simulator process's leases to the web server for {LEASE_FALLBACK_S:g} s: "
         f"{fell}, "

@@ -35,6 +35,7 @@ import llmgw_wire as wire
 from llmgw_agent.client import ControlPlane, NeedsRegister, Refused, Unreachable, route_addr
 from llmgw_agent.commands import Commands
 from llmgw_agent.config import Config
+from llmgw_agent.keepalive import Keepalive
 from llmgw_agent.metrics import Latest, MetricsServer, metrics_addr
 from llmgw_agent.netif import interface_addr
 from llmgw_agent.ports import listening_ports
@@ -128,6 +129,8 @@ class Agent:
         self._seen_hcas: frozenset[str] = frozenset()
         # Status when it changed, a lease otherwise (llmgw_agent/status.py).
         self.status = StatusGate()
+        # Leases to the gateway while a status waits in the web tier's queue (llmgw_agent/keepalive.py).
+        self.keepalive = Keepalive(self._keepalive_lease, every=lambda: self.interval)
         self.stop_event = threading.Event()
         # Set by the wakeup long-poll (llmgw_agent/wakeup.py): work is waiting, heartbeat now.
         self.woken = threading.Event()
@@ -329,7 +332,10 @@ class Agent:
         )
         r = self._post_lease(lease) if lease is not None else None
         if r is None:
-            r = self.control_plane.post(path, sent, self.credential())
+            # While a status waits in the web tier's queue, leases keep the node alive (llmgw_agent/keepalive.py).
+            waits = self.keepalive.during() if lease is None and self.advertised_lease else contextlib.nullcontext()
+            with waits:
+                r = self.control_plane.post(path, sent, self.credential())
         resp = self._answer(r, model, "heartbeat", reregister_on=(401, 403, 404))
         self.status.answered(sent, resp, now=self.clock())
         if isinstance(resp, wire.HeartbeatResponse):
@@ -375,6 +381,24 @@ class Agent:
         log.warning("lease: %s failed (%s); the control plane's own endpoint for %g s", url, why, LEASE_FALLBACK_S)
         self.lease_fallback_until = self.clock() + LEASE_FALLBACK_S
         return None
+
+    def _keepalive_lease(self) -> None:
+        """A lease to the gateway while a status waits (llmgw_agent/keepalive.py); its answer is the status's to give.
+
+        No acks (they ride in the status) and no fallback to the control plane's own endpoint: that is
+        the queue the status waits in. A gateway that fails is left to the loop's next lease to find.
+        """
+        url = self.advertised_lease
+        if not url or self.clock() < self.lease_fallback_until:
+            return
+        lease = wire.Lease(node_id=self.config.node_id, at=self.clock())
+        try:
+            r = self.control_plane.post(url, lease, self.credential(), timeout=LEASE_TIMEOUT_S)
+        except Unreachable as e:
+            log.info("lease while a status waits: %s failed (%s)", url, e)
+            return
+        if r.status_code != 200:
+            log.info("lease while a status waits: %s answered HTTP %d", url, r.status_code)
 
     def step(self) -> None:
         """Register if needed, then one heartbeat. Raises on failure (the caller backs off)."""
@@ -452,6 +476,7 @@ class Agent:
     def close(self) -> None:
         """Stop the loop; shards keep running (the next agent adopts them)."""
         self.stop_event.set()
+        self.keepalive.close()
         if self.listener is not None:
             self.listener.close()
         if self.metrics_server is not None:

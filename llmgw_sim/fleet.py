@@ -54,6 +54,7 @@ try:
     import uvloop
 except ImportError:  # a development tool: asyncio's own loop serves, at a higher CPU cost per heartbeat
     uvloop = None
+from llmgw_agent.keepalive import AFTER_S as KEEPALIVE_AFTER_S
 from llmgw_agent.loop import LEASE_FALLBACK_S, LEASE_TIMEOUT_S, backoff_delay
 from llmgw_agent.status import MAX_AGAIN
 from llmgw_sim.fleet_http import Answer, Connection, TransportError
@@ -158,6 +159,8 @@ class Fleet:
         self.lease_url = ""
         self._lease_connections: asyncio.Queue[Connection] | None = None
         self.lease_fallback_until = 0.0
+        # Leases being sent while statuses wait (_status).
+        self._keepalives: set[asyncio.Future] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -245,6 +248,17 @@ class Fleet:
         if self.clock() < self.lease_fallback_until:
             return await self._lease_to_control_plane(body, token)
         t0 = time.perf_counter()
+        r = await self._to_gateway(body, token)
+        if r is not None:
+            self.stats.observe(self.stats.lease_latency, time.perf_counter() - t0)
+            return r
+        log.warning("lease: %s failed; the control plane's own endpoint for %g s", self.lease_url, LEASE_FALLBACK_S)
+        self.lease_fallback_until = self.clock() + LEASE_FALLBACK_S
+        self.stats.lease_fallbacks += 1
+        return await self._lease_to_control_plane(body, token)
+
+    async def _to_gateway(self, body: bytes, token: str) -> Answer | None:
+        """A lease on one of the fleet's connections to the gateway; None when it failed or fell back meanwhile."""
         if self._lease_connections is None:
             self._lease_connections = asyncio.Queue()
             for _ in range(self.connections):
@@ -257,21 +271,49 @@ class Fleet:
         if self.clock() < self.lease_fallback_until:
             # The gateway failed while this lease waited for a connection to it.
             self._lease_connections.put_nowait(conn)
-            return await self._lease_to_control_plane(body, token)
+            return None
         try:
             r = await conn.post(urlsplit(self.lease_url).path, body, token)
         except TransportError as e:
-            log.warning("lease: %s failed (%s); the control plane's own endpoint for %g s", self.lease_url, e,
-                        LEASE_FALLBACK_S)  # fmt: skip
-            r = None
+            log.debug("lease: %s: %s", self.lease_url, e)
+            return None
         finally:
             self._lease_connections.put_nowait(conn)
-        if r is not None and r.status_code not in (404, 405) and r.status_code < 500:
-            self.stats.observe(self.stats.lease_latency, time.perf_counter() - t0)
-            return r
-        self.lease_fallback_until = self.clock() + LEASE_FALLBACK_S
-        self.stats.lease_fallbacks += 1
-        return await self._lease_to_control_plane(body, token)
+        return r if r.status_code not in (404, 405) and r.status_code < 500 else None
+
+    async def _status(self, node: VirtualNode, body: bytes) -> Answer:
+        """A status, and leases to the gateway while it waits, as an agent's (llmgw_agent/keepalive.py).
+
+        The first lease goes KEEPALIVE_AFTER_S after the status was due, its wait for one of the
+        fleet's connections included (an agent has its own), then one every interval; none once the
+        status is answered. A lease being sent is never cut off: its connection would carry its answer
+        to the next request.
+        """
+        if not (self.lease_url and node.leases):
+            return await self._post(HEARTBEAT_PATH, body, node.credential)
+        waiting = [True]
+
+        def begin() -> None:
+            task = asyncio.ensure_future(self._keepalive(node, waiting))
+            self._keepalives.add(task)  # held until it ends: the loop keeps only a weak reference
+            task.add_done_callback(self._keepalives.discard)
+
+        timer = asyncio.get_running_loop().call_later(KEEPALIVE_AFTER_S, begin)
+        try:
+            return await self._post(HEARTBEAT_PATH, body, node.credential)
+        finally:
+            waiting[0] = False
+            timer.cancel()
+
+    async def _keepalive(self, node: VirtualNode, waiting: list[bool]) -> None:
+        while waiting[0]:
+            if self.clock() >= self.lease_fallback_until:
+                t0 = time.perf_counter()
+                r = await self._to_gateway(node.keepalive(self.clock()), node.credential)
+                if r is not None:
+                    self.stats.observe(self.stats.lease_latency, time.perf_counter() - t0)
+                    self.stats.keepalives += 1
+            await asyncio.sleep(node.interval)
 
     async def _lease_to_control_plane(self, body: bytes, token: str) -> Answer:
         # A lease a named gateway did not take: counted, to tell its cost on the web server apart.
@@ -313,9 +355,7 @@ class Fleet:
         key = None if leased else node.status_key(now)
         body, acks = leased or node.heartbeat(now)
         t0 = time.perf_counter()
-        r = await (
-            self._post_lease(body, node.credential) if leased else self._post(HEARTBEAT_PATH, body, node.credential)
-        )
+        r = await (self._post_lease(body, node.credential) if leased else self._status(node, body))
         if r.status_code in (401, 403, 404):
             node.registered = False
             self.stats.heartbeat_errors[str(r.status_code)] += 1

@@ -52,6 +52,8 @@ class Stats:
     # minute went to the control plane's own endpoint; leases sent there while a gateway was named.
     lease_fallbacks: int = 0
     leases_to_control_plane: int = 0
+    # Leases sent to the gateway while a status waited for its answer (llmgw_agent/keepalive.py).
+    keepalives: int = 0
     register_latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
     # How late each heartbeat left against when it was due: the simulator's own event loop behind
     # (short of CPU), which a real fleet, each agent on its own machine, does not have.
@@ -71,6 +73,7 @@ class Stats:
             "register_refused": dict(self.register_refused),
             "heartbeats": self.heartbeats,
             "leases": self.leases,
+            "keepalives": self.keepalives,
             "heartbeat_errors": dict(self.heartbeat_errors),
             "statuses_why": dict(self.statuses_why),
             "unreachable": self.unreachable,

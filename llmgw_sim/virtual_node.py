@@ -286,9 +286,16 @@ class VirtualNode:
             self.fleet.stats.statuses_why[why] += 1
             return None
         acks = list(self.acks)[: wire.MAX_COMMANDS]
+        return self._lease_body(now, acks), acks
+
+    def keepalive(self, now: float) -> bytes:
+        """A lease sent while a status waits (llmgw_agent/keepalive.py): no acks, they ride in the status."""
+        return self._lease_body(now, [])
+
+    def _lease_body(self, now: float, acks: list[str]) -> bytes:
         # Spliced, not dumped: the node id is JSON-encoded once (_identity), only the clock and acks change.
         tail = ',"acks":' + json.dumps(acks) + "}" if acks else ',"acks":[]}'
-        return ('{"node_id":' + self._identity()["node"] + ',"at":' + repr(now) + tail).encode(), acks
+        return ('{"node_id":' + self._identity()["node"] + ',"at":' + repr(now) + tail).encode()
 
     def _identity(self) -> dict[str, str]:
         """The heartbeat's values that never change for this node (JSON-encoded), made once."""

@@ -388,6 +388,77 @@ def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails
         loop.close()
 
 
+def test_a_status_waiting_in_the_web_tiers_queue_does_not_leave_its_node_silent(client, join_token, settings, tmp_path):
+    # A status held at the control plane (its web tier busy): the agent renews through the gateway
+    # meanwhile, so the liveness sweep reads a node heard, not one silent for the whole wait.
+    import threading
+
+    from llmgw_agent.loop import Agent
+    from tests.llmgw_agent.test_loop import Probe
+
+    settings.LLMGW_LEASE_URL = "http://gw/api/v1/agent/lease"
+    endpoint = LeaseEndpoint(window_s=0.005)
+    app = with_agent_lease(_inner, endpoint=endpoint)
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    hold = threading.Event()
+    leased = threading.Event()
+    seen: list[tuple[str, dict]] = []
+    during_hold: list[tuple[str, dt.datetime]] = []
+
+    async def through_gateway(request: httpx.Request) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as gw:
+            r = await gw.post(request.url.path, content=request.content, headers=dict(request.headers))
+        return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+
+    def route(request: httpx.Request) -> httpx.Response:
+        seen.append((f"{request.url.host}{request.url.path}", json.loads(request.content)))
+        if request.url.host == "gw":
+            r = asyncio.run_coroutine_threadsafe(through_gateway(request), loop).result(10)
+            if hold.is_set():
+                leased.set()
+            return r
+        if hold.is_set() and request.url.path == "/api/v1/agent/heartbeat":
+            # The web tier's queue: this status is answered only once a lease got through meanwhile.
+            assert leased.wait(10), "no lease while the status waited"
+            node = Node.objects.get(id="node-a")
+            during_hold.append((node.state, node.last_seen))
+        return to_django(client, request)
+
+    cfg = agent_config(join_token, tmp_path)
+    http = httpx.Client(base_url="http://cp", transport=httpx.MockTransport(route))
+    agent = Agent(cfg, probe=Probe(), http=http, listening=lambda: [22])
+    try:
+        # Registration and the first status, answered at once: no lease goes beside them.
+        agent.keepalive.after_s = 60.0
+        agent.step()
+        assert [p for p, _ in seen] == ["cp/api/v1/agent/register", "cp/api/v1/agent/heartbeat"]
+        assert agent.keepalive.sent == 0
+        # The next status waits: a lease renews the node meanwhile, carrying no acks.
+        old = _age(["node-a"], state="ready")
+        Node.objects.filter(id="node-a").update(unreachable_since=None)
+        agent.keepalive.after_s = 0.05
+        agent.status.reset()
+        seen.clear()
+        hold.set()
+        assert isinstance(agent.heartbeat(), wire.HeartbeatResponse)
+        hold.clear()
+        assert seen[0][0] == "cp/api/v1/agent/heartbeat"
+        assert [(p, body["node_id"], body.get("acks", [])) for p, body in seen[1:2]] == [
+            ("gw/api/v1/agent/lease", "node-a", [])
+        ]
+        ((state, last_seen),) = during_hold
+        assert (state, last_seen > old) == ("ready", True)
+        assert agent.keepalive.sent >= 1
+    finally:
+        agent.close()
+        asyncio.run_coroutine_threadsafe(endpoint.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(5)
+        loop.close()
+
+
 def test_an_agent_whose_gateway_does_not_answer_sends_its_lease_to_the_control_plane_after_the_lease_timeout(
     client, join_token, settings, tmp_path
 ):

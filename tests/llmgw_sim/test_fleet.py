@@ -393,6 +393,68 @@ def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails()
     assert sum(counted["lease_latency"]) == 2
 
 
+def test_a_status_waiting_for_its_answer_is_accompanied_by_leases_to_the_gateway(monkeypatch):
+    # As an agent's (llmgw_agent/keepalive.py): the web tier holds the status, the gateway renews the node.
+    import asyncio
+
+    from llmgw_sim import fleet as fleet_mod
+
+    seen: list[tuple[str, bytes, bytes]] = []
+    node_ids: list[str] = []
+
+    async def main() -> None:
+        leased = asyncio.Event()
+
+        def server(name: str):
+            async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                while (got := await _request(reader)) is not None:
+                    head, body = got
+                    seen.append((name, head.split(b" ")[1], body))
+                    if name == "gw":
+                        leased.set()
+                    elif hold[0]:
+                        await asyncio.wait_for(leased.wait(), 10)
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                    await writer.drain()
+
+            return serve
+
+        hold = [True]
+        cp = await asyncio.start_server(server("cp"), "127.0.0.1", 0)
+        gw = await asyncio.start_server(server("gw"), "127.0.0.1", 0)
+        fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
+        fleet._connections = asyncio.Queue()
+        fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
+        fleet.connections = 1
+        (node,) = fleet.nodes
+        node_ids.append(node.node_id)
+        node.credential, node.interval = "tok", 60.0
+        # A control plane that takes no leases: the status goes alone, however long it waits.
+        monkeypatch.setattr(fleet_mod, "KEEPALIVE_AFTER_S", 0.0)
+        fleet.lease_url = f"http://127.0.0.1:{gw.sockets[0].getsockname()[1]}/api/v1/agent/lease"
+        hold[0] = False
+        assert (await fleet._status(node, b"{}")).status_code == 200
+        await asyncio.sleep(0)  # a lease begun now would have been sent by here
+        # One that takes them: the held status is answered once a lease renewed the node meanwhile.
+        node.leases, hold[0] = True, True
+        monkeypatch.setattr(fleet_mod, "KEEPALIVE_AFTER_S", 0.05)
+        assert (await fleet._status(node, b"{}")).status_code == 200
+        assert fleet.stats.keepalives == 1
+        for q in (fleet._connections, fleet._lease_connections):
+            q.get_nowait().close()
+        for task in list(fleet._keepalives):
+            task.cancel()
+        for srv in (cp, gw):
+            srv.close()
+            await srv.wait_closed()
+
+    asyncio.run(main())
+    heartbeat, lease = b"/api/v1/agent/heartbeat", wire.LEASE_PATH.encode()
+    assert [(name, path) for name, path, _ in seen] == [("cp", heartbeat), ("cp", heartbeat), ("gw", lease)]
+    lease_body = json.loads(seen[2][2])
+    assert (lease_body["node_id"], lease_body["acks"]) == (node_ids[0], [])
+
+
 async def _request(reader) -> tuple[bytes, bytes] | None:
     """One HTTP/1.1 request's head and body off a stream; None when the client has gone."""
     import asyncio
