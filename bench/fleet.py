@@ -136,6 +136,9 @@ class Loop:
                 "LLMGW_JOIN_TOKEN": self.join,
                 # Scraped as Prometheus would be: with its bearer token.
                 "LLMGW_METRICS_TOKEN": self.metrics_token,
+                # The cache too: without it the control plane falls back to its file cache, and the run
+                # measures that (a join storm of 10,000 took 292 s instead of 45) rather than Redis.
+                "REDIS_URL": redis_url,
                 "CELERY_BROKER_URL": redis_url,
                 "LLMGW_CACHE_PREFIX": os.environ.get("LLMGW_CACHE_PREFIX", "llmgw") + "-fleet",
                 "LLMGW_VAR_DIR": str(work / "var"),

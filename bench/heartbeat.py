@@ -86,6 +86,8 @@ def _server_env(db_url: str, join: str) -> dict[str, str]:
             "DEBUG": "0",
             "LLMGW_JOIN_TOKEN": join,
             "CELERY_BROKER_URL": "memory://",
+            # Redis, as the Redis CPU figures assume: unset, the server would fall back to its file cache.
+            "REDIS_URL": os.environ.get("REDIS_URL") or "redis://127.0.0.1:6379/0",
             "LLMGW_CACHE_PREFIX": os.environ.get("LLMGW_CACHE_PREFIX", "llmgw") + "-bench",
             "LOG_LEVEL": "WARNING",
         }
