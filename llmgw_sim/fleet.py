@@ -122,6 +122,7 @@ class Fleet:
         labels: dict[str, str] | None = None,
         seed: int | None = None,
         profiles_dir: Path = PROFILES_DIR,
+        keepalive: bool = True,
     ) -> None:
         names = profiles or shipped_profiles()
         if not names:
@@ -134,6 +135,8 @@ class Fleet:
         self.ramp_s = ramp_s
         self.load_s, self.ready_s = load_s, ready_s
         self.connections = connections
+        # Leases while a status waits, as an agent sends them (llmgw_agent/keepalive.py); off to measure without.
+        self.keepalive = keepalive
         self.timeout_s = timeout_s
         self.labels = dict(labels or {})
         self.rng = random.Random(seed)
@@ -289,7 +292,7 @@ class Fleet:
         status is answered. A lease being sent is never cut off: its connection would carry its answer
         to the next request.
         """
-        if not (self.lease_url and node.leases):
+        if not (self.keepalive and self.lease_url and node.leases):
             return await self._post(HEARTBEAT_PATH, body, node.credential)
         waiting = [True]
 
@@ -526,6 +529,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--connections", type=int, default=64, help="keep-alive connections to the control plane")
     ap.add_argument("--control", help="JSON file of failures to show (re-read when it changes)")
     ap.add_argument("--stats", help="JSON file rewritten every half second with counts and latencies")
+    ap.add_argument(
+        "--no-keepalive", action="store_true", help="no lease while a status waits (as agents before keepalive.py)"
+    )
     return ap
 
 
@@ -548,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         load_s=args.load_s,
         ready_s=args.ready_s,
         connections=args.connections,
+        keepalive=not args.no_keepalive,
     )
 
     async def go() -> None:
