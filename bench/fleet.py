@@ -469,6 +469,7 @@ def _phases(loop: Loop) -> Iterator[str]:
     )
     u1, k1 = loop.stats(), loop.cpu()
     lat, late = _hist_diff(u1["latency"], u0["latency"]), _hist_diff(u1["lateness"], u0["lateness"])
+    changed = _hist_diff(u1["changed_latency"], u0["changed_latency"])
     up_s = time.monotonic() - t0
     # Where the scale-up's cores went: the two are shared by every part, so the one that grows is the limit.
     spent = {k: k1[k] - k0[k] for k in k0}
@@ -477,7 +478,10 @@ def _phases(loop: Loop) -> Iterator[str]:
         f"({(u1['leases'] - u0['leases']) / max(1, u1['heartbeats'] - u0['heartbeats']):.0%} leases), "
         f"p50 {_ms(histogram_percentile(lat, 50))}, p99 {_ms(histogram_percentile(lat, 99))}, "
         f"max {_ms(histogram_percentile(lat, 100))}; the simulator's own lateness "
-        f"p99 {_ms(histogram_percentile(late, 99))}, max {_ms(histogram_percentile(late, 100))}"
+        f"p99 {_ms(histogram_percentile(late, 99))}, max {_ms(histogram_percentile(late, 100))}; "
+        f"the {sum(changed):,} statuses that reported a change (a shard ready): "
+        f"p50 {_ms(histogram_percentile(changed, 50))}, p99 {_ms(histogram_percentile(changed, 99))}, "
+        f"max {_ms(histogram_percentile(changed, 100))}"
     )
     yield (
         "  CPU during it (core-seconds): "

@@ -14,6 +14,15 @@ the same application the WSGI servers run (llmgw/wsgi.py) in a pool of
 LLMGW_WEB_THREADS threads. It is what a buffering reverse proxy does
 (docs/security.md), done by the server itself.
 
+A request may ask to wait for the others: an RFC 9218 `Priority` header
+with an urgency above the default (u=3) puts it in the background lane, and
+a free thread takes every waiting request of the default lane first. Agents
+send their routine status so (the 60-s floor, with nothing changed: see
+llmgw_agent/status.py), so that a status reporting a shard ready, a
+registration or an operator's page is not queued behind a fleet's minute of
+routine refreshes; their leases meanwhile keep the node alive
+(llmgw_agent/keepalive.py).
+
 Each worker also leaves when its server's master is gone (llmgw/orphans.py).
 """
 
@@ -25,6 +34,7 @@ import json
 import logging
 import os
 import sys
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,6 +54,58 @@ WSGIApp = Callable[[dict, Callable], Iterable[bytes]]
 # each endpoint refuses more than its own bound after this (Django's
 # DATA_UPLOAD_MAX_MEMORY_SIZE for forms).
 MAX_BODY = 17 * 1024 * 1024
+
+
+# RFC 9218's default urgency (0 most urgent, 7 least); a request asking for more than this waits for the others.
+DEFAULT_URGENCY = 3
+
+
+def urgency(value: bytes) -> int:
+    """The urgency an RFC 9218 Priority header's value asks for (0-7); the default when it names none or a bad one."""
+    for member in value.split(b","):
+        key, _, given = member.strip().partition(b"=")
+        if key.strip() == b"u":
+            given = given.strip()
+            return int(given) if given.isdigit() and int(given) <= 7 else DEFAULT_URGENCY
+    return DEFAULT_URGENCY
+
+
+class Lanes:
+    """The pool's threads, handed out on the event loop: every waiting request before any background one.
+
+    A thread is taken before a request is submitted and given back when its
+    answer has started, so the pool itself never queues one (a streamed
+    answer's later chunks excepted); within a lane, first come first served.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self.free = threads
+        # (the default lane, the background lane): the waiters, each woken with a thread.
+        self.waiting: tuple[deque[asyncio.Future], deque[asyncio.Future]] = (deque(), deque())
+
+    async def enter(self, *, background: bool) -> None:
+        """Take a thread, waiting behind those before in this lane (and, in the background, all of the other)."""
+        if self.free and not (self.waiting[0] or self.waiting[1]):
+            self.free -= 1
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiting[background].append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.leave()  # handed a thread just as it left: the thread goes to the next
+            raise
+
+    def leave(self) -> None:
+        """Give a thread back: to the first waiter of the default lane, else of the background, else free."""
+        for lane in self.waiting:
+            while lane:
+                waiter = lane.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    return
+        self.free += 1
 
 
 def _problem(detail: str) -> bytes:
@@ -113,6 +175,7 @@ class Front:
         self.bearer_paths = bearer_paths
         self.bearer_refusal = bearer_refusal
         self.pool: ThreadPoolExecutor | None = None
+        self.lanes = Lanes(threads)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self.pool is None:
@@ -126,7 +189,7 @@ class Front:
         if scope["type"] != "http":
             return
         declared = None
-        bearer = False
+        bearer = background = False
         for k, v in scope.get("headers", ()):
             k = k.lower()
             if k == b"content-length":
@@ -137,6 +200,8 @@ class Front:
                     return
             elif k == b"authorization":
                 bearer = v[:7].lower() == b"bearer " and bool(v[7:].strip())
+            elif k == b"priority":
+                background = urgency(v) > DEFAULT_URGENCY
         if not bearer and scope["path"].startswith(self.bearer_paths):
             detail, challenge = self.bearer_refusal
             await self._refuse(send, 401, detail, [(b"www-authenticate", challenge.encode("latin-1"))])
@@ -154,7 +219,7 @@ class Front:
         if body is None:
             await self._refuse(send, 413, f"the body must be at most {self.max_body} bytes")
             return
-        await self._serve(environ_of(scope, body), send)
+        await self._serve(environ_of(scope, body), send, background=background)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         # None past max_body; TimeoutError past the deadline; ConnectionError when the client left.
@@ -192,10 +257,21 @@ class Front:
         )
         await send({"type": "http.response.body", "body": body})
 
-    async def _serve(self, environ: dict, send: Send) -> None:
+    async def _serve(self, environ: dict, send: Send, *, background: bool = False) -> None:
         loop = asyncio.get_running_loop()
         pool = self._pool()
-        status, headers, chunks, rest = await loop.run_in_executor(pool, self._start, environ)
+        await self.lanes.enter(background=background)
+        started = pool.submit(self._start, environ)
+        try:
+            status, headers, chunks, rest = await asyncio.wrap_future(started)
+        except asyncio.CancelledError:
+            # The thread works on: its slot comes back when it is done, not before.
+            started.add_done_callback(lambda _: loop.call_soon_threadsafe(self.lanes.leave))
+            raise
+        except BaseException:
+            self.lanes.leave()
+            raise
+        self.lanes.leave()
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if rest is None:
             await send({"type": "http.response.body", "body": b"".join(chunks)})

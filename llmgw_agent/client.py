@@ -48,7 +48,15 @@ class ControlPlane:
         self.http = http
         self.url = url
 
-    def post(self, path: str, body: pydantic.BaseModel, token: str, *, timeout: float | None = None) -> httpx.Response:
+    def post(
+        self,
+        path: str,
+        body: pydantic.BaseModel,
+        token: str,
+        *,
+        timeout: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
         """POST one message with a bearer token; raises Unreachable for no answer or a server error.
 
         `path` is under the control plane's URL, or a whole URL of its own (the gateway's lease endpoint).
@@ -58,7 +66,7 @@ class ControlPlane:
             r = self.http.post(
                 path,
                 content=body.model_dump_json(exclude_none=True),
-                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json", **(headers or {})},
                 **extra,
             )
         except httpx.TransportError as e:

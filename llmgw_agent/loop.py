@@ -42,7 +42,7 @@ from llmgw_agent.ports import listening_ports
 from llmgw_agent.probe import DiscoveryProbe, Probe
 from llmgw_agent.shardload import ShardMeter
 from llmgw_agent.state import AppliedJournal, CredentialFile
-from llmgw_agent.status import StatusGate
+from llmgw_agent.status import ROUTINE, StatusGate
 from llmgw_agent.supervisor import Supervisor
 from llmgw_agent.wakeup import Listener, shard_states, worth_reporting_now
 
@@ -335,7 +335,8 @@ class Agent:
             # While a status waits in the web tier's queue, leases keep the node alive (llmgw_agent/keepalive.py).
             waits = self.keepalive.during() if lease is None and self.advertised_lease else contextlib.nullcontext()
             with waits:
-                r = self.control_plane.post(path, sent, self.credential())
+                routine = ROUTINE if lease is None and self.status.routine() else None
+                r = self.control_plane.post(path, sent, self.credential(), headers=routine)
         resp = self._answer(r, model, "heartbeat", reregister_on=(401, 403, 404))
         self.status.answered(sent, resp, now=self.clock())
         if isinstance(resp, wire.HeartbeatResponse):

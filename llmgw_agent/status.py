@@ -49,7 +49,12 @@ The thresholds, and why each is what it is:
 STATUS_FLOOR_S (60 s) bounds how stale a reading below every threshold can
 be, and stays under the control plane's telemetry time to live
 (LLMGW_TELEMETRY_TTL, 120 s by default) so the last status outlives a lost
-lease or two even without the lease's renewal of it.
+lease or two even without the lease's renewal of it. A status sent only
+because the floor came, with nothing beyond a threshold, is routine: it asks
+the control plane's web tier to serve every other request first (ROUTINE,
+llmgw/front.py). A fleet that joined within a minute sends its floors within
+the same minute of every minute, and a shard's ready queued behind them
+waited seconds to be heard.
 """
 
 from __future__ import annotations
@@ -61,6 +66,10 @@ import llmgw_wire as wire
 from llmgw_wire.shard_states import report_at_once
 
 STATUS_FLOOR_S = 60.0
+# Sent with a routine status (RFC 9218: the least urgency): a control plane's web tier serves every other
+# request first (llmgw/front.py), a status that reports a change, a registration or an operator's page.
+# Leases keep the node alive while it waits (llmgw_agent/keepalive.py).
+ROUTINE = {"Priority": "u=7"}
 TEMP_C = 5.0
 POWER_FRACTION = 0.10
 UTIL_POINTS = 10.0
@@ -323,11 +332,15 @@ class StatusGate:
             return "first"
         if self.wanted:
             return "asked"
-        if now - self.last_at >= self.floor_s:
-            return "floor"
         if body.gpu_fabrics is not None and body.gpu_fabrics != self.last_fabrics:
             return "gpu fabrics"
-        return status_change(self.last, body, old_rates=self.last_rates, new_rates=self.rates)
+        why = status_change(self.last, body, old_rates=self.last_rates, new_rates=self.rates)
+        # Last: "floor" says nothing else changed, so that the status may wait for others (ROUTINE).
+        return why or ("floor" if now - self.last_at >= self.floor_s else "")
+
+    def routine(self) -> bool:
+        """Whether the status this interval sends is routine: the floor's, with nothing changed to report."""
+        return self.reason == "floor"
 
     def lease(self, body: wire.Heartbeat, *, now: float) -> wire.Lease | None:
         """The lease to send instead of `body`, or None when the body (the status) must go."""

@@ -56,7 +56,7 @@ except ImportError:  # a development tool: asyncio's own loop serves, at a highe
     uvloop = None
 from llmgw_agent.keepalive import AFTER_S as KEEPALIVE_AFTER_S
 from llmgw_agent.loop import LEASE_FALLBACK_S, LEASE_TIMEOUT_S, backoff_delay
-from llmgw_agent.status import MAX_AGAIN
+from llmgw_agent.status import MAX_AGAIN, ROUTINE
 from llmgw_sim.fleet_http import Answer, Connection, TransportError
 from llmgw_sim.fleet_stats import EDGES, Stats, histogram_percentile
 from llmgw_sim.simulate import NS, PROFILES_DIR, shipped_profiles
@@ -73,6 +73,8 @@ log = logging.getLogger("llmgw.fleet")
 
 S = wire.ShardState
 HEARTBEAT_PATH = "/api/v1/agent/heartbeat"
+# The header lines of a routine status, as an agent sends them.
+_ROUTINE_HEAD = b"".join(f"\r\n{k}: {v}".encode() for k, v in ROUTINE.items())
 
 # Part of this module's interface: bench/fleet.py and the tests take them from here.
 __all__ = [
@@ -222,12 +224,12 @@ class Fleet:
             f.cards_off = want
             f.ports_down = ports.get(n.node_id, set())
 
-    async def _post(self, path: str, body: bytes, token: str) -> Answer:
+    async def _post(self, path: str, body: bytes, token: str, *, extra: bytes = b"") -> Answer:
         """POST on one of the fleet's connections, waiting for a free one (a node at a time on each)."""
         assert self._connections is not None
         conn = await self._take(self._connections)
         try:
-            return await conn.post(path, body, token)
+            return await conn.post(path, body, token, extra=extra)
         finally:
             self._connections.put_nowait(conn)
 
@@ -284,16 +286,17 @@ class Fleet:
             self._lease_connections.put_nowait(conn)
         return r if r.status_code not in (404, 405) and r.status_code < 500 else None
 
-    async def _status(self, node: VirtualNode, body: bytes) -> Answer:
+    async def _status(self, node: VirtualNode, body: bytes, *, routine: bool = False) -> Answer:
         """A status, and leases to the gateway while it waits, as an agent's (llmgw_agent/keepalive.py).
 
         The first lease goes KEEPALIVE_AFTER_S after the status was due, its wait for one of the
         fleet's connections included (an agent has its own), then one every interval; none once the
         status is answered. A lease being sent is never cut off: its connection would carry its answer
-        to the next request.
+        to the next request. A routine status says so (llmgw_agent/status.py ROUTINE).
         """
+        extra = _ROUTINE_HEAD if routine else b""
         if not (self.keepalive and self.lease_url and node.leases):
-            return await self._post(HEARTBEAT_PATH, body, node.credential)
+            return await self._post(HEARTBEAT_PATH, body, node.credential, extra=extra)
         waiting = [True]
 
         def begin() -> None:
@@ -303,7 +306,7 @@ class Fleet:
 
         timer = asyncio.get_running_loop().call_later(KEEPALIVE_AFTER_S, begin)
         try:
-            return await self._post(HEARTBEAT_PATH, body, node.credential)
+            return await self._post(HEARTBEAT_PATH, body, node.credential, extra=extra)
         finally:
             waiting[0] = False
             timer.cancel()
@@ -358,7 +361,10 @@ class Fleet:
         key = None if leased else node.status_key(now)
         body, acks = leased or node.heartbeat(now)
         t0 = time.perf_counter()
-        r = await (self._post_lease(body, node.credential) if leased else self._status(node, body))
+        # A routine status (the floor's alone) may wait for the others (llmgw/front.py).
+        why = "" if leased else node.status_due(now)
+        routine = why == "floor"
+        r = await (self._post_lease(body, node.credential) if leased else self._status(node, body, routine=routine))
         if r.status_code in (401, 403, 404):
             node.registered = False
             self.stats.heartbeat_errors[str(r.status_code)] += 1
@@ -367,6 +373,8 @@ class Fleet:
             self.stats.heartbeat_errors[str(r.status_code)] += 1
             return r.status_code < 500
         self.stats.observe(self.stats.latency, time.perf_counter() - t0)
+        if why == "changed":
+            self.stats.observe(self.stats.changed_latency, time.perf_counter() - t0)
         self.stats.heartbeats += 1
         if node.faults.lose_answers:
             self.stats.answers_dropped += 1

@@ -146,18 +146,18 @@ class Connection:
             self._heads[path] = head
         return head
 
-    async def post(self, path: str, body: bytes, token: str) -> Answer:
-        """POST `body` to `path`; raises TransportError when no answer comes."""
+    async def post(self, path: str, body: bytes, token: str, *, extra: bytes = b"") -> Answer:
+        """POST `body` to `path` (`extra`: header lines, each after a CRLF); TransportError when no answer comes."""
         try:
             if self.watched:
-                return await self._post(path, body, token)
+                return await self._post(path, body, token, extra)
             async with asyncio.timeout(self.timeout_s):
-                return await self._post(path, body, token)
+                return await self._post(path, body, token, extra)
         except (OSError, TimeoutError, ValueError, IndexError) as e:
             self.close()
             raise TransportError(f"{self.authority}{path}: {type(e).__name__}: {e}") from e
 
-    async def _post(self, path: str, body: bytes, token: str) -> Answer:
+    async def _post(self, path: str, body: bytes, token: str, extra: bytes) -> Answer:
         wire = self.wire
         loop = asyncio.get_running_loop()
         if wire is None or wire.closed:
@@ -172,6 +172,7 @@ class Connection:
                 (
                     self._head(path),
                     token.encode(),
+                    extra,
                     b"\r\nContent-Type: application/json\r\nContent-Length: ",
                     str(len(body)).encode(),
                     b"\r\n\r\n",

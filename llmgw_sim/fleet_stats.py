@@ -46,6 +46,8 @@ class Stats:
     answers_dropped: int = 0
     commands: Counter = field(default_factory=Counter)
     latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
+    # Of the heartbeats, the statuses that reported a change (a shard ready or ended, a fault).
+    changed_latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
     # Of the heartbeats, the leases the gateway answered: its path told apart from the web's.
     lease_latency: list[int] = field(default_factory=lambda: [0] * len(EDGES))
     # Times the gateway's lease endpoint failed (timeout, 5xx, 404/405) and the leases of the next
@@ -80,6 +82,7 @@ class Stats:
             "answers_dropped": self.answers_dropped,
             "commands": dict(self.commands),
             "latency": list(self.latency),
+            "changed_latency": list(self.changed_latency),
             "lease_latency": list(self.lease_latency),
             "lease_fallbacks": self.lease_fallbacks,
             "leases_to_control_plane": self.leases_to_control_plane,

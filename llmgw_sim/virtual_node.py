@@ -275,9 +275,10 @@ class VirtualNode:
             return "no leases" if self.status is not None else "first"
         if self.status is None:
             return "asked"
-        if now - self.status[0] >= STATUS_FLOOR_S:
-            return "floor"
-        return "changed" if self.status[1] != self.status_key(now) else ""
+        if self.status[1] != self.status_key(now):
+            return "changed"
+        # Last, as an agent's StatusGate: "floor" says nothing else changed (a routine status).
+        return "floor" if now - self.status[0] >= STATUS_FLOOR_S else ""
 
     def lease(self, now: float) -> tuple[bytes, list[str]] | None:
         """A lease instead of the status, None when the status must go (as StatusGate decides for an agent)."""

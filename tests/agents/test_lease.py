@@ -295,6 +295,49 @@ def test_an_agent_sends_its_status_then_leases_until_something_changes(client, j
         agent.close()
 
 
+def test_a_status_sent_only_for_the_floor_is_marked_routine_and_one_that_reports_a_change_is_not(
+    client, join_token, tmp_path
+):
+    # RFC 9218's least urgency on the floor's status alone: the web tier serves it after the others
+    # (llmgw/front.py); a change the floor also came for is urgent as ever.
+    sent: list[tuple[str, str | None]] = []
+
+    def through_django(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.path, request.headers.get("Priority")))
+        return to_django(client, request)
+
+    now = [1_000.0]
+    probe = Probe()
+    http = httpx.Client(base_url="http://cp", transport=httpx.MockTransport(through_django))
+    agent = Agent(
+        agent_config(join_token, tmp_path), probe=probe, http=http, listening=lambda: [22], clock=lambda: now[0]
+    )
+    try:
+        agent.step()
+        agent.step()
+        reasons = []
+        # A minute on, the first fabric report (new to the control plane), then the floor, then a floor
+        # that comes with a card 10 °C warmer.
+        for warmer in (False, False, True):
+            now[0] += 60
+            if warmer:
+                probe.sample = lambda previous=None: Sampled(gpus=[wire.GPUSensor(index=0, temp_c=50)])
+            agent.step()
+            reasons.append(agent.status.reason)
+        assert reasons == ["gpu fabrics", "floor", "gpu 0 temperature"]
+        hb = "/api/v1/agent/heartbeat"
+        assert sent == [
+            ("/api/v1/agent/register", None),
+            (hb, None),
+            (wire.LEASE_PATH, None),
+            (hb, None),
+            (hb, "u=7"),
+            (hb, None),
+        ]
+    finally:
+        agent.close()
+
+
 def test_a_lease_is_routine_logged_at_debug_only(client, reporting, caplog):
     # Every node renews every few seconds: nothing at INFO, one line at DEBUG.
     with caplog.at_level(logging.INFO):

@@ -212,6 +212,20 @@ def test_status_first_then_leases_then_the_floor():
     assert accept(gate, hb(at=65.0), 65.0) is not None
 
 
+def test_the_floor_is_the_reason_only_when_nothing_else_changed_and_only_then_routine():
+    gate = StatusGate()
+    accept(gate, hb(at=0.0), 0.0)
+    assert accept(gate, hb(at=5.0), 5.0) is not None and not gate.routine()
+    # Due at 60 s with a second shard ready: the change is the reason, and it is not routine.
+    two = [{"shard_id": s, "replica_id": f"r{s}", "state": "ready", "http_port": 8000 + i} for i, s in enumerate("ab")]
+    changed = hb(at=60.0, shards=two)
+    assert gate.lease(changed, now=60.0) is None
+    assert (gate.reason, gate.routine()) == ("shards", False)
+    # Due with nothing changed: the floor, routine.
+    assert gate.lease(hb(at=60.0), now=60.0) is None
+    assert (gate.reason, gate.routine()) == ("floor", True)
+
+
 def test_drift_adds_up_against_the_last_status_sent():
     gate = StatusGate()
     accept(gate, hb(at=0.0), 0.0)

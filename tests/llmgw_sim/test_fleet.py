@@ -455,6 +455,40 @@ def test_a_status_waiting_for_its_answer_is_accompanied_by_leases_to_the_gateway
     assert (lease_body["node_id"], lease_body["acks"]) == (node_ids[0], [])
 
 
+def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does():
+    import asyncio
+
+    heads: list[bytes] = []
+
+    async def main() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while (got := await _request(reader)) is not None:
+                heads.append(got[0])
+                writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"leases":true}')
+                await writer.drain()
+
+        cp = await asyncio.start_server(serve, "127.0.0.1", 0)
+        fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
+        fleet._connections = asyncio.Queue()
+        fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
+        now = [1000.0]
+        fleet.clock = lambda: now[0]
+        (node,) = fleet.nodes
+        node.credential, node.registered, node.leases = "tok", True, True
+        node.status = (now[0], node.status_key(now[0]))
+        now[0] += 60  # the floor, nothing changed
+        assert await fleet._heartbeat(node)
+        now[0] += 60  # the floor, and a port down
+        fleet.port_down(node.node_id, "mlx5_0")
+        assert await fleet._heartbeat(node)
+        fleet._connections.get_nowait().close()
+        cp.close()
+        await cp.wait_closed()
+
+    asyncio.run(main())
+    assert [b"\r\nPriority: u=7\r\n" in head for head in heads] == [True, False]
+
+
 async def _request(reader) -> tuple[bytes, bytes] | None:
     """One HTTP/1.1 request's head and body off a stream; None when the client has gone."""
     import asyncio
