@@ -27,7 +27,8 @@ and a phase that runs out says how far it got instead of waiting on (the join
 storm is bounded by BENCH_FLEET_JOIN_TIMEOUT, 300 s). BENCH_FLEET_REPLICAS=0
 skips the scale-up and the silent nodes, BENCH_FLEET_SILENT=0 the latter.
 BENCH_FLEET_KEEPALIVE=0 has the virtual nodes send no lease while a status
-waits (llmgw_agent/keepalive.py), to measure what those leases change.
+waits (llmgw_agent/keepalive.py), BENCH_FLEET_PRIORITY=0 their routine
+statuses unmarked (llmgw_agent/status.py ROUTINE), to measure what each changes.
 
 Everything runs on the same cores as the server (the fleet, the worker, the
 database), so the figures are those of the whole loop sharing one machine.
@@ -241,6 +242,8 @@ class Loop:
                         str(self.work / f"stats-{k}.json"),
                         # BENCH_FLEET_KEEPALIVE=0: no lease while a status waits, to measure what it changes.
                         *([] if _env("BENCH_FLEET_KEEPALIVE", 1) else ["--no-keepalive"]),
+                        # BENCH_FLEET_PRIORITY=0: routine statuses unmarked, the web's front first come first served.
+                        *([] if _env("BENCH_FLEET_PRIORITY", 1) else ["--no-priority"]),
                     ],
                     cwd=ROOT,
                     env=self.env,

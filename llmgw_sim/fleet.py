@@ -125,6 +125,7 @@ class Fleet:
         seed: int | None = None,
         profiles_dir: Path = PROFILES_DIR,
         keepalive: bool = True,
+        priority: bool = True,
     ) -> None:
         names = profiles or shipped_profiles()
         if not names:
@@ -139,6 +140,8 @@ class Fleet:
         self.connections = connections
         # Leases while a status waits, as an agent sends them (llmgw_agent/keepalive.py); off to measure without.
         self.keepalive = keepalive
+        # Routine statuses marked so (llmgw_agent/status.py ROUTINE); off to measure the web's lanes without.
+        self.priority = priority
         self.timeout_s = timeout_s
         self.labels = dict(labels or {})
         self.rng = random.Random(seed)
@@ -294,7 +297,7 @@ class Fleet:
         status is answered. A lease being sent is never cut off: its connection would carry its answer
         to the next request. A routine status says so (llmgw_agent/status.py ROUTINE).
         """
-        extra = _ROUTINE_HEAD if routine else b""
+        extra = _ROUTINE_HEAD if routine and self.priority else b""
         if not (self.keepalive and self.lease_url and node.leases):
             return await self._post(HEARTBEAT_PATH, body, node.credential, extra=extra)
         waiting = [True]
@@ -540,6 +543,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--no-keepalive", action="store_true", help="no lease while a status waits (as agents before keepalive.py)"
     )
+    ap.add_argument(
+        "--no-priority", action="store_true", help="routine statuses not marked so (as agents before ROUTINE)"
+    )
     return ap
 
 
@@ -563,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         ready_s=args.ready_s,
         connections=args.connections,
         keepalive=not args.no_keepalive,
+        priority=not args.no_priority,
     )
 
     async def go() -> None:
