@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ __all__ = [
     "XID_OFF_BUS",
     "Connection",
     "Fleet",
+    "Pool",
     "ProfileTemplate",
     "TransportError",
     "histogram_percentile",
@@ -99,6 +101,51 @@ def run_loop(coro: Any) -> Any:
     if uvloop is not None and os.environ.get("LLMGW_SIM_LOOP", "uvloop") != "asyncio":
         return uvloop.run(coro)
     return asyncio.run(coro)
+
+
+class Pool:
+    """The fleet's connections to one server, shared by its nodes; a routine request waits behind the others.
+
+    An agent holds a connection of its own, so no node's request waits for another's. The fleet
+    shares a few, and its own queue for them put a status reporting a shard ready behind a minute's
+    routine statuses of other nodes, a delay no fleet of agents has: so a waiter that is not routine
+    is handed a connection first, and within each lane first come, first served.
+    """
+
+    def __init__(self) -> None:
+        self.free: deque[Connection] = deque()
+        self.waiting: tuple[deque[asyncio.Future], deque[asyncio.Future]] = (deque(), deque())
+
+    def empty(self) -> bool:
+        """No connection free."""
+        return not self.free
+
+    def get_nowait(self) -> Connection:
+        """A free connection (IndexError when none is)."""
+        return self.free.popleft()
+
+    def put_nowait(self, conn: Connection) -> None:
+        """A connection back: to the first waiter that is not routine, else the first routine one, else free."""
+        for lane in self.waiting:
+            while lane:
+                waiter = lane.popleft()
+                if not waiter.done():
+                    waiter.set_result(conn)
+                    return
+        self.free.append(conn)
+
+    async def get(self, *, routine: bool = False) -> Connection:
+        """A connection, waiting for one in `routine`'s lane."""
+        if self.free and not (self.waiting[0] or self.waiting[1]):
+            return self.free.popleft()
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiting[routine].append(waiter)
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.put_nowait(waiter.result())  # handed one just as it left: it goes to the next
+            raise
 
 
 class Fleet:
@@ -160,12 +207,12 @@ class Fleet:
             self.nodes.append(VirtualNode(self, i, p, domain))
         self.by_id = {n.node_id: n for n in self.nodes}
         self._stop: asyncio.Event | None = None
-        self._connections: asyncio.Queue[Connection] | None = None
+        self._connections: Pool | None = None
         self._all_connections: list[Connection] = []
         # Where the control plane takes leases in batches (its gateway's lease_url), as an agent learns it;
         # the fleet's connections there, opened on first use; until when (clock) leases go to the control plane.
         self.lease_url = ""
-        self._lease_connections: asyncio.Queue[Connection] | None = None
+        self._lease_connections: Pool | None = None
         self.lease_fallback_until = 0.0
         # Leases being sent while statuses wait (_status).
         self._keepalives: set[asyncio.Future] = set()
@@ -227,22 +274,22 @@ class Fleet:
             f.cards_off = want
             f.ports_down = ports.get(n.node_id, set())
 
-    async def _post(self, path: str, body: bytes, token: str, *, extra: bytes = b"") -> Answer:
+    async def _post(self, path: str, body: bytes, token: str, *, extra: bytes = b"", routine: bool = False) -> Answer:
         """POST on one of the fleet's connections, waiting for a free one (a node at a time on each)."""
         assert self._connections is not None
-        conn = await self._take(self._connections)
+        conn = await self._take(self._connections, routine=routine)
         try:
             return await conn.post(path, body, token, extra=extra)
         finally:
             self._connections.put_nowait(conn)
 
-    async def _take(self, pool: asyncio.Queue[Connection]) -> Connection:
+    async def _take(self, pool: Pool, *, routine: bool = False) -> Connection:
         """A free connection of `pool`; the wait is counted: a fleet of agents, a connection each, has none."""
-        if not pool.empty():
+        if not pool.empty() and not (pool.waiting[0] or pool.waiting[1]):
             self.stats.observe(self.stats.pool_wait, 0.0)
             return pool.get_nowait()
         t0 = time.perf_counter()
-        conn = await pool.get()
+        conn = await pool.get(routine=routine)
         self.stats.observe(self.stats.pool_wait, time.perf_counter() - t0)
         return conn
 
@@ -268,7 +315,7 @@ class Fleet:
     async def _to_gateway(self, body: bytes, token: str) -> Answer | None:
         """A lease on one of the fleet's connections to the gateway; None when it failed or fell back meanwhile."""
         if self._lease_connections is None:
-            self._lease_connections = asyncio.Queue()
+            self._lease_connections = Pool()
             for _ in range(self.connections):
                 # Watched like the control plane's (see run): the watchdog fails a lease unanswered past
                 # the agent's lease timeout, and the lease goes to the control plane at once, as an agent's does.
@@ -299,7 +346,7 @@ class Fleet:
         """
         extra = _ROUTINE_HEAD if routine and self.priority else b""
         if not (self.keepalive and self.lease_url and node.leases):
-            return await self._post(HEARTBEAT_PATH, body, node.credential, extra=extra)
+            return await self._post(HEARTBEAT_PATH, body, node.credential, extra=extra, routine=routine)
         waiting = [True]
 
         def begin() -> None:
@@ -309,7 +356,7 @@ class Fleet:
 
         timer = asyncio.get_running_loop().call_later(KEEPALIVE_AFTER_S, begin)
         try:
-            return await self._post(HEARTBEAT_PATH, body, node.credential, extra=extra)
+            return await self._post(HEARTBEAT_PATH, body, node.credential, extra=extra, routine=routine)
         finally:
             waiting[0] = False
             timer.cancel()
@@ -479,7 +526,7 @@ class Fleet:
         url, timeout = self.control_plane, self.timeout_s
         conns = [Connection(url, timeout_s=timeout, watched=True) for _ in range(self.connections)]
         self._all_connections = conns
-        self._connections = asyncio.Queue()
+        self._connections = Pool()
         for c in conns:
             self._connections.put_nowait(c)
         tasks = [asyncio.create_task(self._run_node(n)) for n in self.nodes]

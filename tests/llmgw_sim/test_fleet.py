@@ -25,6 +25,7 @@ from llmgw_sim.fleet import (
     XID_OFF_BUS,
     Connection,
     Fleet,
+    Pool,
     ProfileTemplate,
     histogram_percentile,
 )
@@ -205,7 +206,7 @@ def test_a_lease_answer_saying_again_or_send_status_counts_towards_coming_back_a
     async def main() -> list[int]:
         cp = await asyncio.start_server(serve, "127.0.0.1", 0)
         fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
-        fleet._connections = asyncio.Queue()
+        fleet._connections = Pool()
         fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
         node = fleet.nodes[0]
         node.registered, node.credential = True, "tok"
@@ -359,7 +360,7 @@ def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails()
         cp = await asyncio.start_server(server("cp"), "127.0.0.1", 0)
         gw = await asyncio.start_server(server("gw"), "127.0.0.1", 0)
         fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
-        fleet._connections = asyncio.Queue()
+        fleet._connections = Pool()
         fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
         fleet.connections = 1
         now = [1000.0]
@@ -423,7 +424,7 @@ def test_a_status_waiting_for_its_answer_is_accompanied_by_leases_to_the_gateway
         cp = await asyncio.start_server(server("cp"), "127.0.0.1", 0)
         gw = await asyncio.start_server(server("gw"), "127.0.0.1", 0)
         fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
-        fleet._connections = asyncio.Queue()
+        fleet._connections = Pool()
         fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
         fleet.connections = 1
         (node,) = fleet.nodes
@@ -469,7 +470,7 @@ def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does()
 
         cp = await asyncio.start_server(serve, "127.0.0.1", 0)
         fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
-        fleet._connections = asyncio.Queue()
+        fleet._connections = Pool()
         fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
         now = [1000.0]
         fleet.clock = lambda: now[0]
@@ -487,6 +488,37 @@ def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does()
 
     asyncio.run(main())
     assert [b"\r\nPriority: u=7\r\n" in head for head in heads] == [True, False]
+
+
+def test_the_fleets_shared_connections_go_to_a_waiter_that_is_not_routine_first():
+    # Agents each hold a connection; the fleet shares a few, and its queue for them must not put a
+    # shard's ready behind other nodes' routine statuses. Within a lane, first come first served.
+    import asyncio
+
+    async def main() -> tuple[list[str], int]:
+        pool = Pool()
+        one = Connection("http://127.0.0.1:9", timeout_s=1)
+        pool.put_nowait(one)
+        assert await pool.get() is one  # free: at once
+        order: list[str] = []
+
+        async def wait(name: str, *, routine: bool) -> None:
+            conn = await pool.get(routine=routine)
+            order.append(name)
+            pool.put_nowait(conn)
+
+        tasks = [
+            asyncio.ensure_future(wait(name, routine=routine))
+            for name, routine in (("floor-1", True), ("ready-1", False), ("gone", False), ("floor-2", True))
+        ]
+        tasks.append(asyncio.ensure_future(wait("ready-2", routine=False)))
+        await asyncio.sleep(0)
+        tasks[2].cancel()  # a node stopped while it waited
+        pool.put_nowait(one)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return order, len(pool.free)
+
+    assert asyncio.run(main()) == (["ready-1", "ready-2", "floor-1", "floor-2"], 1)
 
 
 async def _request(reader) -> tuple[bytes, bytes] | None:
@@ -525,7 +557,7 @@ def test_a_lease_unanswered_past_the_agents_lease_timeout_goes_to_the_control_pl
         cp = await asyncio.start_server(control_plane, "127.0.0.1", 0)
         gw = await asyncio.start_server(stalled_gateway, "127.0.0.1", 0)
         fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=2)
-        fleet._connections = asyncio.Queue()
+        fleet._connections = Pool()
         fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=30))
         fleet.connections = 1
         fleet.lease_url = f"http://127.0.0.1:{gw.sockets[0].getsockname()[1]}/api/v1/agent/lease"
