@@ -314,33 +314,44 @@ def test_a_database_failure_answers_503_and_the_next_batch_is_written(nodes, mon
 # --- a real agent: the gateway's endpoint when named, the control plane's when it fails ---------
 
 
-def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails(
-    client, join_token, settings, tmp_path
-):
-    from llmgw_agent.loop import LEASE_FALLBACK_S, Agent
-    from tests.llmgw_agent.test_loop import Probe
+@pytest.fixture
+def gateway(settings):
+    """The gateway's lease endpoint on an event loop of its own thread (the agent is synchronous), named
+    to agents as http://gw; call it with an agent's request for the gateway's answer."""
+    import threading
 
     settings.LLMGW_LEASE_URL = "http://gw/api/v1/agent/lease"
     endpoint = LeaseEndpoint(window_s=0.005)
     app = with_agent_lease(_inner, endpoint=endpoint)
-    # The gateway's event loop, in a thread of its own (the agent is synchronous).
     loop = asyncio.new_event_loop()
-    runner = __import__("threading").Thread(target=loop.run_forever, daemon=True)
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
-    gateway_up = [True]
-    seen: list[str] = []
 
-    async def through_gateway(request: httpx.Request) -> httpx.Response:
+    async def through(request: httpx.Request) -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as gw:
             r = await gw.post(request.url.path, content=request.content, headers=dict(request.headers))
         return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
+
+    yield lambda request: asyncio.run_coroutine_threadsafe(through(request), loop).result(10)
+    asyncio.run_coroutine_threadsafe(endpoint.close(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    runner.join(5)
+    loop.close()
+
+
+def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails(client, join_token, gateway, tmp_path):
+    from llmgw_agent.loop import LEASE_FALLBACK_S, Agent
+    from tests.llmgw_agent.test_loop import Probe
+
+    gateway_up = [True]
+    seen: list[str] = []
 
     def route(request: httpx.Request) -> httpx.Response:
         seen.append(f"{request.url.host}{request.url.path}")
         if request.url.host == "gw":
             if not gateway_up[0]:
                 raise httpx.ConnectError("connection refused", request=request)
-            return asyncio.run_coroutine_threadsafe(through_gateway(request), loop).result(10)
+            return gateway(request)
         return to_django(client, request)
 
     now = [1_000.0]
@@ -382,13 +393,9 @@ def test_an_agent_sends_leases_to_the_named_gateway_and_falls_back_when_it_fails
         assert seen[-1] == "gw/api/v1/agent/lease"
     finally:
         agent.close()
-        asyncio.run_coroutine_threadsafe(endpoint.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(5)
-        loop.close()
 
 
-def test_a_status_waiting_in_the_web_tiers_queue_does_not_leave_its_node_silent(client, join_token, settings, tmp_path):
+def test_a_status_waiting_in_the_web_tiers_queue_does_not_leave_its_node_silent(client, join_token, gateway, tmp_path):
     # A status held at the control plane (its web tier busy): the agent renews through the gateway
     # meanwhile, so the liveness sweep reads a node heard, not one silent for the whole wait.
     import threading
@@ -396,26 +403,15 @@ def test_a_status_waiting_in_the_web_tiers_queue_does_not_leave_its_node_silent(
     from llmgw_agent.loop import Agent
     from tests.llmgw_agent.test_loop import Probe
 
-    settings.LLMGW_LEASE_URL = "http://gw/api/v1/agent/lease"
-    endpoint = LeaseEndpoint(window_s=0.005)
-    app = with_agent_lease(_inner, endpoint=endpoint)
-    loop = asyncio.new_event_loop()
-    runner = threading.Thread(target=loop.run_forever, daemon=True)
-    runner.start()
     hold = threading.Event()
     leased = threading.Event()
     seen: list[tuple[str, dict]] = []
     during_hold: list[tuple[str, dt.datetime]] = []
 
-    async def through_gateway(request: httpx.Request) -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as gw:
-            r = await gw.post(request.url.path, content=request.content, headers=dict(request.headers))
-        return httpx.Response(r.status_code, content=r.content, headers={"Content-Type": "application/json"})
-
     def route(request: httpx.Request) -> httpx.Response:
         seen.append((f"{request.url.host}{request.url.path}", json.loads(request.content)))
         if request.url.host == "gw":
-            r = asyncio.run_coroutine_threadsafe(through_gateway(request), loop).result(10)
+            r = gateway(request)
             if hold.is_set():
                 leased.set()
             return r
@@ -453,10 +449,6 @@ def test_a_status_waiting_in_the_web_tiers_queue_does_not_leave_its_node_silent(
         assert agent.keepalive.sent >= 1
     finally:
         agent.close()
-        asyncio.run_coroutine_threadsafe(endpoint.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        runner.join(5)
-        loop.close()
 
 
 def test_an_agent_whose_gateway_does_not_answer_sends_its_lease_to_the_control_plane_after_the_lease_timeout(

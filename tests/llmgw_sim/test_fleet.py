@@ -47,6 +47,15 @@ def _hb(node, now: float) -> wire.Heartbeat:
     return wire.Heartbeat.model_validate_json(body)
 
 
+def _one_connection(server, *, nodes: int = 1, timeout_s: float = 5) -> Fleet:
+    """A fleet of `nodes` against `server` (an asyncio server on loopback), over one connection to it."""
+    fleet = Fleet(control_plane=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", join_token="j", nodes=nodes)
+    fleet._connections = Pool()
+    fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=timeout_s))
+    fleet.connections = 1
+    return fleet
+
+
 def test_fleet_imports_no_django():
     code = "import sys, llmgw_sim.fleet\nprint(','.join(sorted(m for m in sys.modules if m.startswith('django'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PATH": ""})
@@ -205,9 +214,7 @@ def test_a_lease_answer_saying_again_or_send_status_counts_towards_coming_back_a
 
     async def main() -> list[int]:
         cp = await asyncio.start_server(serve, "127.0.0.1", 0)
-        fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
-        fleet._connections = Pool()
-        fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
+        fleet = _one_connection(cp)
         node = fleet.nodes[0]
         node.registered, node.credential = True, "tok"
         runs = []
@@ -359,10 +366,7 @@ def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails()
     async def main() -> None:
         cp = await asyncio.start_server(server("cp"), "127.0.0.1", 0)
         gw = await asyncio.start_server(server("gw"), "127.0.0.1", 0)
-        fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
-        fleet._connections = Pool()
-        fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
-        fleet.connections = 1
+        fleet = _one_connection(cp)
         now = [1000.0]
         fleet.clock = lambda: now[0]
         assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
@@ -423,10 +427,7 @@ def test_a_status_waiting_for_its_answer_is_accompanied_by_leases_to_the_gateway
         hold = [True]
         cp = await asyncio.start_server(server("cp"), "127.0.0.1", 0)
         gw = await asyncio.start_server(server("gw"), "127.0.0.1", 0)
-        fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
-        fleet._connections = Pool()
-        fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
-        fleet.connections = 1
+        fleet = _one_connection(cp)
         (node,) = fleet.nodes
         node_ids.append(node.node_id)
         node.credential, node.interval = "tok", 60.0
@@ -469,9 +470,7 @@ def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does()
                 await writer.drain()
 
         cp = await asyncio.start_server(serve, "127.0.0.1", 0)
-        fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=1)
-        fleet._connections = Pool()
-        fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=5))
+        fleet = _one_connection(cp)
         now = [1000.0]
         fleet.clock = lambda: now[0]
         (node,) = fleet.nodes
@@ -556,10 +555,7 @@ def test_a_lease_unanswered_past_the_agents_lease_timeout_goes_to_the_control_pl
     async def main() -> None:
         cp = await asyncio.start_server(control_plane, "127.0.0.1", 0)
         gw = await asyncio.start_server(stalled_gateway, "127.0.0.1", 0)
-        fleet = Fleet(control_plane=f"http://127.0.0.1:{cp.sockets[0].getsockname()[1]}", join_token="j", nodes=2)
-        fleet._connections = Pool()
-        fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=30))
-        fleet.connections = 1
+        fleet = _one_connection(cp, nodes=2, timeout_s=30)
         fleet.lease_url = f"http://127.0.0.1:{gw.sockets[0].getsockname()[1]}/api/v1/agent/lease"
         first = asyncio.ensure_future(fleet._post_lease(b"{}", "tok"))
         await arrived.wait()
