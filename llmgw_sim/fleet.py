@@ -345,7 +345,8 @@ class Fleet:
         to the next request. A routine status says so (llmgw_agent/status.py ROUTINE).
         """
         extra = _ROUTINE_HEAD if routine and self.priority else b""
-        if not (self.keepalive and self.lease_url and node.leases):
+        # The first status after registering too: the registration's answer named the gateway.
+        if not (self.keepalive and self.lease_url):
             return await self._post(HEARTBEAT_PATH, body, node.credential, extra=extra, routine=routine)
         waiting = [True]
 

@@ -431,14 +431,16 @@ def test_a_status_waiting_for_its_answer_is_accompanied_by_leases_to_the_gateway
         (node,) = fleet.nodes
         node_ids.append(node.node_id)
         node.credential, node.interval = "tok", 60.0
-        # A control plane that takes no leases: the status goes alone, however long it waits.
+        # A control plane that names no gateway: the status goes alone, however long it waits.
         monkeypatch.setattr(fleet_mod, "KEEPALIVE_AFTER_S", 0.0)
-        fleet.lease_url = f"http://127.0.0.1:{gw.sockets[0].getsockname()[1]}/api/v1/agent/lease"
         hold[0] = False
         assert (await fleet._status(node, b"{}")).status_code == 200
         await asyncio.sleep(0)  # a lease begun now would have been sent by here
-        # One that takes them: the held status is answered once a lease renewed the node meanwhile.
-        node.leases, hold[0] = True, True
+        # One that names its gateway (in the registration's answer): the held status, the node's first
+        # (no status answered yet to say leases are taken), is answered once a lease renewed the node.
+        fleet.lease_url = f"http://127.0.0.1:{gw.sockets[0].getsockname()[1]}/api/v1/agent/lease"
+        assert not node.leases
+        hold[0] = True
         monkeypatch.setattr(fleet_mod, "KEEPALIVE_AFTER_S", 0.05)
         assert (await fleet._status(node, b"{}")).status_code == 200
         assert fleet.stats.keepalives == 1
