@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import sys
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -42,6 +41,7 @@ from typing import Any
 from django.conf import settings
 
 from llmgw import orphans
+from llmgw_wire.priority import DEFAULT_URGENCY, Lanes, urgency
 
 log = logging.getLogger(__name__)
 
@@ -54,58 +54,6 @@ WSGIApp = Callable[[dict, Callable], Iterable[bytes]]
 # each endpoint refuses more than its own bound after this (Django's
 # DATA_UPLOAD_MAX_MEMORY_SIZE for forms).
 MAX_BODY = 17 * 1024 * 1024
-
-
-# RFC 9218's default urgency (0 most urgent, 7 least); a request asking for more than this waits for the others.
-DEFAULT_URGENCY = 3
-
-
-def urgency(value: bytes) -> int:
-    """The urgency an RFC 9218 Priority header's value asks for (0-7); the default when it names none or a bad one."""
-    for member in value.split(b","):
-        key, _, given = member.strip().partition(b"=")
-        if key.strip() == b"u":
-            given = given.strip()
-            return int(given) if given.isdigit() and int(given) <= 7 else DEFAULT_URGENCY
-    return DEFAULT_URGENCY
-
-
-class Lanes:
-    """The pool's threads, handed out on the event loop: every waiting request before any background one.
-
-    A thread is taken before a request is submitted and given back when its
-    answer has started, so the pool itself never queues one (a streamed
-    answer's later chunks excepted); within a lane, first come first served.
-    """
-
-    def __init__(self, threads: int) -> None:
-        self.free = threads
-        # (the default lane, the background lane): the waiters, each woken with a thread.
-        self.waiting: tuple[deque[asyncio.Future], deque[asyncio.Future]] = (deque(), deque())
-
-    async def enter(self, *, background: bool) -> None:
-        """Take a thread, waiting behind those before in this lane (and, in the background, all of the other)."""
-        if self.free and not (self.waiting[0] or self.waiting[1]):
-            self.free -= 1
-            return
-        waiter = asyncio.get_running_loop().create_future()
-        self.waiting[background].append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.leave()  # handed a thread just as it left: the thread goes to the next
-            raise
-
-    def leave(self) -> None:
-        """Give a thread back: to the first waiter of the default lane, else of the background, else free."""
-        for lane in self.waiting:
-            while lane:
-                waiter = lane.popleft()
-                if not waiter.done():
-                    waiter.set_result(None)
-                    return
-        self.free += 1
 
 
 def _problem(detail: str) -> bytes:
@@ -175,7 +123,10 @@ class Front:
         self.bearer_paths = bearer_paths
         self.bearer_refusal = bearer_refusal
         self.pool: ThreadPoolExecutor | None = None
-        self.lanes = Lanes(threads)
+        # The pool's threads, handed out on the event loop (llmgw_wire/priority.py): taken before a request is
+        # submitted and given back once its answer has started, so the pool itself never queues one (a
+        # streamed answer's later chunks excepted) and a routine request waits behind every other.
+        self.lanes: Lanes[None] = Lanes([None] * threads)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self.pool is None:
@@ -260,18 +211,18 @@ class Front:
     async def _serve(self, environ: dict, send: Send, *, background: bool = False) -> None:
         loop = asyncio.get_running_loop()
         pool = self._pool()
-        await self.lanes.enter(background=background)
+        await self.lanes.get(routine=background)
         started = pool.submit(self._start, environ)
         try:
             status, headers, chunks, rest = await asyncio.wrap_future(started)
         except asyncio.CancelledError:
-            # The thread works on: its slot comes back when it is done, not before.
-            started.add_done_callback(lambda _: loop.call_soon_threadsafe(self.lanes.leave))
+            # The thread works on: it is given back when it is done, not before.
+            started.add_done_callback(lambda _: loop.call_soon_threadsafe(self.lanes.put_nowait, None))
             raise
         except BaseException:
-            self.lanes.leave()
+            self.lanes.put_nowait(None)
             raise
-        self.lanes.leave()
+        self.lanes.put_nowait(None)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         if rest is None:
             await send({"type": "http.response.body", "body": b"".join(chunks)})

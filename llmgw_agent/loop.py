@@ -42,9 +42,10 @@ from llmgw_agent.ports import listening_ports
 from llmgw_agent.probe import DiscoveryProbe, Probe
 from llmgw_agent.shardload import ShardMeter
 from llmgw_agent.state import AppliedJournal, CredentialFile
-from llmgw_agent.status import ROUTINE, StatusGate
+from llmgw_agent.status import StatusGate
 from llmgw_agent.supervisor import Supervisor
 from llmgw_agent.wakeup import Listener, shard_states, worth_reporting_now
+from llmgw_wire.priority import ROUTINE
 
 # Part of this module's interface: the CLI and the tests take them from here.
 __all__ = ["Agent", "DiscoveryProbe", "NeedsRegister", "Probe", "Refused", "Unreachable", "backoff_delay"]

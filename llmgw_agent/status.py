@@ -51,8 +51,8 @@ be, and stays under the control plane's telemetry time to live
 (LLMGW_TELEMETRY_TTL, 120 s by default) so the last status outlives a lost
 lease or two even without the lease's renewal of it. A status sent only
 because the floor came, with nothing beyond a threshold, is routine: it asks
-the control plane's web tier to serve every other request first (ROUTINE,
-llmgw/front.py). A fleet that joined within a minute sends its floors within
+the control plane's web tier to serve every other request first (llmgw_wire/priority.py
+ROUTINE). A fleet that joined within a minute sends its floors within
 the same minute of every minute, and a shard's ready queued behind them
 waited seconds to be heard.
 """
@@ -66,10 +66,6 @@ import llmgw_wire as wire
 from llmgw_wire.shard_states import report_at_once
 
 STATUS_FLOOR_S = 60.0
-# Sent with a routine status (RFC 9218: the least urgency): a control plane's web tier serves every other
-# request first (llmgw/front.py), a status that reports a change, a registration or an operator's page.
-# Leases keep the node alive while it waits (llmgw_agent/keepalive.py).
-ROUTINE = {"Priority": "u=7"}
 TEMP_C = 5.0
 POWER_FRACTION = 0.10
 UTIL_POINTS = 10.0

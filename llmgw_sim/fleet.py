@@ -43,13 +43,13 @@ import sys
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import llmgw_wire as wire
+from llmgw_wire.priority import ROUTINE, Lanes
 
 try:
     import uvloop
@@ -57,7 +57,7 @@ except ImportError:  # a development tool: asyncio's own loop serves, at a highe
     uvloop = None
 from llmgw_agent.keepalive import AFTER_S as KEEPALIVE_AFTER_S
 from llmgw_agent.loop import LEASE_FALLBACK_S, LEASE_TIMEOUT_S, backoff_delay
-from llmgw_agent.status import MAX_AGAIN, ROUTINE
+from llmgw_agent.status import MAX_AGAIN
 from llmgw_sim.fleet_http import Answer, Connection, TransportError
 from llmgw_sim.fleet_stats import EDGES, Stats, histogram_percentile
 from llmgw_sim.simulate import NS, PROFILES_DIR, shipped_profiles
@@ -84,7 +84,6 @@ __all__ = [
     "XID_OFF_BUS",
     "Connection",
     "Fleet",
-    "Pool",
     "ProfileTemplate",
     "TransportError",
     "histogram_percentile",
@@ -101,51 +100,6 @@ def run_loop(coro: Any) -> Any:
     if uvloop is not None and os.environ.get("LLMGW_SIM_LOOP", "uvloop") != "asyncio":
         return uvloop.run(coro)
     return asyncio.run(coro)
-
-
-class Pool:
-    """The fleet's connections to one server, shared by its nodes; a routine request waits behind the others.
-
-    An agent holds a connection of its own, so no node's request waits for another's. The fleet
-    shares a few, and its own queue for them put a status reporting a shard ready behind a minute's
-    routine statuses of other nodes, a delay no fleet of agents has: so a waiter that is not routine
-    is handed a connection first, and within each lane first come, first served.
-    """
-
-    def __init__(self) -> None:
-        self.free: deque[Connection] = deque()
-        self.waiting: tuple[deque[asyncio.Future], deque[asyncio.Future]] = (deque(), deque())
-
-    def empty(self) -> bool:
-        """No connection free."""
-        return not self.free
-
-    def get_nowait(self) -> Connection:
-        """A free connection (IndexError when none is)."""
-        return self.free.popleft()
-
-    def put_nowait(self, conn: Connection) -> None:
-        """A connection back: to the first waiter that is not routine, else the first routine one, else free."""
-        for lane in self.waiting:
-            while lane:
-                waiter = lane.popleft()
-                if not waiter.done():
-                    waiter.set_result(conn)
-                    return
-        self.free.append(conn)
-
-    async def get(self, *, routine: bool = False) -> Connection:
-        """A connection, waiting for one in `routine`'s lane."""
-        if self.free and not (self.waiting[0] or self.waiting[1]):
-            return self.free.popleft()
-        waiter = asyncio.get_running_loop().create_future()
-        self.waiting[routine].append(waiter)
-        try:
-            return await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.put_nowait(waiter.result())  # handed one just as it left: it goes to the next
-            raise
 
 
 class Fleet:
@@ -207,12 +161,12 @@ class Fleet:
             self.nodes.append(VirtualNode(self, i, p, domain))
         self.by_id = {n.node_id: n for n in self.nodes}
         self._stop: asyncio.Event | None = None
-        self._connections: Pool | None = None
+        self._connections: Lanes[Connection] | None = None
         self._all_connections: list[Connection] = []
         # Where the control plane takes leases in batches (its gateway's lease_url), as an agent learns it;
         # the fleet's connections there, opened on first use; until when (clock) leases go to the control plane.
         self.lease_url = ""
-        self._lease_connections: Pool | None = None
+        self._lease_connections: Lanes[Connection] | None = None
         self.lease_fallback_until = 0.0
         # Leases being sent while statuses wait (_status).
         self._keepalives: set[asyncio.Future] = set()
@@ -283,9 +237,15 @@ class Fleet:
         finally:
             self._connections.put_nowait(conn)
 
-    async def _take(self, pool: Pool, *, routine: bool = False) -> Connection:
-        """A free connection of `pool`; the wait is counted: a fleet of agents, a connection each, has none."""
-        if not pool.empty() and not (pool.waiting[0] or pool.waiting[1]):
+    async def _take(self, pool: Lanes[Connection], *, routine: bool = False) -> Connection:
+        """A free connection of `pool`; the wait is counted: a fleet of agents, a connection each, has none.
+
+        An agent holds a connection of its own, so no node's request waits for another's. The fleet
+        shares a few, and its own queue for them put a status reporting a shard ready behind a minute's
+        routine statuses of other nodes, a delay no fleet of agents has: a routine request waits behind
+        the others (llmgw_wire/priority.py Lanes).
+        """
+        if not pool.empty():
             self.stats.observe(self.stats.pool_wait, 0.0)
             return pool.get_nowait()
         t0 = time.perf_counter()
@@ -315,7 +275,7 @@ class Fleet:
     async def _to_gateway(self, body: bytes, token: str) -> Answer | None:
         """A lease on one of the fleet's connections to the gateway; None when it failed or fell back meanwhile."""
         if self._lease_connections is None:
-            self._lease_connections = Pool()
+            self._lease_connections = Lanes()
             for _ in range(self.connections):
                 # Watched like the control plane's (see run): the watchdog fails a lease unanswered past
                 # the agent's lease timeout, and the lease goes to the control plane at once, as an agent's does.
@@ -442,6 +402,8 @@ class Fleet:
             node.again_run = node.again_run + 1 if again else 0
         else:
             node.again_run = 0
+            if node.status is None and not node.leases:
+                self.stats.first_statuses += 1  # its first since registering: the node has joined
             node.leases, node.status = bool(answer.get("leases")), (now, key)
             self.lease_url = answer.get("lease_url") or ""
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
@@ -527,9 +489,7 @@ class Fleet:
         url, timeout = self.control_plane, self.timeout_s
         conns = [Connection(url, timeout_s=timeout, watched=True) for _ in range(self.connections)]
         self._all_connections = conns
-        self._connections = Pool()
-        for c in conns:
-            self._connections.put_nowait(c)
+        self._connections = Lanes(conns)
         tasks = [asyncio.create_task(self._run_node(n)) for n in self.nodes]
         tasks.append(asyncio.create_task(self._watch(control, stats)))
         try:

@@ -35,6 +35,8 @@ class Stats:
     """What the fleet has done so far; cumulative, so two snapshots give the rates between them."""
 
     registered: int = 0
+    # First statuses answered after registering: a node in a join storm has joined once its first is.
+    first_statuses: int = 0
     register_refused: Counter = field(default_factory=Counter)
     heartbeats: int = 0
     # Of the heartbeats, those sent as leases (wire.Lease) rather than the whole status.
@@ -72,6 +74,7 @@ class Stats:
         """A JSON-ready copy."""
         return {
             "registered": self.registered,
+            "first_statuses": self.first_statuses,
             "register_refused": dict(self.register_refused),
             "heartbeats": self.heartbeats,
             "leases": self.leases,

@@ -25,11 +25,11 @@ from llmgw_sim.fleet import (
     XID_OFF_BUS,
     Connection,
     Fleet,
-    Pool,
     ProfileTemplate,
     histogram_percentile,
 )
 from llmgw_sim.simulate import PROFILES_DIR, ZERO_UUID, shipped_profiles
+from llmgw_wire.priority import Lanes
 
 S = wire.ShardState
 
@@ -50,7 +50,7 @@ def _hb(node, now: float) -> wire.Heartbeat:
 def _one_connection(server, *, nodes: int = 1, timeout_s: float = 5) -> Fleet:
     """A fleet of `nodes` against `server` (an asyncio server on loopback), over one connection to it."""
     fleet = Fleet(control_plane=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", join_token="j", nodes=nodes)
-    fleet._connections = Pool()
+    fleet._connections = Lanes()
     fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=timeout_s))
     fleet.connections = 1
     return fleet
@@ -476,8 +476,9 @@ def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does()
         now = [1000.0]
         fleet.clock = lambda: now[0]
         (node,) = fleet.nodes
-        node.credential, node.registered, node.leases = "tok", True, True
-        node.status = (now[0], node.status_key(now[0]))
+        node.credential, node.registered = "tok", True
+        assert await fleet._heartbeat(node)  # its first status: answered, the node has joined
+        assert (fleet.stats.first_statuses, node.leases) == (1, True)
         now[0] += 60  # the floor, nothing changed
         assert await fleet._heartbeat(node)
         now[0] += 60  # the floor, and a port down
@@ -488,38 +489,7 @@ def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does()
         await cp.wait_closed()
 
     asyncio.run(main())
-    assert [b"\r\nPriority: u=7\r\n" in head for head in heads] == [True, False]
-
-
-def test_the_fleets_shared_connections_go_to_a_waiter_that_is_not_routine_first():
-    # Agents each hold a connection; the fleet shares a few, and its queue for them must not put a
-    # shard's ready behind other nodes' routine statuses. Within a lane, first come first served.
-    import asyncio
-
-    async def main() -> tuple[list[str], int]:
-        pool = Pool()
-        one = Connection("http://127.0.0.1:9", timeout_s=1)
-        pool.put_nowait(one)
-        assert await pool.get() is one  # free: at once
-        order: list[str] = []
-
-        async def wait(name: str, *, routine: bool) -> None:
-            conn = await pool.get(routine=routine)
-            order.append(name)
-            pool.put_nowait(conn)
-
-        tasks = [
-            asyncio.ensure_future(wait(name, routine=routine))
-            for name, routine in (("floor-1", True), ("ready-1", False), ("gone", False), ("floor-2", True))
-        ]
-        tasks.append(asyncio.ensure_future(wait("ready-2", routine=False)))
-        await asyncio.sleep(0)
-        tasks[2].cancel()  # a node stopped while it waited
-        pool.put_nowait(one)
-        await asyncio.gather(*tasks, return_exceptions=True)
-        return order, len(pool.free)
-
-    assert asyncio.run(main()) == (["ready-1", "ready-2", "floor-1", "floor-2"], 1)
+    assert [b"\r\nPriority: u=7\r\n" in head for head in heads] == [False, True, False]
 
 
 async def _request(reader) -> tuple[bytes, bytes] | None:
