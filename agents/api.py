@@ -34,6 +34,7 @@ from rest_framework.views import APIView
 import llmgw_wire as wire
 from agents import credentials, limits, protocol
 from llmgw import validation
+from llmgw.front import RECEIVED_AT
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -68,6 +69,19 @@ class ScanStored(BaseModel):
     at: float
     error: str
     has_output: bool
+
+
+def received_at(django_request: HttpRequest, *, now: dt.datetime) -> dt.datetime:
+    """When the web server's front had the whole request (llmgw/front.py); `now` under a server without it.
+
+    A request that waited for a thread (an agent's routine status behind the
+    others) was sent that much earlier than it is handled: what it says of its
+    sender's clock is read against its arrival.
+    """
+    at = django_request.META.get(RECEIVED_AT)
+    if not isinstance(at, float):
+        return now
+    return min(now, dt.datetime.fromtimestamp(at, tz=dt.UTC))
 
 
 def problem(status: int, detail: str, errors: list[dict] | None = None) -> JsonResponse:
@@ -184,12 +198,14 @@ class AgentEndpoint(APIView):
         token = credentials.bearer(django_request.META.get("HTTP_AUTHORIZATION"))
         body = self.parse(django_request)
         try:
-            result = self.call(token, body, now=now)
+            result = self.call(token, body, now=now, received=received_at(django_request, now=now))
         except protocol.Refused as exc:
             return problem(exc.status, exc.detail, exc.errors)
         return self.answer(result)
 
-    def call(self, token: str | None, body: protocol.Body, *, now: dt.datetime) -> BaseModel | dict:
+    def call(
+        self, token: str | None, body: protocol.Body, *, now: dt.datetime, received: dt.datetime
+    ) -> BaseModel | dict:
         """The protocol's answer: authenticate, then the body's refusal if it earned one, then `handle`."""
         caller = protocol.authenticate(token, now=now, allow_join=self.allow_join)
         return self.handle(caller, body.message(), now=now)
@@ -263,10 +279,12 @@ class HeartbeatView(AgentEndpoint):
     max_body = MAX_HEARTBEAT_BODY
     problems = staticmethod(limits.heartbeat_problems)
 
-    def call(self, token: str | None, body: protocol.Body, *, now: dt.datetime) -> BaseModel | dict:
+    def call(
+        self, token: str | None, body: protocol.Body, *, now: dt.datetime, received: dt.datetime
+    ) -> BaseModel | dict:
         # The credential lookup is the lease renewal's own statement
         # (protocol.heartbeat_request); the refusals come in the same order.
-        return protocol.heartbeat_request(token, body, now=now)
+        return protocol.heartbeat_request(token, body, now=now, received=received)
 
 
 @documented(

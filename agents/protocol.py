@@ -196,7 +196,9 @@ def heartbeat(caller: Caller, hb: wire.Heartbeat, *, now: dt.datetime) -> wire.H
     return _answer(auth, hb, previous, applied, pending, now=now)
 
 
-def heartbeat_request(token: str | None, body: Body[wire.Heartbeat], *, now: dt.datetime) -> wire.HeartbeatResponse:
+def heartbeat_request(
+    token: str | None, body: Body[wire.Heartbeat], *, now: dt.datetime, received: dt.datetime | None = None
+) -> wire.HeartbeatResponse:
     """A heartbeat from its bearer token on: authenticate, take the parsed body, and do what heartbeat does.
 
     A steady-state heartbeat costs two statements whatever it carries: the
@@ -205,7 +207,9 @@ def heartbeat_request(token: str | None, body: Body[wire.Heartbeat], *, now: dt.
     command waiting (the lease update says none waits). Telemetry goes to
     the cache. The refusals come in the endpoints' order: 401, then the
     body's (415, 413, 400), then 403; a refused heartbeat leaves nothing
-    written, the lease renewal included (it is rolled back).
+    written, the lease renewal included (it is rolled back). `received`: when
+    the request arrived, if it waited for a thread (the telemetry's time, so
+    that a wait is not read as the agent's clock skew).
     """
     if token is None:
         raise UNAUTHENTICATED
@@ -228,7 +232,7 @@ def heartbeat_request(token: str | None, body: Body[wire.Heartbeat], *, now: dt.
             if attempt == DEADLOCK_ATTEMPTS or not db.is_deadlock(exc):
                 raise
             log.info("a heartbeat deadlocked (attempt %d); running it again", attempt)
-    return _answer(auth, hb, previous, applied, pending, now=now)
+    return _answer(auth, hb, previous, applied, pending, now=now, received=received)
 
 
 def _record(
@@ -273,10 +277,19 @@ def _record(
 
 
 def _answer(
-    auth: NodeAuth, hb: wire.Heartbeat, previous: dict | None, applied: dict, pending: list, *, now: dt.datetime
+    auth: NodeAuth,
+    hb: wire.Heartbeat,
+    previous: dict | None,
+    applied: dict,
+    pending: list,
+    *,
+    now: dt.datetime,
+    received: dt.datetime | None = None,
 ) -> wire.HeartbeatResponse:
-    # After the commit: the cache never holds what the database rolled back.
-    entry = hb_rules.telemetry(hb, previous, now=now)
+    # After the commit: the cache never holds what the database rolled back. The telemetry is dated when
+    # the status arrived: a wait for a thread read against the agent's clock showed as its skew, and a
+    # skew that moved with every routine status marked every node for the doctor and placement again.
+    entry = hb_rules.telemetry(hb, previous, now=received or now)
     entry["applied"] = applied
     telemetry.put(hb.node_id, entry)
     changes.mark_telemetry(hb.node_id, previous, entry)

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -54,6 +55,8 @@ WSGIApp = Callable[[dict, Callable], Iterable[bytes]]
 # each endpoint refuses more than its own bound after this (Django's
 # DATA_UPLOAD_MAX_MEMORY_SIZE for forms).
 MAX_BODY = 17 * 1024 * 1024
+# The WSGI environ's key for when the front had the whole request (Unix seconds), before it waited for a thread.
+RECEIVED_AT = "llmgw.received_at"
 
 
 def _problem(detail: str) -> bytes:
@@ -170,7 +173,11 @@ class Front:
         if body is None:
             await self._refuse(send, 413, f"the body must be at most {self.max_body} bytes")
             return
-        await self._serve(environ_of(scope, body), send, background=background)
+        environ = environ_of(scope, body)
+        # When the request was whole: what it says of its sender's clock is read against this, not
+        # against the moment a thread took it (llmgw_agent's status may wait its turn, see Lanes).
+        environ[RECEIVED_AT] = time.time()
+        await self._serve(environ, send, background=background)
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         # None past max_body; TimeoutError past the deadline; ConnectionError when the client left.

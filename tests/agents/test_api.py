@@ -626,3 +626,22 @@ def test_the_answers_name_the_gateway_that_takes_leases(client, join_token, sett
     settings.LLMGW_LEASE_URL = ""
     hb = post(client, "heartbeat", heartbeat_payload("node-w"), reg.json()["credential"])
     assert hb.status_code == 200 and hb.json()["lease_url"] is None
+
+
+def test_a_status_that_waited_for_a_thread_is_dated_when_it_arrived_not_read_as_clock_skew(client, joined):
+    # The web's front stamps when it had the whole request (llmgw/front.py RECEIVED_AT); a routine
+    # status then waits behind the others. Its agent's clock is read against the arrival.
+    import time
+
+    from inventory import doctor_view, telemetry
+    from llmgw.front import RECEIVED_AT
+
+    sent = time.time() - 6.0  # the agent built it, and the front had it, six seconds before it is handled
+    resp = post(client, "heartbeat", heartbeat_payload(at=sent), joined, **{RECEIVED_AT: sent + 0.01})
+    assert resp.status_code == 200, resp.content
+    entry = telemetry.get("node-a")
+    assert (round(entry["at"] - sent, 2), doctor_view.skew(entry)) == (0.01, None)
+    # Without the stamp (a server without the front) the handling time is all there is: six seconds behind.
+    resp = post(client, "heartbeat", heartbeat_payload(at=time.time() - 6.0), joined)
+    finding, fails = doctor_view.skew(telemetry.get("node-a"))
+    assert (finding.startswith("agent clock behind by 6."), fails) == (True, False)

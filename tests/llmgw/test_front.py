@@ -65,3 +65,34 @@ def test_a_free_thread_takes_every_waiting_request_before_a_background_one():
 
     assert asyncio.run(go()) == ["first", "changed", "page", "floor-1", "floor-2"]
     assert len(front.lanes.free) == 1
+
+
+def test_the_front_stamps_when_it_had_the_whole_request_before_it_waited_for_a_thread():
+    import time
+
+    from llmgw.front import RECEIVED_AT
+
+    app = Held()
+    seen: dict = {}
+
+    def record(environ, start_response):
+        seen[environ["PATH_INFO"]] = (environ[RECEIVED_AT], time.time())
+        return app(environ, start_response)
+
+    front = Front(record, threads=1, body_timeout=5)
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=front), base_url="http://web") as client:
+            first = asyncio.ensure_future(client.post("/first", content=b"{}"))
+            await asyncio.to_thread(app.wait_started, 1)
+            second = asyncio.ensure_future(client.post("/second", content=b"{}"))
+            while not front.lanes.waiting[0]:
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)  # the second waits for the one thread
+            app.release("first")
+            app.release("second")
+            await asyncio.gather(first, second)
+
+    asyncio.run(go())
+    received, handled = seen["/second"]
+    assert handled - received >= 0.2
