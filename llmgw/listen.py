@@ -49,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 
 from granian._granian import SocketHolder
 from granian.cli import entrypoint
@@ -65,6 +66,7 @@ ENV_FDS = "LLMGW_LISTEN_FDS"
 # systemd's socket passing: the first passed socket is always fd 3 (sd_listen_fds(3)).
 SD_LISTEN_FDS_START = 3
 BACKLOG = 1024
+KILL_TIMEOUT_FLAG = "--workers-kill-timeout"
 
 
 def bind(addr: str, *, backlog: int = BACKLOG, reuse_port: bool = False) -> socket.socket:
@@ -217,8 +219,24 @@ def serve(argv: list[str]) -> None:
         if os.environ.get(ENV_FD):
             # Its holder gone, this master leaves (as a master asked to), its socket's last user.
             orphans.watch_parent(handover=False)
-    sys.argv = ["granian", *argv]
+    sys.argv = ["granian", *granian_args(argv, os.environ)]
     entrypoint()
+
+
+def granian_args(argv: list[str], env: Mapping[str, str]) -> list[str]:
+    """granian's arguments with a bound on a worker's stop: `--workers-kill-timeout` unless one was given.
+
+    granian's master waits for each worker it asks to stop for as long as it
+    takes, and a worker can miss the request: one signalled while it started
+    or stopped (SIGTERM to the whole process group, as a service manager
+    sends it) sat in its event loop for good, and its master, the holder and
+    the service's stop with it. Killed after orphans.GRACE_S, the grace the
+    servers give requests in hand, it cannot hold a restart.
+    """
+    given = any(a == KILL_TIMEOUT_FLAG or a.startswith(KILL_TIMEOUT_FLAG + "=") for a in argv)
+    if given or env.get("GRANIAN_WORKERS_KILL_TIMEOUT"):
+        return list(argv)
+    return [*argv, KILL_TIMEOUT_FLAG, str(int(orphans.GRACE_S))]
 
 
 def _use_socket(fd: int, fds: list[int]) -> None:

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -146,12 +147,15 @@ def _child_of(pid: int) -> int | None:
     return None
 
 
-def _granian_hold(port: int, tmp_path: Path, *, sockets: int, workers: int) -> subprocess.Popen:
+def _granian_hold(
+    port: int, tmp_path: Path, *, sockets: int, workers: int, app: str = "tests.llmgw.pid_app:app"
+) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "llmgw.listen", "hold", f"127.0.0.1:{port}", "--sockets", str(sockets), "--",
          sys.executable, "-m", "llmgw.listen", "serve", "--interface", "asgi", "--workers", str(workers),
-         "--log-level", "warning", "tests.llmgw.pid_app:app"],
+         "--log-level", "warning", app],
         cwd=Path(__file__).resolve().parents[2],
+        stdout=open(tmp_path / "out", "wb"),  # granian's log
         stderr=open(tmp_path / "err", "wb"),
         start_new_session=True,
     )  # fmt: skip
@@ -217,6 +221,32 @@ def test_each_worker_accepts_on_a_socket_of_its_own_and_connections_are_spread_o
     finally:
         os.killpg(holder.pid, signal.SIGTERM)
         holder.wait(20)
+
+
+def test_a_worker_that_does_not_stop_is_killed_after_the_grace_and_the_hold_ends(tmp_path):
+    # granian's master waited for such a worker for good (one signalled as it started, with the whole
+    # process group), and the service's stop with it.
+    port = free_port()
+    holder = _granian_hold(port, tmp_path, sockets=1, workers=1, app="tests.llmgw.stubborn_app:app")
+    try:
+        wait_until(lambda: _try_get(port), timeout=60, what="the worker")
+        asked = time.monotonic()
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(orphans.GRACE_S + 30) == 0
+        assert time.monotonic() - asked >= orphans.GRACE_S - 0.5
+        assert "Killing worker-1 after it refused to gracefully stop" in (tmp_path / "out").read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait(10)
+
+
+def test_serve_bounds_a_workers_stop_unless_told_otherwise():
+    base = ["--interface", "asgi", "app:app"]
+    assert listen.granian_args(base, {}) == [*base, "--workers-kill-timeout", "10"]
+    assert listen.granian_args([*base, "--workers-kill-timeout", "30"], {}) == [*base, "--workers-kill-timeout", "30"]
+    assert listen.granian_args([*base, "--workers-kill-timeout=30"], {}) == [*base, "--workers-kill-timeout=30"]
+    assert listen.granian_args(base, {"GRANIAN_WORKERS_KILL_TIMEOUT": "30"}) == base
 
 
 def test_more_sockets_than_workers_is_refused_naming_both(tmp_path):
