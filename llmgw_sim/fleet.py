@@ -91,6 +91,14 @@ __all__ = [
 ]
 
 
+def routine_share(connections: int) -> int:
+    """How many of the fleet's `connections` to the control plane routine statuses may hold at once.
+
+    Three quarters (one at least): the rest stay free for the statuses the web serves first.
+    """
+    return max(1, connections - connections // 4)
+
+
 def run_loop(coro: Any) -> Any:
     """Run a coroutine to its end on a new event loop: uvloop's when installed (LLMGW_SIM_LOOP=asyncio: asyncio's).
 
@@ -163,6 +171,8 @@ class Fleet:
         self._stop: asyncio.Event | None = None
         self._connections: Lanes[Connection] | None = None
         self._all_connections: list[Connection] = []
+        # How many of the control plane's connections routine statuses may hold at once (_post).
+        self._routine_slots: asyncio.Semaphore | None = None
         # Where the control plane takes leases in batches (its gateway's lease_url), as an agent learns it;
         # the fleet's connections there, opened on first use; until when (clock) leases go to the control plane.
         self.lease_url = ""
@@ -228,28 +238,51 @@ class Fleet:
             f.cards_off = want
             f.ports_down = ports.get(n.node_id, set())
 
+    def use_connections(self, conns: list[Connection]) -> None:
+        """Send to the control plane over `conns`, shared by every node (a routine status may hold three quarters)."""
+        self.connections = len(conns)
+        self._all_connections = list(conns)
+        self._connections = Lanes(conns)
+        self._routine_slots = asyncio.Semaphore(routine_share(len(conns)))
+
     async def _post(self, path: str, body: bytes, token: str, *, extra: bytes = b"", routine: bool = False) -> Answer:
         """POST on one of the fleet's connections, waiting for a free one (a node at a time on each)."""
-        assert self._connections is not None
-        conn = await self._take(self._connections, routine=routine)
+        assert self._connections is not None and self._routine_slots is not None
+        slots = self._routine_slots if routine else None
+        conn = await self._take(self._connections, routine=routine, slots=slots)
         try:
             return await conn.post(path, body, token, extra=extra)
         finally:
             self._connections.put_nowait(conn)
+            if slots is not None:
+                slots.release()
 
-    async def _take(self, pool: Lanes[Connection], *, routine: bool = False) -> Connection:
+    async def _take(
+        self, pool: Lanes[Connection], *, routine: bool = False, slots: asyncio.Semaphore | None = None
+    ) -> Connection:
         """A free connection of `pool`; the wait is counted: a fleet of agents, a connection each, has none.
 
         An agent holds a connection of its own, so no node's request waits for another's. The fleet
         shares a few, and its own queue for them put a status reporting a shard ready behind a minute's
         routine statuses of other nodes, a delay no fleet of agents has: a routine request waits behind
-        the others (llmgw_wire/priority.py Lanes).
+        the others (llmgw_wire/priority.py Lanes). Nor may routine statuses hold every connection
+        (`slots`, taken first and given back by the caller): the web serves them last, and a status
+        reporting a shard ready waited for a connection one of them held until the web got to it.
         """
-        if not pool.empty():
+        if (slots is None or not slots.locked()) and not pool.empty():
+            if slots is not None:
+                await slots.acquire()  # free: taken without a wait
             self.stats.observe(self.stats.pool_wait, 0.0)
             return pool.get_nowait()
         t0 = time.perf_counter()
-        conn = await pool.get(routine=routine)
+        if slots is not None:
+            await slots.acquire()
+        try:
+            conn = await pool.get(routine=routine)
+        except BaseException:
+            if slots is not None:
+                slots.release()
+            raise
         self.stats.observe(self.stats.pool_wait, time.perf_counter() - t0)
         return conn
 
@@ -488,8 +521,7 @@ class Fleet:
         # Watched: _watch fails a request past the timeout, so none needs a timer of its own.
         url, timeout = self.control_plane, self.timeout_s
         conns = [Connection(url, timeout_s=timeout, watched=True) for _ in range(self.connections)]
-        self._all_connections = conns
-        self._connections = Lanes(conns)
+        self.use_connections(conns)
         tasks = [asyncio.create_task(self._run_node(n)) for n in self.nodes]
         tasks.append(asyncio.create_task(self._watch(control, stats)))
         try:

@@ -20,16 +20,18 @@ import llmgw_wire as wire
 from llmgw_agent import discovery
 from llmgw_agent.status import MAX_AGAIN
 from llmgw_sim.fleet import (
+    _ROUTINE_HEAD,
     EDGES,
+    HEARTBEAT_PATH,
     TERMINAL_REPORTS,
     XID_OFF_BUS,
     Connection,
     Fleet,
     ProfileTemplate,
     histogram_percentile,
+    routine_share,
 )
 from llmgw_sim.simulate import PROFILES_DIR, ZERO_UUID, shipped_profiles
-from llmgw_wire.priority import Lanes
 
 S = wire.ShardState
 
@@ -50,9 +52,7 @@ def _hb(node, now: float) -> wire.Heartbeat:
 def _one_connection(server, *, nodes: int = 1, timeout_s: float = 5) -> Fleet:
     """A fleet of `nodes` against `server` (an asyncio server on loopback), over one connection to it."""
     fleet = Fleet(control_plane=f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", join_token="j", nodes=nodes)
-    fleet._connections = Lanes()
-    fleet._connections.put_nowait(Connection(fleet.control_plane, timeout_s=timeout_s))
-    fleet.connections = 1
+    fleet.use_connections([Connection(fleet.control_plane, timeout_s=timeout_s)])
     return fleet
 
 
@@ -490,6 +490,47 @@ def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does()
 
     asyncio.run(main())
     assert [b"\r\nPriority: u=7\r\n" in head for head in heads] == [False, True, False]
+
+
+def test_routine_statuses_leave_a_quarter_of_the_connections_to_the_others():
+    # The web serves routine statuses last; holding every shared connection while they waited there, they
+    # kept a status reporting a shard ready from reaching the web at all (an agent has a connection of its own).
+    import asyncio
+
+    seen: list[bytes] = []
+
+    async def main() -> None:
+        release = asyncio.Event()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while (got := await _request(reader)) is not None:
+                seen.append(got[1])
+                if b"\r\nPriority: u=7\r\n" in got[0]:
+                    await release.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await writer.drain()
+
+        cp = await asyncio.start_server(serve, "127.0.0.1", 0)
+        fleet = _one_connection(cp)
+        fleet.use_connections([Connection(fleet.control_plane, timeout_s=30) for _ in range(4)])
+        held = [
+            asyncio.create_task(fleet._post(HEARTBEAT_PATH, b"floor", "tok", extra=_ROUTINE_HEAD, routine=True))
+            for _ in range(4)
+        ]
+        while len(seen) < 3:
+            await asyncio.sleep(0.01)
+        answer = await asyncio.wait_for(fleet._post(HEARTBEAT_PATH, b"changed", "tok"), 10)
+        assert (answer.status_code, seen) == (200, [b"floor"] * 3 + [b"changed"])
+        release.set()
+        assert [r.status_code for r in await asyncio.gather(*held)] == [200] * 4
+        assert seen == [b"floor"] * 3 + [b"changed", b"floor"]
+        for conn in fleet._all_connections:
+            conn.close()
+        cp.close()
+        await cp.wait_closed()
+
+    asyncio.run(main())
+    assert [routine_share(n) for n in (1, 2, 4, 128)] == [1, 2, 3, 96]
 
 
 async def _request(reader) -> tuple[bytes, bytes] | None:
