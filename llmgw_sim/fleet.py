@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -245,13 +245,18 @@ class Fleet:
         self._connections = Lanes(conns)
         self._routine_slots = asyncio.Semaphore(routine_share(len(conns)))
 
-    async def _post(self, path: str, body: bytes, token: str, *, extra: bytes = b"", routine: bool = False) -> Answer:
-        """POST on one of the fleet's connections, waiting for a free one (a node at a time on each)."""
+    async def _post(
+        self, path: str, body: bytes | Callable[[], bytes], token: str, *, extra: bytes = b"", routine: bool = False
+    ) -> Answer:
+        """POST on one of the fleet's connections, waiting for a free one (a node at a time on each).
+
+        A `body` given as a function is built once the connection is free (see _heartbeat).
+        """
         assert self._connections is not None and self._routine_slots is not None
         slots = self._routine_slots if routine else None
         conn = await self._take(self._connections, routine=routine, slots=slots)
         try:
-            return await conn.post(path, body, token, extra=extra)
+            return await conn.post(path, body() if callable(body) else body, token, extra=extra)
         finally:
             self._connections.put_nowait(conn)
             if slots is not None:
@@ -329,7 +334,7 @@ class Fleet:
             self._lease_connections.put_nowait(conn)
         return r if r.status_code not in (404, 405) and r.status_code < 500 else None
 
-    async def _status(self, node: VirtualNode, body: bytes, *, routine: bool = False) -> Answer:
+    async def _status(self, node: VirtualNode, body: Callable[[], bytes], *, routine: bool = False) -> Answer:
         """A status, and leases to the gateway while it waits, as an agent's (llmgw_agent/keepalive.py).
 
         The first lease goes KEEPALIVE_AFTER_S after the status was due, its wait for one of the
@@ -402,13 +407,27 @@ class Fleet:
     async def _heartbeat(self, node: VirtualNode) -> bool:
         now = self.clock()
         leased = node.lease(now)
-        key = None if leased else node.status_key(now)
-        body, acks = leased or node.heartbeat(now)
+        # The status as sent: when it was built, what it reported (its key) and the acks it carried.
+        built: list[tuple[float, Any, list[str]]] = []
+
+        def build() -> bytes:
+            # Built once a connection is free, as an agent builds its status just before it sends it on a
+            # connection of its own: dated before the simulator's own wait, a status read at the control
+            # plane as sent by a node whose clock was behind, and a skew finding that came and went with
+            # each such wait had the doctor and placement load the node again.
+            at = self.clock()
+            body, acks = node.heartbeat(at)
+            built.append((at, node.status_key(at), acks))
+            return body
+
         t0 = time.perf_counter()
         # A routine status (the floor's alone) may wait for the others (llmgw/front.py).
         why = "" if leased else node.status_due(now)
         routine = why == "floor"
-        r = await (self._post_lease(body, node.credential) if leased else self._status(node, body, routine=routine))
+        if leased:
+            r = await self._post_lease(leased[0], node.credential)
+        else:
+            r = await self._status(node, build, routine=routine)
         if r.status_code in (401, 403, 404):
             node.registered = False
             self.stats.heartbeat_errors[str(r.status_code)] += 1
@@ -423,7 +442,7 @@ class Fleet:
         if node.faults.lose_answers:
             self.stats.answers_dropped += 1
             return True
-        for a in acks:
+        for a in leased[1] if leased else built[0][2]:
             node.acks.pop(a, None)
         answer = r.json()
         if leased:
@@ -437,7 +456,7 @@ class Fleet:
             node.again_run = 0
             if node.status is None and not node.leases:
                 self.stats.first_statuses += 1  # its first since registering: the node has joined
-            node.leases, node.status = bool(answer.get("leases")), (now, key)
+            node.leases, node.status = bool(answer.get("leases")), built[0][:2]
             self.lease_url = answer.get("lease_url") or ""
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         now = self.clock()

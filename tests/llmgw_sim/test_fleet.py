@@ -492,6 +492,40 @@ def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does()
     assert [b"\r\nPriority: u=7\r\n" in head for head in heads] == [False, True, False]
 
 
+def test_a_status_that_waited_for_a_connection_is_dated_when_it_was_sent():
+    # Dated when it began to wait, it read at the control plane as the node's clock behind by the wait.
+    import asyncio
+
+    bodies: list[dict] = []
+
+    async def main() -> None:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while (got := await _request(reader)) is not None:
+                bodies.append(json.loads(got[1]))
+                writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"leases":true}')
+                await writer.drain()
+
+        cp = await asyncio.start_server(serve, "127.0.0.1", 0)
+        fleet = _one_connection(cp)
+        now = [1000.0]
+        fleet.clock = lambda: now[0]
+        (node,) = fleet.nodes
+        node.credential, node.registered = "tok", True
+        held = fleet._connections.get_nowait()  # another node's request on the one connection
+        status = asyncio.create_task(fleet._heartbeat(node))
+        await asyncio.sleep(0.05)
+        assert bodies == []
+        now[0] += 7.5
+        fleet._connections.put_nowait(held)
+        assert await status
+        assert (bodies[0]["at"], node.status[0]) == (1007.5, 1007.5)
+        held.close()
+        cp.close()
+        await cp.wait_closed()
+
+    asyncio.run(main())
+
+
 def test_routine_statuses_leave_a_quarter_of_the_connections_to_the_others():
     # The web serves routine statuses last; holding every shared connection while they waited there, they
     # kept a status reporting a shard ready from reaching the web at all (an agent has a connection of its own).
