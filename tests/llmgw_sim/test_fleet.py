@@ -462,21 +462,13 @@ def test_a_status_waiting_for_its_answer_is_accompanied_by_leases_to_the_gateway
 def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does():
     import asyncio
 
-    heads: list[bytes] = []
+    got: list[tuple[bytes, bytes]] = []
 
     async def main() -> None:
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while (got := await _request(reader)) is not None:
-                heads.append(got[0])
-                writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"leases":true}')
-                await writer.drain()
-
-        cp = await asyncio.start_server(serve, "127.0.0.1", 0)
+        cp = await asyncio.start_server(_recording(got), "127.0.0.1", 0)
         fleet = _one_connection(cp)
         now = [1000.0]
-        fleet.clock = lambda: now[0]
-        (node,) = fleet.nodes
-        node.credential, node.registered = "tok", True
+        node = _joined(fleet, now)
         assert await fleet._heartbeat(node)  # its first status: answered, the node has joined
         assert (fleet.stats.first_statuses, node.leases) == (1, True)
         now[0] += 60  # the floor, nothing changed
@@ -489,36 +481,28 @@ def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does()
         await cp.wait_closed()
 
     asyncio.run(main())
-    assert [b"\r\nPriority: u=7\r\n" in head for head in heads] == [False, True, False]
+    assert [b"\r\nPriority: u=7\r\n" in head for head, _ in got] == [False, True, False]
 
 
 def test_a_status_that_waited_for_a_connection_is_dated_when_it_was_sent():
     # Dated when it began to wait, it read at the control plane as the node's clock behind by the wait.
     import asyncio
 
-    bodies: list[dict] = []
+    got: list[tuple[bytes, bytes]] = []
 
     async def main() -> None:
-        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while (got := await _request(reader)) is not None:
-                bodies.append(json.loads(got[1]))
-                writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"leases":true}')
-                await writer.drain()
-
-        cp = await asyncio.start_server(serve, "127.0.0.1", 0)
+        cp = await asyncio.start_server(_recording(got), "127.0.0.1", 0)
         fleet = _one_connection(cp)
         now = [1000.0]
-        fleet.clock = lambda: now[0]
-        (node,) = fleet.nodes
-        node.credential, node.registered = "tok", True
+        node = _joined(fleet, now)
         held = fleet._connections.get_nowait()  # another node's request on the one connection
         status = asyncio.create_task(fleet._heartbeat(node))
         await asyncio.sleep(0.05)
-        assert bodies == []
+        assert got == []
         now[0] += 7.5
         fleet._connections.put_nowait(held)
         assert await status
-        assert (bodies[0]["at"], node.status[0]) == (1007.5, 1007.5)
+        assert (json.loads(got[0][1])["at"], node.status[0]) == (1007.5, 1007.5)
         held.close()
         cp.close()
         await cp.wait_closed()
@@ -565,6 +549,26 @@ def test_routine_statuses_leave_a_quarter_of_the_connections_to_the_others():
 
     asyncio.run(main())
     assert [routine_share(n) for n in (1, 2, 4, 128)] == [1, 2, 3, 96]
+
+
+def _recording(got: list[tuple[bytes, bytes]]):
+    """A control plane for asyncio.start_server: each request's head and body kept in `got`, leases said on."""
+
+    async def serve(reader, writer) -> None:
+        while (request := await _request(reader)) is not None:
+            got.append(request)
+            writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"leases":true}')
+            await writer.drain()
+
+    return serve
+
+
+def _joined(fleet: Fleet, now: list[float]):
+    """The fleet's one node, registered, on a clock the test moves (`now[0]`)."""
+    fleet.clock = lambda: now[0]
+    (node,) = fleet.nodes
+    node.credential, node.registered = "tok", True
+    return node
 
 
 async def _request(reader) -> tuple[bytes, bytes] | None:
