@@ -442,7 +442,8 @@ class Fleet:
         if node.faults.lose_answers:
             self.stats.answers_dropped += 1
             return True
-        for a in leased[1] if leased else built[0][2]:
+        sent_at, key, acks = (now, None, leased[1]) if leased else built[0]
+        for a in acks:
             node.acks.pop(a, None)
         answer = r.json()
         if leased:
@@ -456,7 +457,7 @@ class Fleet:
             node.again_run = 0
             if node.status is None and not node.leases:
                 self.stats.first_statuses += 1  # its first since registering: the node has joined
-            node.leases, node.status = bool(answer.get("leases")), built[0][:2]
+            node.leases, node.status = bool(answer.get("leases")), (sent_at, key)
             self.lease_url = answer.get("lease_url") or ""
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         now = self.clock()

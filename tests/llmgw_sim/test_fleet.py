@@ -465,10 +465,7 @@ def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does()
     got: list[tuple[bytes, bytes]] = []
 
     async def main() -> None:
-        cp = await asyncio.start_server(_recording(got), "127.0.0.1", 0)
-        fleet = _one_connection(cp)
-        now = [1000.0]
-        node = _joined(fleet, now)
+        cp, fleet, node, now = await _one_node(got)
         assert await fleet._heartbeat(node)  # its first status: answered, the node has joined
         assert (fleet.stats.first_statuses, node.leases) == (1, True)
         now[0] += 60  # the floor, nothing changed
@@ -491,10 +488,7 @@ def test_a_status_that_waited_for_a_connection_is_dated_when_it_was_sent():
     got: list[tuple[bytes, bytes]] = []
 
     async def main() -> None:
-        cp = await asyncio.start_server(_recording(got), "127.0.0.1", 0)
-        fleet = _one_connection(cp)
-        now = [1000.0]
-        node = _joined(fleet, now)
+        cp, fleet, node, now = await _one_node(got)
         held = fleet._connections.get_nowait()  # another node's request on the one connection
         status = asyncio.create_task(fleet._heartbeat(node))
         await asyncio.sleep(0.05)
@@ -563,12 +557,20 @@ def _recording(got: list[tuple[bytes, bytes]]):
     return serve
 
 
-def _joined(fleet: Fleet, now: list[float]):
-    """The fleet's one node, registered, on a clock the test moves (`now[0]`)."""
+async def _one_node(got: list[tuple[bytes, bytes]]):
+    """A recording control plane (_recording) and a fleet of one registered node over one connection to it.
+
+    The fleet's clock is the test's to move: `now[0]`, 1000.0 at first.
+    """
+    import asyncio
+
+    cp = await asyncio.start_server(_recording(got), "127.0.0.1", 0)
+    fleet = _one_connection(cp)
+    now = [1000.0]
     fleet.clock = lambda: now[0]
     (node,) = fleet.nodes
     node.credential, node.registered = "tok", True
-    return node
+    return cp, fleet, node, now
 
 
 async def _request(reader) -> tuple[bytes, bytes] | None:
