@@ -33,6 +33,7 @@ from rest_framework.views import APIView
 
 import llmgw_wire as wire
 from agents import credentials, limits, protocol
+from inventory import heartbeat as hb_rules
 from llmgw import validation
 from llmgw.front import RECEIVED_AT
 
@@ -218,11 +219,17 @@ class AgentEndpoint(APIView):
         """
         return protocol.Body(read=lambda: self.read(django_request))
 
-    def read(self, django_request: HttpRequest) -> wire.Message:
-        """The request's message; raises Refused (415, 413, 400 naming each field) for a body it cannot be."""
+    def read(self, django_request: HttpRequest, into: protocol.Body | None = None) -> wire.Message:
+        """The request's message; raises Refused (415, 413, 400 naming each field) for a body it cannot be.
+
+        With `into`, the digest of the bytes read is kept on it (a status's: see HeartbeatView).
+        """
         check_envelope(django_request.content_type, django_request.META.get("CONTENT_LENGTH"), self.max_body)
         body = django_request.read(self.max_body + 1)
-        return parse_message(self.message, body, max_body=self.max_body, problems=self.problems)
+        msg = parse_message(self.message, body, max_body=self.max_body, problems=self.problems)
+        if into is not None:
+            into.digest = hb_rules.status_digest(body)
+        return msg
 
     @staticmethod
     def answer(result: BaseModel | dict) -> HttpResponse:
@@ -278,6 +285,11 @@ class HeartbeatView(AgentEndpoint):
     message = wire.Heartbeat
     max_body = MAX_HEARTBEAT_BODY
     problems = staticmethod(limits.heartbeat_problems)
+
+    def parse(self, django_request: HttpRequest) -> protocol.Body:
+        # The status's digest is kept with it: the agent's floor sends it back instead (agents/lease.py).
+        body: protocol.Body = protocol.Body(read=lambda: self.read(django_request, into=body))
+        return body
 
     def call(
         self, token: str | None, body: protocol.Body, *, now: dt.datetime, received: dt.datetime

@@ -41,9 +41,10 @@ TABLES = lease_db.Tables(credentials=NodeCredential._meta.db_table, commands=Com
 MAX_LEASE_BODY = 16 * KiB
 # A lease renews the time to live of the node's last status and learns whether the cache still
 # holds it, at a cost (a Redis round trip) comparable to the renewal's own statement. The status
-# outlives its time to live without it (the agent resends it at least every 60 s, under the 120 s
-# time to live), and a cache that lost it is rare: about one lease in 6 asks, so a node whose
-# status was lost is asked for it within about 30 s at a 5 s interval, and the others pay nothing.
+# outlives its time to live without it (the agent's status floor, at least every 60 s and under the
+# 120 s time to live, checks and renews it), and a cache that lost it is rare: about one lease in 6
+# asks, so a node whose status was lost is asked for it within about 30 s at a 5 s interval, and the
+# others pay nothing. A lease carrying a status digest (the floor) is always checked.
 STATUS_CHECK_EVERY = 6
 
 
@@ -68,7 +69,11 @@ def lease_request(token: str | None, body: protocol.Body[wire.Lease], *, now: dt
     if renewal is None:
         # Rare (a refusal): which one is worth a lookup.
         raise protocol.UNAUTHENTICATED if credentials.authenticate_node(token) is None else protocol.NOT_YOURS
-    return lease_answer(renewal, token_hash=token_hash, now=now)
+    if msg.status_digest is None:
+        return lease_answer(renewal, token_hash=token_hash, now=now)
+    # A status floor: checked on every one (see inventory/lease.py confirm_statuses).
+    unconfirmed = lease_db.confirm_statuses({renewal.node_id: msg.status_digest})
+    return lease_answer(renewal, token_hash=token_hash, now=now, want_status=bool(unconfirmed), floor=True)
 
 
 def asks_status() -> bool:
@@ -83,6 +88,7 @@ def lease_answer(
     now: dt.datetime,
     want_status: bool | None = None,
     taken: tuple[list, bool] | None = None,
+    floor: bool = False,
 ) -> wire.LeaseResponse:
     """The answer to a renewed lease: the commands that wait, and whether to come back at once.
 
@@ -92,6 +98,8 @@ def lease_answer(
     already asked the cache (a batch asks for all its leases at once); None to ask here.
     `taken`: the node's waiting commands and whether more wait, when the caller took them
     (a batch takes them for all its nodes in one statement); None to take them here.
+    `floor`: the lease carried a status digest, and `want_status` says whether it was not the
+    digest of the status held; the answer says status_confirmed when it was.
     """
     if renewal.previous_hash is not None and renewal.token_hash == token_hash:
         # The agent uses the new secret of a rotation: the old one is done
@@ -114,6 +122,7 @@ def lease_answer(
         send_status=want_status,
         again=want_status or more,
         rotate_credential=True if renewal.rotation_requested_at is not None else None,
+        status_confirmed=(not want_status) if floor else None,
     )
 
 

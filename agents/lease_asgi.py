@@ -81,8 +81,11 @@ def write_batch(asks: Sequence[lease_db.Ask]) -> dict[str, wire.LeaseResponse | 
         busy: set[str] = set()
         renewals = lease_db.renew_batch(TABLES, asks, now=now, busy=busy)
         by_node = {a.node_id: a for a in asks}
-        # The leases that check their node's last status is kept (one in STATUS_CHECK_EVERY), in one round trip.
-        gone = lease_db.keep_statuses([n for n in renewals if asks_status()])
+        # The status floors, each checked against the status held; of the other leases, those that
+        # check their node's last status is kept (one in STATUS_CHECK_EVERY). A round trip each, for all.
+        floors = {n: d for n in renewals if (d := by_node[n].status_digest) is not None}
+        gone = lease_db.confirm_statuses(floors)
+        gone |= lease_db.keep_statuses([n for n in renewals if n not in floors and asks_status()])
         # The commands of every renewed node that has some, in one statement too.
         waiting = [n for n, r in renewals.items() if r.waiting]
         taken = lease_db.take_waiting_batch(TABLES, waiting, now=now, limit=wire.MAX_COMMANDS)
@@ -93,6 +96,7 @@ def write_batch(asks: Sequence[lease_db.Ask]) -> dict[str, wire.LeaseResponse | 
                 now=now,
                 want_status=node_id in gone,
                 taken=taken.get(node_id, ([], False)),
+                floor=node_id in floors,
             )
             for node_id, r in renewals.items()
         }
@@ -250,7 +254,12 @@ class LeaseEndpoint:
         except protocol.Refused as exc:
             await _refuse(send, protocol.UNAUTHENTICATED if await self._owner(token) is None else exc)
             return
-        ask = lease_db.Ask(node_id=msg.node_id, token_hash=credentials.hash_secret(token), acks=tuple(msg.acks))
+        ask = lease_db.Ask(
+            node_id=msg.node_id,
+            token_hash=credentials.hash_secret(token),
+            acks=tuple(msg.acks),
+            status_digest=msg.status_digest,
+        )
         try:
             answer = await self.writer.renew(ask)
         except Exception:

@@ -67,6 +67,8 @@ class Body(Generic[M]):
         self.parsed = parsed
         self.refused = refused
         self._read = read
+        # The digest of the bytes read (inventory/heartbeat.py status_digest), when the endpoint keeps one.
+        self.digest: str | None = None
 
     def message(self) -> M:
         """The message; raises the body's refusal (415, 413, 400) when there is none."""
@@ -232,7 +234,7 @@ def heartbeat_request(
             if attempt == DEADLOCK_ATTEMPTS or not db.is_deadlock(exc):
                 raise
             log.info("a heartbeat deadlocked (attempt %d); running it again", attempt)
-    return _answer(auth, hb, previous, applied, pending, now=now, received=received)
+    return _answer(auth, hb, previous, applied, pending, now=now, received=received, digest=body.digest)
 
 
 def _record(
@@ -285,13 +287,18 @@ def _answer(
     *,
     now: dt.datetime,
     received: dt.datetime | None = None,
+    digest: str | None = None,
 ) -> wire.HeartbeatResponse:
     # After the commit: the cache never holds what the database rolled back. The telemetry is dated when
     # the status arrived: a wait for a thread read against the agent's clock showed as its skew, and a
     # skew that moved with every routine status marked every node for the doctor and placement again.
     entry = hb_rules.telemetry(hb, previous, now=received or now)
     entry["applied"] = applied
-    telemetry.put(hb.node_id, entry)
+    if digest is None:
+        # Not read from bytes (a caller handing the message itself): the digest of its own serialisation.
+        digest = hb_rules.status_digest(hb.model_dump_json().encode())
+    # The digest beside the entry: the agent's floor sends it back instead of the whole status (agents/lease.py).
+    telemetry.put(hb.node_id, entry, digest=digest)
     changes.mark_telemetry(hb.node_id, previous, entry)
     return wire.HeartbeatResponse(
         commands=pending,
@@ -304,6 +311,7 @@ def _answer(
         wakeup_url=settings.LLMGW_WAKEUP_URL or None,
         # Where to send leases (the gateway's batched endpoint, agents/lease_asgi.py); this endpoint otherwise.
         lease_url=settings.LLMGW_LEASE_URL or None,
+        status_digest=digest,
     )
 
 

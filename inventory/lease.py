@@ -20,7 +20,7 @@ import datetime as dt
 import functools
 import json
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,11 +117,15 @@ def renew(
 
 @dataclass(frozen=True)
 class Ask:
-    """One lease of a batch: the node it names, the hash of the credential it came with, what it acknowledges."""
+    """One lease of a batch: the node it names, the hash of the credential it came with, what it acknowledges.
+
+    `status_digest`: the status floor it stands for (see confirm_statuses), None for an ordinary lease.
+    """
 
     node_id: str
     token_hash: str
     acks: Sequence[str] = ()
+    status_digest: str | None = None
 
 
 @functools.cache
@@ -427,6 +431,35 @@ def keep_statuses(node_ids: Sequence[str]) -> set[str]:
         return {n for n, kept in zip(node_ids, pipe.execute(), strict=True) if not kept}
 
     return telemetry.best_effort("touch", touch_all, set())
+
+
+def confirm_statuses(floors: Mapping[str, str]) -> set[str]:
+    """The nodes of `floors` (node id: the digest its lease sent) whose last status is not the one they name.
+
+    A status floor sent as a digest (llmgw_wire/lease.py status_digest) says
+    "nothing moved past a threshold since the status of this digest": it is
+    confirmed when the cache still holds that very status, and both its
+    entry and its digest live on another time to live. A node whose entry is
+    gone, or whose digest is another (a status this agent never had
+    accepted: the cache was restored, or failed over to a replica behind),
+    is asked for its whole status. One round trip for the whole batch. A
+    cache that cannot answer confirms every floor, as keep_status keeps every
+    status: asking the fleet for statuses it cannot keep only loads the
+    control plane.
+    """
+    if not floors:
+        return set()
+    nodes = list(floors)
+    entry_keys = {n: telemetry.key(n) for n in nodes}
+    digest_keys = {n: telemetry.digest_key(n) for n in nodes}
+
+    def check() -> set[str]:
+        kept, digests = cache.touch_and_read(
+            list(entry_keys.values()), list(digest_keys.values()), settings.LLMGW_TELEMETRY_TTL
+        )
+        return {n for n in nodes if entry_keys[n] not in kept or digests.get(digest_keys[n]) != floors[n]}
+
+    return telemetry.best_effort("touch", check, set())
 
 
 def _redis_client() -> Any:

@@ -40,6 +40,9 @@ def _failed(op: str, exc: Exception) -> None:
 
 
 _PREFIX = "telemetry:"
+# Beside each entry, the digest of the status it was made from (inventory/heartbeat.py status_digest):
+# a status floor sent as that digest is checked against this small value, never the whole entry.
+_DIGEST_PREFIX = "status-digest:"
 
 
 def best_effort(op: str, call: Callable[[], T], default: T) -> T:
@@ -61,8 +64,16 @@ def key(node_id: str) -> str:
     return f"{_PREFIX}{node_id}"
 
 
-def put(node_id: str, data: dict[str, Any]) -> None:
-    """Store a node's latest telemetry.
+def digest_key(node_id: str) -> str:
+    """The cache key of the digest of the status a node's telemetry was made from."""
+    return f"{_DIGEST_PREFIX}{node_id}"
+
+
+def put(node_id: str, data: dict[str, Any], *, digest: str | None = None) -> None:
+    """Store a node's latest telemetry, and with `digest` the digest of the status it came from (one round trip).
+
+    Without `digest` the stored digest is left as it is (an entry rewritten
+    from itself, not from a new status).
 
     Shape: {"at": server time (unix s), "agent_at": agent clock or None,
     "load": wire.Load dict or None, "gpus": [wire.GPUSensor dicts],
@@ -71,7 +82,10 @@ def put(node_id: str, data: dict[str, Any]) -> None:
     last written (inventory/heartbeat.py digest, keyed "fabrics" and "installs")}.
     """
     try:
-        cache.set(key(node_id), data, timeout=settings.LLMGW_TELEMETRY_TTL)
+        if digest is None:
+            cache.set(key(node_id), data, timeout=settings.LLMGW_TELEMETRY_TTL)
+        else:
+            cache.set_many({key(node_id): data, digest_key(node_id): digest}, timeout=settings.LLMGW_TELEMETRY_TTL)
     except Exception as exc:  # any cache failure: the moment is lost, nothing else
         _failed("put", exc)
 
@@ -99,8 +113,8 @@ def get_many(node_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
 
 
 def forget(node_id: str) -> None:
-    """Drop a node's telemetry (a forgotten node); it expires by itself if the cache is down."""
+    """Drop a node's telemetry and its status's digest (a forgotten node); both expire by themselves otherwise."""
     try:
-        cache.delete(key(node_id))
+        cache.delete_many([key(node_id), digest_key(node_id)])
     except Exception as exc:
         _failed("forget", exc)

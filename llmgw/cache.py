@@ -6,13 +6,16 @@ round trip itself, which showed at the top of a heartbeat's profile. A client
 over a connection pool is thread-safe, so one per pool serves every call.
 Keys, serialisation and behaviour are Django's own.
 
-`incr_then_set` is the one operation it adds: a counter's next value and an
-entry named after it, in one round trip (the placement feed's mark,
-inventory/changes.py), where Django's incr alone costs two.
+It adds two operations, each one round trip where Django's calls would take
+several: `incr_then_set`, a counter's next value and an entry named after it
+(the placement feed's mark, inventory/changes.py), and `touch_and_read`, the
+lifetimes of many entries renewed and some of them read (a batch of leases'
+status floors, inventory/lease.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from django.core.cache.backends.base import DEFAULT_TIMEOUT
@@ -75,3 +78,26 @@ class RedisCache(DjangoRedisCache):
         if found is None:
             raise ValueError(f"Key '{counter}' not found.")
         return int(found)
+
+    def touch_and_read(
+        self, touch: Sequence[str], read: Sequence[str], timeout: float = DEFAULT_TIMEOUT
+    ) -> tuple[set[str], dict[str, Any]]:
+        """Give every key of `touch` and `read` `timeout` more seconds; which of `touch` exist, and `read`'s values.
+
+        One pipelined round trip (EXPIRE for each of `touch`, GETEX for each
+        of `read`). A key absent from the values was not there.
+        """
+        seconds = self.get_backend_timeout(timeout)
+        if seconds is None or seconds <= 0:
+            raise ValueError("touch_and_read renews entries for a number of seconds")
+        client = self._cache.get_client(None, write=True)
+        pipe = client.pipeline(transaction=False)
+        for k in touch:
+            pipe.expire(self.make_and_validate_key(k), int(seconds))
+        for k in read:
+            pipe.getex(self.make_and_validate_key(k), ex=int(seconds))
+        found = pipe.execute()
+        touched = {k for k, ok in zip(touch, found[: len(touch)], strict=True) if ok}
+        loads = self._cache._serializer.loads
+        values = {k: loads(v) for k, v in zip(read, found[len(touch) :], strict=True) if v is not None}
+        return touched, values

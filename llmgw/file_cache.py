@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -61,3 +61,15 @@ class FileCache(FileBasedCache):
             version = super().incr(counter)
             self.set(f"{entry_prefix}{version}", value, timeout)
         return version
+
+    def touch_and_read(
+        self, touch: Sequence[str], read: Sequence[str], timeout: Any = DEFAULT_TIMEOUT
+    ) -> tuple[set[str], dict[str, Any]]:
+        """As llmgw/cache.py's: `timeout` more seconds for every key; which of `touch` exist, and `read`'s values."""
+        touched = {k for k in touch if self.touch(k, timeout)}
+        values = {}
+        for k in read:
+            value = self.get(k)
+            if value is not None and self.touch(k, timeout):
+                values[k] = value
+        return touched, values

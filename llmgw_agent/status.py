@@ -46,15 +46,31 @@ The thresholds, and why each is what it is:
 - Everything else (clocks, load averages, per-engine CPU and memory):
   ±20 % of the last value, or a floor where the value is small.
 
-STATUS_FLOOR_S (60 s) bounds how stale a reading below every threshold can
-be, and stays under the control plane's telemetry time to live
-(LLMGW_TELEMETRY_TTL, 120 s by default) so the last status outlives a lost
-lease or two even without the lease's renewal of it. A status sent only
-because the floor came, with nothing beyond a threshold, is routine: it asks
-the control plane's web tier to serve every other request first (llmgw_wire/priority.py
-ROUTINE). A fleet that joined within a minute sends its floors within
-the same minute of every minute, and a shard's ready queued behind them
-waited seconds to be heard.
+STATUS_FLOOR_S (60 s) is the status floor: at least that often the agent
+and the control plane agree on the status it holds, and the floor stays
+under the control plane's telemetry time to live (LLMGW_TELEMETRY_TTL, 120 s
+by default), so the last status outlives a lost lease or two. Since every
+threshold is measured against the status the control plane accepted, what
+it holds is within every threshold of the truth whenever nothing is sent;
+so a floor at which nothing moved past one goes as a lease carrying the
+digest the control plane gave that status (HeartbeatResponse.status_digest,
+wire.Lease.status_digest), not as the status again. The control plane checks
+that it still holds that very status (a cache restored or failed over to a
+replica behind holds another, or none) and renews it, or asks for the whole
+one (send_status). A 9 KB status parsed, recorded and written to the cache
+each minute per node became a lease: at 10,000 nodes that is 167 statuses a
+second off the web tier, all bunched into one half-minute of every minute by
+the join storm, where two cores were full. The trade-off: a reading below
+every threshold may now be older than a minute (its node page says when its
+status came), never further from the truth than a threshold.
+
+A control plane that gives no digest (an older one), or a lease endpoint
+that does not confirm one (LeaseResponse.status_confirmed None: an older
+gateway), gets the whole status at the floor, as before. Such a status, with
+nothing beyond a threshold, is routine: it asks the control plane's web tier
+to serve every other request first (llmgw_wire/priority.py ROUTINE). A fleet
+that joined within a minute sends its floors within the same minute of every
+minute, and a shard's ready queued behind them waited seconds to be heard.
 """
 
 from __future__ import annotations
@@ -295,6 +311,10 @@ class StatusGate:
         self.last_at = 0.0
         self.last_rates: dict[str, tuple[float, float]] = {}
         self.last_fabrics: list[wire.GPUFabricReport] | None = None
+        # The digest the control plane gave the last status it accepted (None: it keeps none), and
+        # whether a floor sent as that digest went unconfirmed (a control plane that does not check).
+        self.digest: str | None = None
+        self.digest_unconfirmed = False
         self.wanted = False
         self.again = False
         self._again_run = 0
@@ -338,6 +358,10 @@ class StatusGate:
         """Whether the status this interval sends is routine: the floor's, with nothing changed to report."""
         return self.reason == "floor"
 
+    def floor_digest(self) -> bool:
+        """Whether this interval's floor goes as the digest of the last status (a lease), not as the status."""
+        return self.reason == "floor" and self.digest is not None and not self.digest_unconfirmed
+
     def lease(self, body: wire.Heartbeat, *, now: float) -> wire.Lease | None:
         """The lease to send instead of `body`, or None when the body (the status) must go."""
         self._measure_rates(body, now)
@@ -347,6 +371,9 @@ class StatusGate:
             for key, rate in self.rates.items():
                 self.last_rates.setdefault(key, rate)
         self.reason = self.why_status(body, now=now)
+        if self.floor_digest():
+            # Nothing moved past a threshold: the control plane's copy is still true, and it checks it holds it.
+            return wire.Lease(node_id=body.node_id, at=body.at, acks=body.acks, status_digest=self.digest)
         if self.reason:
             return None
         return wire.Lease(node_id=body.node_id, at=body.at, acks=body.acks)
@@ -360,10 +387,18 @@ class StatusGate:
             self.last, self.last_at, self.last_rates = sent, now, dict(self.rates)
             if sent.gpu_fabrics is not None:
                 self.last_fabrics = sent.gpu_fabrics
+            self.digest, self.digest_unconfirmed = answer.status_digest, False
             self.wanted = self.again = False
         elif isinstance(answer, wire.LeaseResponse):
             self.wanted = answer.send_status
             self.again = answer.again or answer.send_status
+            if isinstance(sent, wire.Lease) and sent.status_digest is not None:
+                if answer.status_confirmed:
+                    # The floor is done: the next is a floor's interval from now.
+                    self.last_at = now
+                elif not answer.send_status:
+                    # Not checked (a lease endpoint that knows no digests): the floor goes whole next interval.
+                    self.digest_unconfirmed = True
         self._again_run = self._again_run + 1 if self.again else 0
 
     def wait_s(self, interval: float) -> float:

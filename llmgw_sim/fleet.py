@@ -396,7 +396,7 @@ class Fleet:
         self.lease_url = answer.get("lease_url") or ""
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         node.registered = True
-        node.leases, node.status = False, None
+        node.leases, node.status, node.digest = False, None, None
         node.last_fabrics = self.clock()
         self.stats.registered += 1
         now = self.clock()
@@ -450,6 +450,14 @@ class Fleet:
             self.stats.leases += 1
             if answer.get("send_status"):
                 node.status = None
+            if leased[2] and not answer.get("status_confirmed"):
+                self.stats.floor_digests_unconfirmed += 1
+                if not answer.get("send_status"):
+                    # Not checked (an older lease endpoint): the floor goes whole, as an agent's would.
+                    node.digest = None
+            elif leased[2] and node.status is not None:
+                # The floor confirmed: the next is a floor's interval from now.
+                node.status = (now, node.status[1])
             # As an agent's StatusGate: more commands wait, or the status is wanted: come back at once.
             again = bool(answer.get("again") or answer.get("send_status"))
             node.again_run = node.again_run + 1 if again else 0
@@ -458,6 +466,7 @@ class Fleet:
             if node.status is None and not node.leases:
                 self.stats.first_statuses += 1  # its first since registering: the node has joined
             node.leases, node.status = bool(answer.get("leases")), (sent_at, key)
+            node.digest = answer.get("status_digest")
             self.lease_url = answer.get("lease_url") or ""
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         now = self.clock()

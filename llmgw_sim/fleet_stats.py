@@ -44,6 +44,10 @@ class Stats:
     heartbeat_errors: Counter = field(default_factory=Counter)
     # Why each full status went instead of a lease (VirtualNode.status_due).
     statuses_why: Counter = field(default_factory=Counter)
+    # Status floors sent as the digest of the last status (a lease), and of those the ones the
+    # control plane did not confirm (it asked for the whole status, or did not check).
+    floor_digests: int = 0
+    floor_digests_unconfirmed: int = 0
     unreachable: int = 0
     answers_dropped: int = 0
     commands: Counter = field(default_factory=Counter)
@@ -81,6 +85,8 @@ class Stats:
             "keepalives": self.keepalives,
             "heartbeat_errors": dict(self.heartbeat_errors),
             "statuses_why": dict(self.statuses_why),
+            "floor_digests": self.floor_digests,
+            "floor_digests_unconfirmed": self.floor_digests_unconfirmed,
             "unreachable": self.unreachable,
             "answers_dropped": self.answers_dropped,
             "commands": dict(self.commands),

@@ -136,6 +136,7 @@ class VirtualNode:
         "again_run",
         "applied",
         "credential",
+        "digest",
         "domain",
         "faults",
         "fleet",
@@ -176,6 +177,8 @@ class VirtualNode:
         # the last status it accepted (when, and what it said that can change here), None to send one.
         self.leases = False
         self.status: tuple[float, Any] | None = None
+        # The digest the control plane gave that status (its floor goes as a lease carrying it), None: none given.
+        self.digest: str | None = None
         # Consecutive answers that said come back at once (an agent follows MAX_AGAIN of them).
         self.again_run = 0
 
@@ -280,22 +283,30 @@ class VirtualNode:
         # Last, as an agent's StatusGate: "floor" says nothing else changed (a routine status).
         return "floor" if now - self.status[0] >= STATUS_FLOOR_S else ""
 
-    def lease(self, now: float) -> tuple[bytes, list[str]] | None:
-        """A lease instead of the status, None when the status must go (as StatusGate decides for an agent)."""
+    def lease(self, now: float) -> tuple[bytes, list[str], bool] | None:
+        """A lease instead of the status, None when the status must go (as StatusGate decides for an agent).
+
+        With the lease, its acks and whether it is the status floor, sent as the digest of the last status.
+        """
         why = self.status_due(now)
+        acks = list(self.acks)[: wire.MAX_COMMANDS]
+        if why == "floor" and self.digest is not None:
+            self.fleet.stats.floor_digests += 1
+            return self._lease_body(now, acks, digest=self.digest), acks, True
         if why:
             self.fleet.stats.statuses_why[why] += 1
             return None
-        acks = list(self.acks)[: wire.MAX_COMMANDS]
-        return self._lease_body(now, acks), acks
+        return self._lease_body(now, acks), acks, False
 
     def keepalive(self, now: float) -> bytes:
         """A lease sent while a status waits (llmgw_agent/keepalive.py): no acks, they ride in the status."""
         return self._lease_body(now, [])
 
-    def _lease_body(self, now: float, acks: list[str]) -> bytes:
+    def _lease_body(self, now: float, acks: list[str], *, digest: str | None = None) -> bytes:
         # Spliced, not dumped: the node id is JSON-encoded once (_identity), only the clock and acks change.
         tail = ',"acks":' + json.dumps(acks) + "}" if acks else ',"acks":[]}'
+        if digest is not None:
+            tail = ',"status_digest":' + json.dumps(digest) + tail
         return ('{"node_id":' + self._identity()["node"] + ',"at":' + repr(now) + tail).encode()
 
     def _identity(self) -> dict[str, str]:

@@ -198,3 +198,7 @@ class HeartbeatResponse(Message):
     # Where this control plane takes leases in batches (POST, its gateway); None: the lease path here.
     # An agent that gets no answer there sends its lease here instead (llmgw_wire/lease.py).
     lease_url: HttpURL | None = None
+    # The digest of this status as the control plane keeps it: a later lease carrying it
+    # (Lease.status_digest) stands for a status floor at which nothing changed. None: send the
+    # whole status at the floor (a control plane that keeps no digest).
+    status_digest: Short | None = None

@@ -37,6 +37,11 @@ class Lease(Message):
     at: float | None = None
     # Ids of commands the agent has received and applied.
     acks: Annotated[list[Short], Field(max_length=MAX_COMMANDS)] = empty_list()
+    # The status floor, as a digest: the HeartbeatResponse.status_digest of the last status this
+    # control plane accepted, sent when nothing the agent measures moved past a threshold since
+    # (llmgw_agent/status.py). The control plane checks that it still holds that very status and
+    # asks for the whole one (send_status) when it does not. None: an ordinary lease.
+    status_digest: Short | None = None
 
 
 class LeaseResponse(Message):
@@ -53,3 +58,7 @@ class LeaseResponse(Message):
     again: bool = False
     # An operator asked for a new credential: the agent calls the rotate endpoint.
     rotate_credential: bool | None = None
+    # The lease carried a status_digest and it is the digest of the status this control plane holds:
+    # the floor is confirmed. None: the lease carried none, or this control plane does not check
+    # (an older one), and the agent sends its whole status at the next floor instead.
+    status_confirmed: bool | None = None

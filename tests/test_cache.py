@@ -78,3 +78,30 @@ def test_incr_then_set_keeps_every_digit_of_a_large_counter():
     cache.set("counter", start, timeout=None)
     assert cache.incr_then_set("counter", "entry:", ["node-a"], timeout=30) == start + 1
     assert cache.get(f"entry:{start + 1}") == ["node-a"]
+
+
+def test_touch_and_read_renews_every_key_names_those_there_and_reads_some_in_one_round_trip():
+    cache.set("entry-a", {"gpus": [1]}, timeout=5)
+    cache.set("digest-a", "d1", timeout=5)
+    cache.delete_many(["entry-b", "digest-b"])
+    client = cache._cache.get_client(None, write=True)
+    sent = []
+    real = client.pipeline
+
+    def counting_pipeline(*args, **kwargs):
+        pipe = real(*args, **kwargs)
+        execute = pipe.execute
+        pipe.execute = lambda *a, **k: (sent.append(len(pipe.command_stack)), execute(*a, **k))[1]
+        return pipe
+
+    client.pipeline = counting_pipeline
+    try:
+        touched, values = cache.touch_and_read(["entry-a", "entry-b"], ["digest-a", "digest-b"], timeout=120)
+    finally:
+        del client.pipeline
+    assert (touched, values) == ({"entry-a"}, {"digest-a": "d1"})
+    assert sent == [4]  # one pipeline: two EXPIREs, two GETEXs
+    for k in ("entry-a", "digest-a"):
+        assert client.ttl(cache.make_and_validate_key(k)) > 100
+    with pytest.raises(ValueError, match="number of seconds"):
+        cache.touch_and_read(["entry-a"], [], timeout=None)

@@ -6,10 +6,13 @@ And the credential rules of every agent endpoint.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 import logging
 
 import httpx
 import pytest
+from django.core.cache import cache
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
@@ -19,11 +22,13 @@ import llmgw_wire as wire
 from agents import credentials
 from agents.lease import MAX_LEASE_BODY
 from agents.models import NodeCredential
+from inventory import heartbeat as hb_rules
 from inventory import outbox, telemetry
 from inventory.models import Command, Node, NodeEvent
 from llmgw_agent import config as config_mod
 from llmgw_agent.loop import Agent
 from tests.agents.conftest import heartbeat_payload, post
+from tests.agents.test_api import _closed_port
 from tests.factories import register_payload
 from tests.llmgw_agent.test_loop import Probe, Sampled
 
@@ -136,6 +141,78 @@ def test_a_lost_status_is_asked_for_and_a_kept_one_lives_on(client, reporting):
     # The full heartbeat that follows puts it back.
     assert post(client, "heartbeat", heartbeat_payload(at=2.0, counters=20), reporting).status_code == 200
     assert renew(client, reporting).json()["send_status"] is False
+
+
+def test_a_status_is_answered_with_the_digest_of_its_bytes_kept_beside_it(client, joined):
+    body = json.dumps(heartbeat_payload(at=1.0, counters=10)).encode()
+    answer = post(client, "heartbeat", body, joined).json()
+    assert answer["status_digest"] == hb_rules.status_digest(body) == hashlib.blake2b(body, digest_size=16).hexdigest()
+    assert cache.get(telemetry.digest_key("node-a")) == answer["status_digest"]
+    # Another status, another digest (each carries the agent's clock).
+    again = post(client, "heartbeat", heartbeat_payload(at=6.0, counters=10), joined).json()
+    assert again["status_digest"] != answer["status_digest"]
+
+
+def test_a_floor_naming_the_status_held_is_one_statement_and_leaves_the_status_as_it_was(client, reporting):
+    digest = cache.get(telemetry.digest_key("node-a"))
+    held = telemetry.get("node-a")
+    # Both keys a few seconds from expiring: the floor gives them a whole time to live again.
+    for k in (telemetry.key("node-a"), telemetry.digest_key("node-a")):
+        cache.touch(k, 5)
+    with CaptureQueriesContext(connection) as q:
+        resp = renew(client, reporting, lease(status_digest=digest))
+    assert resp.status_code == 200, resp.content
+    assert [x["sql"][:40] for x in q.captured_queries] == ["UPDATE inventory_node AS n SET last_seen"]
+    answer = wire.LeaseResponse.model_validate_json(resp.content)
+    assert (answer.send_status, answer.again, answer.status_confirmed) == (False, False, True)
+    assert telemetry.get("node-a") == held
+    client_ = cache._cache.get_client(None)
+    for k in (telemetry.key("node-a"), telemetry.digest_key("node-a")):
+        assert client_.ttl(cache.make_and_validate_key(k)) > 100
+    # An ordinary lease says nothing of a floor.
+    assert renew(client, reporting).json()["status_confirmed"] is None
+
+
+@pytest.mark.parametrize("lost", ["entry", "digest", "both"])
+def test_a_floor_naming_a_status_the_control_plane_does_not_hold_asks_for_the_whole_one(client, reporting, lost):
+    digest = cache.get(telemetry.digest_key("node-a"))
+    if lost in ("entry", "both"):
+        cache.delete(telemetry.key("node-a"))
+    if lost in ("digest", "both"):
+        cache.delete(telemetry.digest_key("node-a"))
+    answer = renew(client, reporting, lease(status_digest=digest)).json()
+    assert (answer["send_status"], answer["again"], answer["status_confirmed"]) == (True, True, False)
+
+
+def test_a_floor_naming_another_status_asks_for_the_whole_one(client, reporting):
+    # The cache holds a status this agent never had accepted (restored, or a replica behind): not confirmed.
+    answer = renew(client, reporting, lease(status_digest="0" * 32)).json()
+    assert (answer["send_status"], answer["again"], answer["status_confirmed"]) == (True, True, False)
+    # Even on a lease that would not have checked the status otherwise.
+    digest = cache.get(telemetry.digest_key("node-a"))
+    assert renew(client, reporting, lease(status_digest=digest)).json()["status_confirmed"] is True
+
+
+def test_a_floor_with_another_nodes_credential_is_403_and_confirms_nothing(client, join_token, reporting):
+    other = post(client, "register", register_payload("node-b"), join_token).json()["credential"]
+    digest = cache.get(telemetry.digest_key("node-a"))
+    resp = renew(client, other, lease(status_digest=digest))
+    assert resp.status_code == 403
+    assert "status_confirmed" not in resp.json()
+
+
+def test_a_floor_while_the_cache_is_down_is_confirmed_not_asked_for(client, reporting, settings):
+    # Asking the fleet for statuses a cache that is down cannot keep would only load the control plane.
+    digest = cache.get(telemetry.digest_key("node-a"))
+    settings.CACHES = {
+        "default": {
+            "BACKEND": "llmgw.cache.RedisCache",
+            "LOCATION": f"redis://127.0.0.1:{_closed_port()}/0",
+            "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+        }
+    }
+    answer = renew(client, reporting, lease(status_digest=digest)).json()
+    assert (answer["send_status"], answer["status_confirmed"]) == (False, True)
 
 
 def test_most_leases_leave_the_cache_alone(client, reporting, monkeypatch):
@@ -295,16 +372,28 @@ def test_an_agent_sends_its_status_then_leases_until_something_changes(client, j
         agent.close()
 
 
-def test_a_status_sent_only_for_the_floor_is_marked_routine_and_one_that_reports_a_change_is_not(
-    client, join_token, tmp_path
-):
-    # RFC 9218's least urgency on the floor's status alone: the web tier serves it after the others
-    # (llmgw/front.py); a change the floor also came for is urgent as ever.
-    sent: list[tuple[str, str | None]] = []
+raw: dict[int, bytes] = {}
+
+
+def _floor_agent(client, join_token, tmp_path, *, older_lease_endpoint: bool = False):
+    """node-a's agent on a clock the test moves, its requests answered by Django and listed as (path, Priority, body).
+
+    Each body is kept parsed, and as sent (`raw`, by the body's id).
+
+    `older_lease_endpoint`: lease answers lose status_confirmed, as from a lease endpoint that knows no digests.
+    """
+    sent: list[tuple[str, str | None, dict]] = []
 
     def through_django(request: httpx.Request) -> httpx.Response:
-        sent.append((request.url.path, request.headers.get("Priority")))
-        return to_django(client, request)
+        body = json.loads(request.content)
+        raw[id(body)] = request.content
+        sent.append((request.url.path, request.headers.get("Priority"), body))
+        r = to_django(client, request)
+        if older_lease_endpoint and request.url.path == wire.LEASE_PATH and r.status_code == 200:
+            answer = r.json()
+            answer.pop("status_confirmed", None)
+            r = httpx.Response(200, json=answer)
+        return r
 
     now = [1_000.0]
     probe = Probe()
@@ -312,28 +401,77 @@ def test_a_status_sent_only_for_the_floor_is_marked_routine_and_one_that_reports
     agent = Agent(
         agent_config(join_token, tmp_path), probe=probe, http=http, listening=lambda: [22], clock=lambda: now[0]
     )
+    return agent, probe, now, sent
+
+
+HB = "/api/v1/agent/heartbeat"
+
+
+def test_the_floor_goes_as_the_digest_of_the_status_held_and_a_status_only_when_the_control_plane_lost_it(
+    client, join_token, tmp_path
+):
+    agent, probe, now, sent = _floor_agent(client, join_token, tmp_path)
     try:
         agent.step()
         agent.step()
-        reasons = []
-        # A minute on, the first fabric report (new to the control plane), then the floor, then a floor
-        # that comes with a card 10 °C warmer.
-        for warmer in (False, False, True):
-            now[0] += 60
-            if warmer:
-                probe.sample = lambda previous=None: Sampled(gpus=[wire.GPUSensor(index=0, temp_c=50)])
-            agent.step()
-            reasons.append(agent.status.reason)
-        assert reasons == ["gpu fabrics", "floor", "gpu 0 temperature"]
-        hb = "/api/v1/agent/heartbeat"
-        assert sent == [
-            ("/api/v1/agent/register", None),
-            (hb, None),
-            (wire.LEASE_PATH, None),
-            (hb, None),
-            (hb, "u=7"),
-            (hb, None),
-        ]
+        # A minute on, the first fabric report (new to the control plane): a status, whose digest comes back.
+        now[0] += 60
+        agent.step()
+        assert (sent[-1][0], agent.status.reason) == (HB, "gpu fabrics")
+        held = telemetry.get("node-a")
+        digest = agent.status.digest
+        assert digest == hb_rules.status_digest(raw[id(sent[-1][2])])
+        # The floor, nothing changed: a lease carrying that digest; confirmed, the status held is left as it was.
+        now[0] += 60
+        before = len(sent)
+        agent.step()
+        assert [(p, prio, b.get("status_digest")) for p, prio, b in sent[before:]] == [(wire.LEASE_PATH, None, digest)]
+        assert agent.status.reason == "floor" and agent.status.last_at == now[0]
+        assert telemetry.get("node-a") == held
+        # Leases within the minute after, and the next floor is a minute after the confirmed one.
+        now[0] += 30
+        agent.step()
+        assert sent[-1][0] == wire.LEASE_PATH and "status_digest" not in sent[-1][2]
+        now[0] += 30
+        agent.step()
+        assert sent[-1][2]["status_digest"] == digest
+        # The control plane lost the status (a cache flushed): the floor's answer asks for it, and it comes at once.
+        telemetry.forget("node-a")
+        now[0] += 60
+        agent.step()
+        assert sent[-1][2]["status_digest"] == digest and agent.status.wait_s(5.0) == 0.0
+        agent.step()
+        assert (sent[-1][0], sent[-1][1], agent.status.reason) == (HB, None, "asked")
+        assert agent.status.digest not in (None, digest)
+        # A card 10 °C warmer at the floor: the change goes as a status, urgent as ever.
+        now[0] += 60
+        probe.sample = lambda previous=None: Sampled(gpus=[wire.GPUSensor(index=0, temp_c=50)])
+        agent.step()
+        assert (sent[-1][0], sent[-1][1], agent.status.reason) == (HB, None, "gpu 0 temperature")
+    finally:
+        agent.close()
+
+
+def test_a_floor_a_lease_endpoint_does_not_confirm_goes_whole_next_and_routine(client, join_token, tmp_path):
+    # RFC 9218's least urgency on the floor's status alone: the web tier serves it after the others
+    # (llmgw/front.py). It goes whole only where the digest was not checked (an older lease endpoint).
+    agent, _probe, now, sent = _floor_agent(client, join_token, tmp_path, older_lease_endpoint=True)
+    try:
+        agent.step()
+        agent.step()
+        now[0] += 60
+        agent.step()  # the first fabric report
+        now[0] += 60
+        agent.step()
+        assert sent[-1][0] == wire.LEASE_PATH and sent[-1][2]["status_digest"] == agent.status.digest
+        assert agent.status.digest_unconfirmed is True
+        agent.step()
+        assert (sent[-1][0], sent[-1][1], agent.status.reason) == (HB, "u=7", "floor")
+        # Accepted, the status gives a digest again, and the next floor tries it again.
+        assert agent.status.digest_unconfirmed is False
+        now[0] += 60
+        agent.step()
+        assert sent[-1][0] == wire.LEASE_PATH and sent[-1][2]["status_digest"] == agent.status.digest
     finally:
         agent.close()
 

@@ -238,6 +238,49 @@ def test_a_lost_status_is_asked_for(nodes):
     assert (b.send_status, b.again) == (False, False)
 
 
+def test_status_floors_in_a_batch_are_checked_against_the_status_held_in_one_round_trip(nodes, monkeypatch):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    from agents.lease_asgi import write_batch
+    from inventory import lease as lease_db
+
+    telemetry.put("gpu-a", {"at": 1.0}, digest="da")
+    telemetry.put("gpu-b", {"at": 1.0}, digest="db")
+    # No lease asks the cache by chance here: what is asked is the floors'.
+    monkeypatch.setattr(agents.lease, "STATUS_CHECK_EVERY", 10**9)
+    checked = []
+    real = lease_db.confirm_statuses
+    monkeypatch.setattr(lease_db, "confirm_statuses", lambda floors: (checked.append(dict(floors)), real(floors))[1])
+    hashes = {n: credentials.hash_secret(c) for n, c in nodes.items()}
+    asks = [
+        lease_db.Ask(node_id="gpu-a", token_hash=hashes["gpu-a"], status_digest="da"),
+        lease_db.Ask(node_id="gpu-b", token_hash=hashes["gpu-b"], status_digest="an older one"),
+        lease_db.Ask(node_id="gpu-c", token_hash=hashes["gpu-c"]),
+    ]
+    with CaptureQueriesContext(connection) as q:
+        answers = write_batch(asks)
+    # The floors cost the batch no statement: the renewal alone.
+    assert len(q.captured_queries) == 1
+    assert checked == [{"gpu-a": "da", "gpu-b": "an older one"}]
+    got = {n: (a.send_status, a.again, a.status_confirmed) for n, a in answers.items()}
+    assert got == {"gpu-a": (False, False, True), "gpu-b": (True, True, False), "gpu-c": (False, False, None)}
+    # A floor whose credential is not its node's renews and confirms nothing.
+    stranger = lease_db.Ask(node_id="gpu-a", token_hash=hashes["gpu-b"], status_digest="da")
+    assert write_batch([stranger]) == {}
+
+
+def test_a_floor_is_confirmed_over_http_as_at_the_control_plane(nodes):
+    telemetry.put("gpu-a", {"at": 1.0}, digest="da")
+    answers, _ = send_all([
+        (nodes["gpu-a"], lease("gpu-a", status_digest="da")),
+        (nodes["gpu-b"], lease("gpu-b", status_digest="da")),
+    ])  # fmt: skip
+    a, b = (wire.LeaseResponse.model_validate_json(x.content) for x in answers)
+    assert (a.send_status, a.status_confirmed) == (False, True)
+    assert (b.send_status, b.again, b.status_confirmed) == (True, True, False)
+
+
 def test_more_commands_than_an_answer_carries_says_again(nodes, now):
     Command.objects.bulk_create(
         Command(node_id="gpu-a", kind="install_engine", payload={"engine": f"e{i}"}, created_at=now)

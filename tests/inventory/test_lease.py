@@ -423,3 +423,29 @@ def test_a_renewal_is_a_heap_only_update(fleet, now):
     after = updates()
     assert sorted(got) == ["node-3"]
     assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+
+
+def test_confirm_statuses_names_the_floors_whose_status_is_not_the_one_held_and_renews_the_others():
+    telemetry.forget("node-b")
+    telemetry.put("node-a", {"at": 1.0}, digest="da")
+    telemetry.put("node-c", {"at": 1.0}, digest="dc")
+    telemetry.put("node-d", {"at": 1.0})  # an entry with no digest beside it (rewritten, or an older server's)
+    cache.delete(telemetry.digest_key("node-d"))
+    client = cache._cache.get_client()
+    for n in ("node-a", "node-c"):
+        for k in (telemetry.key(n), telemetry.digest_key(n)):
+            client.expire(cache.make_and_validate_key(k), 10)
+    floors = {"node-a": "da", "node-b": "db", "node-c": "another", "node-d": "dd"}
+    assert lease.confirm_statuses(floors) == {"node-b", "node-c", "node-d"}
+    for k in (telemetry.key("node-a"), telemetry.digest_key("node-a")):
+        assert client.ttl(cache.make_and_validate_key(k)) > 10
+    assert telemetry.get("node-a") == {"at": 1.0}
+    assert lease.confirm_statuses({}) == set()
+
+
+def test_put_without_a_digest_leaves_the_digest_and_forget_drops_both():
+    telemetry.put("node-a", {"at": 1.0}, digest="da")
+    telemetry.put("node-a", {"at": 1.0, "applied": {}})
+    assert cache.get(telemetry.digest_key("node-a")) == "da"
+    telemetry.forget("node-a")
+    assert (telemetry.get("node-a"), cache.get(telemetry.digest_key("node-a"))) == (None, None)

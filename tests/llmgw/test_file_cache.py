@@ -78,3 +78,12 @@ def test_incr_then_set_takes_the_next_number_and_stores_its_entry(tmp_path):
     cache.set("counter", 6)
     assert cache.incr_then_set("counter", "entry:", ["node-a"], timeout=30) == 7
     assert (cache.get("counter"), cache.get("entry:7")) == (7, ["node-a"])
+
+
+def test_touch_and_read_renews_every_key_and_reads_those_asked(tmp_path):
+    cache = FileCache(str(tmp_path), {"TIMEOUT": 300})
+    cache.set("entry-a", {"gpus": [1]}, timeout=5)
+    cache.set("digest-a", "d1", timeout=5)
+    touched, values = cache.touch_and_read(["entry-a", "entry-b"], ["digest-a", "digest-b"], timeout=120)
+    assert (touched, values) == ({"entry-a"}, {"digest-a": "d1"})
+    assert cache.get("entry-a") == {"gpus": [1]}

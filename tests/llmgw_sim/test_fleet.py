@@ -637,13 +637,20 @@ def test_a_lease_is_spliced_yet_valid_on_the_wire():
     fleet = _fleet(nodes=2)
     node = fleet.nodes[1]
     node.leases, node.status = True, (100.0, node.status_key(100.0))
-    body, acks = node.lease(101.25)
+    body, acks, floor = node.lease(101.25)
     assert wire.Lease.model_validate_json(body) == wire.Lease(node_id=node.node_id, at=101.25, acks=[])
-    assert acks == []
+    assert (acks, floor) == ([], False)
     node.apply({"kind": "install_engine", "id": "c7", "engine": "vllm"}, 101.5)
-    body, acks = node.lease(102.0)
+    body, acks, floor = node.lease(102.0)
     assert wire.Lease.model_validate_json(body) == wire.Lease(node_id=node.node_id, at=102.0, acks=["c7"])
-    assert acks == ["c7"]
+    assert (acks, floor) == (["c7"], False)
+    # At the floor, with the digest the control plane gave its last status: the floor as that digest.
+    node.digest = "0f" * 16
+    body, acks, floor = node.lease(160.0)
+    assert wire.Lease.model_validate_json(body) == wire.Lease(
+        node_id=node.node_id, at=160.0, acks=["c7"], status_digest="0f" * 16
+    )
+    assert (acks, floor, fleet.stats.floor_digests) == (["c7"], True, 1)
 
 
 def test_a_watched_connection_fails_a_request_past_its_timeout_and_reconnects():
@@ -832,4 +839,8 @@ def test_a_steady_virtual_node_sends_leases_and_its_status_at_the_floor():
     node.leases = False
     node.status = (106.0, node.status_key(106.0))
     assert node.status_due(107.0) == "no leases"
+    assert fleet.stats.as_dict()["statuses_why"] == {"first": 4, "floor": 4, "changed": 4, "asked": 1}
+    # Given a digest of its status, the floor goes as that digest instead: a lease, no status.
+    node.leases, node.digest = True, "ab" * 16
+    assert node.lease(106.0 + 60) is not None and fleet.stats.floor_digests == 1
     assert fleet.stats.as_dict()["statuses_why"] == {"first": 4, "floor": 4, "changed": 4, "asked": 1}
