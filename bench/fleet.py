@@ -525,6 +525,8 @@ def _lease_paths(s0: dict, s1: dict) -> str:
         f"gateway failures that sent a simulator process's leases to the web server for {LEASE_FALLBACK_S:g} s: "
         f"{fell}, "
         f"leases sent there instead: {to_cp:,}; full statuses by why: {why or 'none'}; "
+        f"status floors sent as digests: {s1['floor_digests'] - s0['floor_digests']:,} "
+        f"({s1['floor_digests_unconfirmed'] - s0['floor_digests_unconfirmed']:,} not confirmed); "
         f"the simulator's own wait for a connection (in the latencies) p50 {_ms(histogram_percentile(wait, 50))}, "
         f"p99 {_ms(histogram_percentile(wait, 99))}, max {_ms(histogram_percentile(wait, 100))}"
     )

@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import pytest
 from django.utils import timezone
@@ -481,6 +482,45 @@ def test_a_status_sent_only_for_the_floor_says_it_is_routine_as_an_agents_does()
     assert [b"\r\nPriority: u=7\r\n" in head for head, _ in got] == [False, True, False]
 
 
+def test_a_virtual_nodes_floor_goes_as_the_digest_of_its_last_status_as_an_agents_does():
+    import asyncio
+
+    got: list[tuple[bytes, bytes]] = []
+    confirm = [True]
+
+    def answer(body: bytes) -> dict:
+        sent = json.loads(body)
+        if "status_digest" in sent:
+            ok = confirm[0] and sent["status_digest"] == "d1"
+            return {"send_status": not ok, "again": not ok, "status_confirmed": ok}
+        return {"leases": True, "status_digest": "d1"}
+
+    async def main() -> None:
+        cp, fleet, node, now = await _one_node(got, answer)
+        assert await fleet._heartbeat(node)  # its first status: its digest comes back
+        assert node.digest == "d1"
+        now[0] += 60  # the floor, nothing changed: a lease carrying the digest, confirmed
+        assert await fleet._heartbeat(node)
+        assert json.loads(got[-1][1])["status_digest"] == "d1" and node.status[0] == now[0]
+        now[0] += 30  # within the minute after it: an ordinary lease
+        assert await fleet._heartbeat(node)
+        assert "status_digest" not in json.loads(got[-1][1])
+        confirm[0] = False
+        now[0] += 30  # the control plane lost the status: asked for, the whole status follows
+        assert await fleet._heartbeat(node)
+        assert node.status is None
+        assert await fleet._heartbeat(node)
+        assert "status_digest" not in json.loads(got[-1][1]) and "shards" in json.loads(got[-1][1])
+        assert (fleet.stats.floor_digests, fleet.stats.floor_digests_unconfirmed) == (2, 1)
+        assert fleet.stats.statuses_why == {"first": 1, "asked": 1}
+        fleet._connections.get_nowait().close()
+        cp.close()
+        await cp.wait_closed()
+
+    asyncio.run(main())
+    assert len(got) == 5
+
+
 def test_a_status_that_waited_for_a_connection_is_dated_when_it_was_sent():
     # Dated when it began to wait, it read at the control plane as the node's clock behind by the wait.
     import asyncio
@@ -545,26 +585,30 @@ def test_routine_statuses_leave_a_quarter_of_the_connections_to_the_others():
     assert [routine_share(n) for n in (1, 2, 4, 128)] == [1, 2, 3, 96]
 
 
-def _recording(got: list[tuple[bytes, bytes]]):
-    """A control plane for asyncio.start_server: each request's head and body kept in `got`, leases said on."""
+def _recording(got: list[tuple[bytes, bytes]], answer: Callable[[bytes], dict] | None = None):
+    """A control plane for asyncio.start_server: each request's head and body kept in `got`, leases said on.
+
+    `answer`: the answer to a request's body, when not {"leases": true}.
+    """
 
     async def serve(reader, writer) -> None:
         while (request := await _request(reader)) is not None:
             got.append(request)
-            writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\n\r\n{"leases":true}')
+            data = json.dumps(answer(request[1]) if answer else {"leases": True}).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data))
             await writer.drain()
 
     return serve
 
 
-async def _one_node(got: list[tuple[bytes, bytes]]):
+async def _one_node(got: list[tuple[bytes, bytes]], answer: Callable[[bytes], dict] | None = None):
     """A recording control plane (_recording) and a fleet of one registered node over one connection to it.
 
     The fleet's clock is the test's to move: `now[0]`, 1000.0 at first.
     """
     import asyncio
 
-    cp = await asyncio.start_server(_recording(got), "127.0.0.1", 0)
+    cp = await asyncio.start_server(_recording(got, answer), "127.0.0.1", 0)
     fleet = _one_connection(cp)
     now = [1000.0]
     fleet.clock = lambda: now[0]
