@@ -28,7 +28,8 @@ storm is bounded by BENCH_FLEET_JOIN_TIMEOUT, 300 s). BENCH_FLEET_REPLICAS=0
 skips the scale-up and the silent nodes, BENCH_FLEET_SILENT=0 the latter.
 BENCH_FLEET_KEEPALIVE=0 has the virtual nodes send no lease while a status
 waits (llmgw_agent/keepalive.py), BENCH_FLEET_PRIORITY=0 their routine
-statuses unmarked (llmgw_agent/status.py ROUTINE), to measure what each changes.
+statuses unmarked (llmgw_agent/status.py ROUTINE), BENCH_FLEET_FLOOR_DIGEST=0
+their status floors sent whole instead of as digests, to measure what each changes.
 
 Everything runs on the same cores as the server (the fleet, the worker, the
 database), so the figures are those of the whole loop sharing one machine.
@@ -244,6 +245,8 @@ class Loop:
                         *([] if _env("BENCH_FLEET_KEEPALIVE", 1) else ["--no-keepalive"]),
                         # BENCH_FLEET_PRIORITY=0: routine statuses unmarked, the web's front first come first served.
                         *([] if _env("BENCH_FLEET_PRIORITY", 1) else ["--no-priority"]),
+                        # BENCH_FLEET_FLOOR_DIGEST=0: status floors sent whole, as before their digests.
+                        *([] if _env("BENCH_FLEET_FLOOR_DIGEST", 1) else ["--no-floor-digests"]),
                     ],
                     cwd=ROOT,
                     env=self.env,

@@ -135,6 +135,7 @@ class Fleet:
         profiles_dir: Path = PROFILES_DIR,
         keepalive: bool = True,
         priority: bool = True,
+        floor_digests: bool = True,
     ) -> None:
         names = profiles or shipped_profiles()
         if not names:
@@ -151,6 +152,8 @@ class Fleet:
         self.keepalive = keepalive
         # Routine statuses marked so (llmgw_agent/status.py ROUTINE); off to measure the web's lanes without.
         self.priority = priority
+        # Status floors sent as the digest of the last status (llmgw_agent/status.py); off to measure whole floors.
+        self.floor_digests = floor_digests
         self.timeout_s = timeout_s
         self.labels = dict(labels or {})
         self.rng = random.Random(seed)
@@ -466,7 +469,7 @@ class Fleet:
             if node.status is None and not node.leases:
                 self.stats.first_statuses += 1  # its first since registering: the node has joined
             node.leases, node.status = bool(answer.get("leases")), (sent_at, key)
-            node.digest = answer.get("status_digest")
+            node.digest = answer.get("status_digest") if self.floor_digests else None
             self.lease_url = answer.get("lease_url") or ""
         node.interval = max(self.interval, min(600.0, float(answer.get("heartbeat_interval_s") or 0)))
         now = self.clock()
@@ -615,6 +618,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--no-priority", action="store_true", help="routine statuses not marked so (as agents before ROUTINE)"
     )
+    ap.add_argument(
+        "--no-floor-digests", action="store_true", help="status floors sent whole (as agents before status digests)"
+    )
     return ap
 
 
@@ -639,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
         connections=args.connections,
         keepalive=not args.no_keepalive,
         priority=not args.no_priority,
+        floor_digests=not args.no_floor_digests,
     )
 
     async def go() -> None:

@@ -7,7 +7,10 @@ facts, about 9 KB for an 8-GPU node; a lease says only "this node is alive,
 and has applied these commands": under 200 bytes for an agent with nothing to
 acknowledge. The agent decides which to send each interval
 (llmgw_agent/status.py); the control plane keeps the last status it received
-and renews the lease (POST /api/v1/agent/lease, agents/lease.py).
+and renews the lease (POST /api/v1/agent/lease, agents/lease.py). The status
+floor, when nothing moved past a threshold, is a lease too: it carries the
+digest the control plane answered the last status with, and the control
+plane confirms it holds that status or asks for the whole one.
 
 An agent sends leases only to a control plane that said it takes them
 (HeartbeatResponse.leases): an older control plane keeps getting full
