@@ -171,6 +171,8 @@ class AgentEndpoint(APIView):
     handle: ClassVar[Callable[..., BaseModel | dict]]
     # Values the schema allows but the inventory cannot hold (agents/limits.py).
     problems: ClassVar[Callable[..., list[dict]] | None] = None
+    # Whether the digest of each body read is kept with it (a status's: the agent's floor sends it back).
+    keeps_digest: ClassVar[bool] = False
 
     @classmethod
     def as_view(cls, **initkwargs):
@@ -217,17 +219,19 @@ class AgentEndpoint(APIView):
         Read when the protocol first asks for it, after the credential's check: a request
         without one is refused from its headers, its body never read.
         """
-        return protocol.Body(read=lambda: self.read(django_request))
+        body: protocol.Body = protocol.Body(read=lambda: self.read(django_request, into=body))
+        return body
 
     def read(self, django_request: HttpRequest, into: protocol.Body | None = None) -> wire.Message:
         """The request's message; raises Refused (415, 413, 400 naming each field) for a body it cannot be.
 
-        With `into`, the digest of the bytes read is kept on it (a status's: see HeartbeatView).
+        For an endpoint that keeps its bodies' digests (`keeps_digest`), the digest of the bytes read
+        is kept on `into`.
         """
         check_envelope(django_request.content_type, django_request.META.get("CONTENT_LENGTH"), self.max_body)
         body = django_request.read(self.max_body + 1)
         msg = parse_message(self.message, body, max_body=self.max_body, problems=self.problems)
-        if into is not None:
+        if into is not None and self.keeps_digest:
             into.digest = hb_rules.status_digest(body)
         return msg
 
@@ -285,11 +289,8 @@ class HeartbeatView(AgentEndpoint):
     message = wire.Heartbeat
     max_body = MAX_HEARTBEAT_BODY
     problems = staticmethod(limits.heartbeat_problems)
-
-    def parse(self, django_request: HttpRequest) -> protocol.Body:
-        # The status's digest is kept with it: the agent's floor sends it back instead (agents/lease.py).
-        body: protocol.Body = protocol.Body(read=lambda: self.read(django_request, into=body))
-        return body
+    # The agent's floor sends the status's digest back instead of the status (agents/lease.py).
+    keeps_digest = True
 
     def call(
         self, token: str | None, body: protocol.Body, *, now: dt.datetime, received: dt.datetime

@@ -372,22 +372,17 @@ def test_an_agent_sends_its_status_then_leases_until_something_changes(client, j
         agent.close()
 
 
-raw: dict[int, bytes] = {}
-
-
 def _floor_agent(client, join_token, tmp_path, *, older_lease_endpoint: bool = False):
     """node-a's agent on a clock the test moves, its requests answered by Django and listed as (path, Priority, body).
 
-    Each body is kept parsed, and as sent (`raw`, by the body's id).
+    Each body is kept parsed, and as sent (a fourth item, its bytes).
 
     `older_lease_endpoint`: lease answers lose status_confirmed, as from a lease endpoint that knows no digests.
     """
-    sent: list[tuple[str, str | None, dict]] = []
+    sent: list[tuple[str, str | None, dict, bytes]] = []
 
     def through_django(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        raw[id(body)] = request.content
-        sent.append((request.url.path, request.headers.get("Priority"), body))
+        sent.append((request.url.path, request.headers.get("Priority"), json.loads(request.content), request.content))
         r = to_django(client, request)
         if older_lease_endpoint and request.url.path == wire.LEASE_PATH and r.status_code == 200:
             answer = r.json()
@@ -420,12 +415,13 @@ def test_the_floor_goes_as_the_digest_of_the_status_held_and_a_status_only_when_
         assert (sent[-1][0], agent.status.reason) == (HB, "gpu fabrics")
         held = telemetry.get("node-a")
         digest = agent.status.digest
-        assert digest == hb_rules.status_digest(raw[id(sent[-1][2])])
+        assert digest == hb_rules.status_digest(sent[-1][3])
         # The floor, nothing changed: a lease carrying that digest; confirmed, the status held is left as it was.
         now[0] += 60
         before = len(sent)
         agent.step()
-        assert [(p, prio, b.get("status_digest")) for p, prio, b in sent[before:]] == [(wire.LEASE_PATH, None, digest)]
+        floors = [(p, prio, b.get("status_digest")) for p, prio, b, _ in sent[before:]]
+        assert floors == [(wire.LEASE_PATH, None, digest)]
         assert agent.status.reason == "floor" and agent.status.last_at == now[0]
         assert telemetry.get("node-a") == held
         # Leases within the minute after, and the next floor is a minute after the confirmed one.
