@@ -9,6 +9,14 @@ and queues the task; later asks find the key and queue nothing. The task
 drops the key as it starts, so a change made during a pass (which that pass
 may have read too early to see) queues exactly one more.
 
+A pass asked for while another runs finds the reconcile lock held and
+ends at once; the running pass may have read before the change it was asked
+for, so the skipped one leaves a mark, AGAIN_KEY, and the running pass asks
+for one more on its way out. With two worker children this is the common
+case, not a corner: the second child takes the queued task while the first
+runs a pass, and a scale-up or a shard reported ready waited for beat's next
+tick (2 s at the defaults) before any pass saw it.
+
 The key expires on its own, so a queued task that never ran (a broker
 purge, a worker killed before it took the message) silences asks for at
 most QUEUED_TTL_S; beat's periodic pass covers the gap meanwhile.
@@ -29,6 +37,8 @@ log = logging.getLogger(__name__)
 TASK_NAME = "placement.reconcile"
 QUEUED_KEY = "placement:reconcile:queued"
 QUEUED_TTL_S = 120
+# Left by a pass that found another running: the running one asks for one more as it ends.
+AGAIN_KEY = "placement:reconcile:again"
 
 
 def queue_reconcile(*, reason: str = "") -> bool:
@@ -80,3 +90,21 @@ def reconcile_started() -> None:
 def reconcile_queued() -> bool:
     """Whether a pass is queued and not yet started (for the doctor and tests)."""
     return cache.get(QUEUED_KEY) is not None
+
+
+def ask_after_running() -> None:
+    """Mark that a pass was asked for while another ran: the running one asks again as it ends."""
+    try:
+        cache.set(AGAIN_KEY, 1, timeout=QUEUED_TTL_S)
+    except Exception:
+        # Beat's periodic pass is the net: a mark not left delays the change by one tick, never loses it.
+        log.warning("reconcile queue key unavailable; the next periodic pass covers it", exc_info=True)
+
+
+def take_ask_after() -> bool:
+    """Clear the mark ask_after_running() left; whether there was one (a pass is owed)."""
+    try:
+        return bool(cache.delete(AGAIN_KEY))
+    except Exception:
+        log.warning("reconcile queue key unavailable; it expires by itself", exc_info=True)
+        return False

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+
+import psycopg
 import pytest
+from django.db import connection
 from django.test import override_settings
 
-from placement import queueing
+from llmgw import locks
+from placement import queueing, reconciler
 from placement.models import Deployment, EngineProfile
 from placement.reconciler import BATCH_PER_PASS
-from placement.tasks import reconcile_task
+from placement.tasks import LOCK_NAME, reconcile_task
 from tests.factories import make_node
 
 pytestmark = pytest.mark.django_db
@@ -91,3 +96,76 @@ def test_a_pass_cut_at_its_batch_queues_the_next_at_once(sent, now):
     second = reconcile_task(now=now.isoformat())
     assert (second["created"], second["more"]) == (5, False)
     assert sent == ["placement.reconcile"] and not queueing.reconcile_queued()
+
+
+def _other_session() -> psycopg.Connection:
+    """A second database session, as the other worker child has."""
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    return psycopg.connect(**params, autocommit=True)
+
+
+def _hold_lock(session: psycopg.Connection) -> None:
+    assert session.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
+
+
+def test_a_pass_asked_for_while_another_runs_is_asked_again_as_that_one_ends(sent, now, monkeypatch):
+    # Two worker children: the second takes the queued task while the first runs a pass that may have
+    # read before the change. Skipped, and nothing else asking, the change waited for beat's next tick.
+    make_node("a", now=now)
+    prof = EngineProfile.objects.create(name="echo-1", engine="echo", gpus_per_node=1)
+    Deployment.objects.create(name="one", served_model="one", profile=prof, replicas=1)
+    real = reconciler.reconcile
+    skipped: list[dict | None] = []
+
+    def with_a_second_child(*, now):
+        report = real(now=now)
+        # The other child, on a session of its own, while this pass still holds the lock.
+        child = threading.Thread(target=lambda: (skipped.append(reconcile_task(now=now)), connection.close()))
+        child.start()
+        child.join()
+        return report
+
+    monkeypatch.setattr(reconciler, "reconcile", with_a_second_child)
+    first = reconcile_task(now=now.isoformat())
+    assert skipped == [None]
+    assert (first["placed"], first["more"]) == (1, False)
+    assert sent == ["placement.reconcile"]
+    assert not queueing.take_ask_after()  # the mark was answered, not left for later
+
+
+def test_a_skipped_pass_leaves_a_mark_that_the_next_pass_answers(sent, now):
+    other = _other_session()
+    try:
+        _hold_lock(other)
+        assert reconcile_task(now=now.isoformat()) is None
+        assert sent == []
+    finally:
+        other.close()
+    # The holder's own end asks for the pass (above); one started meanwhile reads everything, so it
+    # answers the mark itself and asks for nothing more.
+    assert reconcile_task(now=now.isoformat()) is not None
+    assert sent == []
+    assert not queueing.take_ask_after()
+
+
+def test_a_skipped_pass_runs_itself_when_the_holder_ended_before_the_mark(sent, now, monkeypatch):
+    # The race the second try closes: the running pass looked for a mark, found none and let its lock go,
+    # and only then did the skipped one leave its mark. Nobody would ask; the skipped one runs instead.
+    make_node("a", now=now)
+    prof = EngineProfile.objects.create(name="echo-1", engine="echo", gpus_per_node=1)
+    Deployment.objects.create(name="one", served_model="one", profile=prof, replicas=1)
+    other = _other_session()
+    _hold_lock(other)
+    mark = queueing.ask_after_running
+
+    def holder_ends_first() -> None:
+        other.close()
+        mark()
+
+    monkeypatch.setattr(queueing, "ask_after_running", holder_ends_first)
+    report = reconcile_task(now=now.isoformat())
+    assert report is not None and report["placed"] == 1
+    assert sent == []
+    assert not queueing.take_ask_after()
