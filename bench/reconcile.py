@@ -2,10 +2,12 @@
 
 Target: under 2 s, with a number of SQL queries that does not grow with the
 number of deployments (tests/placement/test_reconciler.py pins the same at
-small scale). Also measured: a pass that places 1,000 new replicas, and a
+small scale). Also measured: a pass that places 1,000 new replicas, a
 scale-up of 1,000 replicas into 5,000 empty nodes (target: 1,000 replicas/s
 end to end, plan and write), written in batches and, for comparison, one
-placement per transaction as before (placement/batch_writes.py).
+placement per transaction as before (placement/batch_writes.py), and one
+deployment of 1,000 into 10,000 nodes in one pass and in four
+(placement/reconciler.py BATCH_PER_PASS).
 """
 
 from __future__ import annotations
@@ -159,6 +161,29 @@ def _scale_up(replicas: int, *, batched: bool, now) -> ScaleUp:
     return ScaleUp(took, build.total, flush.total + single.total, q.count, report.placed)
 
 
+def _one_deployment(replicas: int, *, per_pass: int, now) -> tuple[float, list[float]]:
+    """One new deployment of `replicas` single-card replicas, its passes back to back: (seconds, each pass's)."""
+    from placement import reconciler
+    from placement.models import Deployment, EngineProfile
+
+    Deployment.objects.update(paused=True)
+    prof, _ = EngineProfile.objects.get_or_create(name="bench-1", engine="echo", gpus_per_node=1)
+    n = Deployment.objects.count()
+    Deployment.objects.create(name=f"one-{n}", served_model=f"one-{n}", profile=prof, replicas=replicas)
+    saved, reconciler.BATCH_PER_PASS = reconciler.BATCH_PER_PASS, per_pass
+    passes: list[float] = []
+    try:
+        started = time.perf_counter()
+        while True:
+            began = time.perf_counter()
+            more = reconciler.reconcile(now=now).more
+            passes.append(time.perf_counter() - began)
+            if not more:
+                return time.perf_counter() - started, passes
+    finally:
+        reconciler.BATCH_PER_PASS = saved
+
+
 def _spread(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in (min(values), statistics.median(values), max(values)))
 
@@ -201,6 +226,19 @@ def run() -> list[str]:
         batched = [_scale_up(1000, batched=True, now=now) for _ in range(runs)]
         single = _scale_up(1000, batched=False, now=now)
     kept.reset()
+    # One deployment of 1,000 at 10,000 nodes, as the fleet benchmark scales up: in one pass at the
+    # reconciler's bound, and in four at the old bound of 256.
+    from placement.reconciler import BATCH_PER_PASS
+
+    one: dict[int, list[tuple[float, list[float]]]] = {BATCH_PER_PASS: [], 256: []}
+    with scratch_database("bench_scaleup_one"):
+        now = timezone.now()
+        _empty_fleet(10_000, now)
+        _one_deployment(10, per_pass=BATCH_PER_PASS, now=now)  # warm
+        for _ in range(runs):
+            for per_pass, got in one.items():
+                got.append(_one_deployment(1000, per_pass=per_pass, now=now))
+    kept.reset()
     b = min(batched, key=lambda r: r.took)
     load = " ".join(f"{v:.2f}" for v in os.getloadavg())
     return [
@@ -218,5 +256,10 @@ def run() -> list[str]:
         f"the same, one placement per transaction: pass {single.took:.2f} s ({single.placed / single.took:,.0f}/s), "
         f"index update {single.build:.2f} s, writes {single.write:.2f} s "
         f"({single.placed / single.write:,.0f}/s written), {single.statements:,} statements",
+        *(
+            f"one deployment of 1,000 single-card replicas into 10,000 empty nodes, at most {per_pass:,} a pass, "
+            f"{runs} runs, min/median/max: {_spread([t for t, _ in got])} s in {len(got[0][1])} pass(es)"
+            for per_pass, got in one.items()
+        ),
         f"load average at the end: {load}",
     ]
