@@ -5,6 +5,9 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
+import psycopg
+from django.db import connection
+
 import llmgw_wire as wire
 from inventory.nodes import upsert_node
 from placement import agent_sync
@@ -47,3 +50,11 @@ def report_shard_state(shard_id: Any, state: str, *, now: dt.datetime, reason: s
     shard = Shard.objects.get(id=shard_id)
     status = wire.ShardStatus(shard_id=str(shard.id), replica_id=str(shard.replica_id), state=state, reason=reason)
     agent_sync.record_shard_states(shard.node_id, [status], now=now)
+
+
+def other_session() -> psycopg.Connection:
+    """A second database session, as another worker process has (its advisory locks are its own)."""
+    params = connection.get_connection_params()
+    params.pop("cursor_factory", None)
+    params.pop("context", None)
+    return psycopg.connect(**params, autocommit=True)

@@ -14,7 +14,7 @@ from placement import queueing, reconciler
 from placement.models import Deployment, EngineProfile
 from placement.reconciler import BATCH_PER_PASS
 from placement.tasks import LOCK_NAME, reconcile_task
-from tests.factories import make_node
+from tests.factories import make_node, other_session
 
 pytestmark = pytest.mark.django_db
 
@@ -98,14 +98,6 @@ def test_a_pass_cut_at_its_batch_queues_the_next_at_once(sent, now):
     assert sent == ["placement.reconcile"] and not queueing.reconcile_queued()
 
 
-def _other_session() -> psycopg.Connection:
-    """A second database session, as the other worker child has."""
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    return psycopg.connect(**params, autocommit=True)
-
-
 def _hold_lock(session: psycopg.Connection) -> None:
     assert session.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
 
@@ -136,7 +128,7 @@ def test_a_pass_asked_for_while_another_runs_is_asked_again_as_that_one_ends(sen
 
 
 def test_a_skipped_pass_leaves_a_mark_that_the_next_pass_answers(sent, now):
-    other = _other_session()
+    other = other_session()
     try:
         _hold_lock(other)
         assert reconcile_task(now=now.isoformat()) is None
@@ -156,7 +148,7 @@ def test_a_skipped_pass_runs_itself_when_the_holder_ended_before_the_mark(sent, 
     make_node("a", now=now)
     prof = EngineProfile.objects.create(name="echo-1", engine="echo", gpus_per_node=1)
     Deployment.objects.create(name="one", served_model="one", profile=prof, replicas=1)
-    other = _other_session()
+    other = other_session()
     _hold_lock(other)
     mark = queueing.ask_after_running
 

@@ -7,7 +7,6 @@ import threading
 import time
 import uuid
 
-import psycopg
 import pytest
 from django.db import IntegrityError, connection, transaction
 
@@ -23,7 +22,7 @@ from placement.backoff import start_failures
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, Shard
 from placement.reconciler import create_replicas, reconcile, release_orphans
 from placement.tasks import LOCK_NAME, reconcile_task
-from tests.factories import make_node
+from tests.factories import make_node, other_session
 
 pytestmark = pytest.mark.django_db
 
@@ -290,18 +289,10 @@ def test_startup_timeout_fails_the_replica(now):
     assert reasons == ["not ready within the startup timeout (60 s)"]
 
 
-def _other_session():
-    """A second database session, as another worker process has."""
-    params = connection.get_connection_params()
-    params.pop("cursor_factory", None)
-    params.pop("context", None)
-    return psycopg.connect(**params, autocommit=True)
-
-
 def test_task_is_single_flight_and_a_dead_holder_blocks_nobody(now, profile):
     make_node("a", now=now)
     deploy(profile)
-    other = _other_session()
+    other = other_session()
     assert other.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
     assert reconcile_task(now=now.isoformat()) is None
     assert Replica.objects.count() == 0
@@ -313,7 +304,7 @@ def test_task_is_single_flight_and_a_dead_holder_blocks_nobody(now, profile):
         time.sleep(0.05)
     assert report is not None and report["placed"] == 1
     # And the pass let its own lock go.
-    again = _other_session()
+    again = other_session()
     assert again.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
     again.close()
 
