@@ -85,7 +85,7 @@ def test_the_embedded_file_cache_dedupes_alike(sent, tmp_path, django_capture_on
 
 
 def test_a_pass_cut_at_its_batch_queues_the_next_at_once(sent, now):
-    # A thousand replicas asked for at once were four passes a beat tick apart; the rest follow at once.
+    # A scale-up past the bound of a pass was passes a beat tick apart; the rest now follow at once.
     make_node("a", now=now)
     prof = EngineProfile.objects.create(name="echo-1", engine="echo", gpus_per_node=1)
     Deployment.objects.create(name="big", served_model="big", profile=prof, replicas=BATCH_PER_PASS + 5)
