@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import psycopg
 import pytest
 from django.db import connection
 from django.test import override_settings
@@ -14,7 +13,7 @@ from placement import queueing, reconciler
 from placement.models import Deployment, EngineProfile
 from placement.reconciler import BATCH_PER_PASS
 from placement.tasks import LOCK_NAME, reconcile_task
-from tests.factories import make_node, other_session
+from tests.factories import make_node
 
 pytestmark = pytest.mark.django_db
 
@@ -98,18 +97,15 @@ def test_a_pass_cut_at_its_batch_queues_the_next_at_once(sent, now):
     assert sent == ["placement.reconcile"] and not queueing.reconcile_queued()
 
 
-def _hold_lock(session: psycopg.Connection) -> None:
-    assert session.execute("SELECT pg_try_advisory_lock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
+def _another_holder() -> locks.HeldLock:
+    """Another worker process holding the reconcile lock; its close() unlocks first, as a pass ending does.
 
-
-def _let_go(session: psycopg.Connection) -> None:
-    """The holder's pass ends: it unlocks, as single_flight does, and its session closes.
-
-    Unlocked in so many words: a closed session's locks go only once the server has seen the close,
-    which under load is after the next statement of this test (CI found the pass still skipped).
+    Not a bare session closed: the server lets a closed session's locks go only once it has seen the
+    close, which under CI's load came after the next pass had found the lock still held.
     """
-    assert session.execute("SELECT pg_advisory_unlock(%s)", [locks.lock_key(LOCK_NAME)]).fetchone()[0]
-    session.close()
+    holder = locks.HeldLock(LOCK_NAME)
+    assert holder.held()
+    return holder
 
 
 def test_a_pass_asked_for_while_another_runs_is_asked_again_as_that_one_ends(sent, now, monkeypatch):
@@ -138,13 +134,12 @@ def test_a_pass_asked_for_while_another_runs_is_asked_again_as_that_one_ends(sen
 
 
 def test_a_skipped_pass_leaves_a_mark_that_the_next_pass_answers(sent, now):
-    other = other_session()
+    other = _another_holder()
     try:
-        _hold_lock(other)
         assert reconcile_task(now=now.isoformat()) is None
         assert sent == []
     finally:
-        _let_go(other)
+        other.close()
     # The holder's own end asks for the pass (above); one started meanwhile reads everything, so it
     # answers the mark itself and asks for nothing more.
     assert reconcile_task(now=now.isoformat()) is not None
@@ -158,12 +153,11 @@ def test_a_skipped_pass_runs_itself_when_the_holder_ended_before_the_mark(sent, 
     make_node("a", now=now)
     prof = EngineProfile.objects.create(name="echo-1", engine="echo", gpus_per_node=1)
     Deployment.objects.create(name="one", served_model="one", profile=prof, replicas=1)
-    other = other_session()
-    _hold_lock(other)
+    other = _another_holder()
     mark = queueing.ask_after_running
 
     def holder_ends_first() -> None:
-        _let_go(other)
+        other.close()
         mark()
 
     monkeypatch.setattr(queueing, "ask_after_running", holder_ends_first)
