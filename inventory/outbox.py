@@ -27,11 +27,16 @@ SHARD_KEY_LEN = 64
 WireCommand = wire.StartShard | wire.StopShard | wire.ScanFabric | wire.InstallEngine
 
 
-def unsaved(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:
-    """A command as the outbox stores it, not yet saved (a batch writer inserts many at once)."""
+def columns(message: WireCommand) -> tuple[str, dict[str, Any], str]:
+    """What the outbox stores of a command: its kind, payload and the key it is found by (its shard's id)."""
     payload = message.model_dump(mode="json", exclude={"id"})
-    shard_id = str(getattr(message, "shard_id", "") or "")[:SHARD_KEY_LEN]
-    return Command(node_id=node_id, kind=message.kind, payload=payload, created_at=now, shard_id=shard_id)
+    return message.kind, payload, str(getattr(message, "shard_id", "") or "")[:SHARD_KEY_LEN]
+
+
+def unsaved(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:
+    """A command as the outbox stores it, not yet saved."""
+    kind, payload, shard_id = columns(message)
+    return Command(node_id=node_id, kind=kind, payload=payload, created_at=now, shard_id=shard_id)
 
 
 def enqueue(node_id: str, message: WireCommand, *, now: dt.datetime) -> Command:

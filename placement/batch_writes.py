@@ -1,9 +1,9 @@
 """Placements written in batches: a scale-up's replicas in a few transactions, not one each.
 
-A placement written in its own transaction costs six statements and a
+A placement written in its own transaction costs a few statements and a
 commit; 1,000 replicas took seconds that way. Here a batch of up to
 BATCH_SIZE planned replicas is written with the same statements
-(placement/writes.py: one per table, whatever the number of placements),
+(placement/writes.py: three or four, whatever the number of placements),
 so a thousand replicas cost a few dozen statements.
 
 The rows are the ones the one-replica writer (placing.write_placement)

@@ -1,14 +1,15 @@
 """What placing a replica writes, and the one writer of it: one placement, or a batch, in a few statements.
 
 A placement's rows (its claims, shards, commands and the replica's move to
-starting) are computed before anything is written, then written with one
-statement per table whatever the number of placements: the replica's move
-(a compare-and-set on the state it was read in, with its own reason,
-endpoint and fabric), the allocations, their GPUs, the shards, the commands
-and the events. A placement written this way alone costs six statements and
-no savepoint; the database's constraints still decide (a GPU is held by one
-shard: AllocatedGPU's unique constraint).
+starting) are computed before anything is written, then written in three
+statements whatever the number of placements: the replica's move (a
+compare-and-set on the state it was read in, with its own reason, endpoint
+and fabric), the allocations' ids drawn, and one insert of the allocations,
+their GPUs, the shards, the commands and the events together. A placement
+written this way alone costs no savepoint; the database's constraints still
+decide (a GPU is held by one shard: AllocatedGPU's unique constraint).
 """
+
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from django.db import connection, transaction
 import llmgw_wire as wire
 from inventory import changes, outbox, wakeups
 from inventory.models import AllocatedGPU, Allocation, Command
+from llmgw import db
 from llmgw_wire import engines as wire_engines
 from llmgw_wire import shard_states
 from placement import planner
@@ -34,7 +36,7 @@ from placement.models import (
     ReplicaState,
     Shard,
 )
-from placement.replicas import TransitionError, event
+from placement.replicas import TransitionError, event_row
 from placement.signals import replicas_changed
 from placement.snapshot import Snapshot
 
@@ -51,7 +53,8 @@ class Placement:
     plan: planner.Plan
     # (node id, shard id, sorted GPU indices, memory GB, cores, watts) per shard.
     claims: list[tuple[str, uuid.UUID, list[int], int, int, float]]
-    shards: list[Shard]
+    # Each shard's row, as its columns (llmgw.db.insert_rows).
+    shards: list[dict[str, Any]]
     # (node id, kind, payload, shard key) in the order they are queued: per shard an InstallEngine where asked,
     # then its StartShard.
     commands: list[tuple[str, str, dict[str, Any], str]]
@@ -88,21 +91,21 @@ def placement_rows(
         shard_id = uuid.uuid4()
         out.claims.append((s.node_id, shard_id, sorted(set(s.gpu_indices)), s.memory_gb, s.cpu_cores, s.power_w))
         out.shards.append(
-            Shard(
-                id=shard_id,
-                replica=row,
-                node_id=s.node_id,
-                rank=s.rank,
-                gpu_indices=list(s.gpu_indices),
-                hcas=list(s.hcas),
-                http_port=s.http_port,
-                ports_after=s.ports_after,
-                rendezvous_port=s.leader_port or None,
-                state=shard_states.S.PENDING,
-                profile_fp=fp,
-                created_at=now,
-                updated_at=now,
-            )
+            {
+                "id": shard_id,
+                "replica_id": row.id,
+                "node_id": s.node_id,
+                "rank": s.rank,
+                "gpu_indices": list(s.gpu_indices),
+                "hcas": list(s.hcas),
+                "http_port": s.http_port,
+                "ports_after": s.ports_after,
+                "rendezvous_port": s.leader_port or None,
+                "state": shard_states.S.PENDING,
+                "profile_fp": fp,
+                "created_at": now,
+                "updated_at": now,
+            }
         )
     for s, shard in zip(result.shards, out.shards, strict=True):
         if s.install_engine:
@@ -115,7 +118,7 @@ def placement_rows(
             )
         start = wire.StartShard(
             replica_id=str(row.id),
-            shard_id=str(shard.id),
+            shard_id=str(shard["id"]),
             rank=s.rank,
             nnodes=len(result.shards),
             leader_addr=leader_addr,
@@ -145,8 +148,8 @@ def placement_rows(
 
 
 def _command(node_id: str, message: outbox.WireCommand, now: dt.datetime) -> tuple[str, str, dict[str, Any], str]:
-    row = outbox.unsaved(node_id, message, now=now)
-    return row.node_id, row.kind, row.payload, row.shard_id
+    kind, payload, key = outbox.columns(message)
+    return node_id, kind, payload, key
 
 
 def write(batch: list[Placement], *, now: dt.datetime) -> tuple[list[Placement], list[Placement]]:
@@ -176,48 +179,60 @@ def write(batch: list[Placement], *, now: dt.datetime) -> tuple[list[Placement],
     gone = [p for p in batch if id(p) not in done]
     if not written:
         return [], gone
-    # Built afresh on each try: a rolled-back insert leaves its primary keys on the objects.
-    claims = [c for p in written for c in p.claims]
-    allocs = [
-        Allocation(node_id=node_id, replica_id=p.row.id, shard_id=shard_id, memory_gb=mem, cpu_cores=cores, power_w=w)
-        for p in written
-        for node_id, shard_id, _, mem, cores, w in p.claims
-    ]
-    Allocation.objects.bulk_create(allocs)
-    AllocatedGPU.objects.bulk_create(
+    # Five tables in one statement of one JSON document each, and no model instance per row: through the
+    # ORM these inserts were most of a thousand-replica pass (llmgw.db.insert_rows). The allocations' ids
+    # are drawn first, so that their GPUs can name them in the same statement.
+    claims = [(p.row.id, c) for p in written for c in p.claims]
+    alloc_ids = db.reserve_ids(Allocation, len(claims))
+    allocs, gpus = [], []
+    for (replica_id, (node_id, shard_id, held, mem, cores, watts)), alloc_id in zip(claims, alloc_ids, strict=True):
+        allocs.append(
+            {
+                "id": alloc_id,
+                "node_id": node_id,
+                "replica_id": replica_id,
+                "shard_id": shard_id,
+                "memory_gb": mem,
+                "cpu_cores": cores,
+                "power_w": watts,
+            }
+        )
+        gpus += [{"allocation_id": alloc_id, "node_id": node_id, "gpu_index": g} for g in held]
+    db.insert_rows(
         [
-            AllocatedGPU(allocation=a, node_id=node_id, gpu_index=g)
-            for a, (node_id, _, gpus, *_) in zip(allocs, claims, strict=True)
-            for g in gpus
-        ]
-    )
-    Shard.objects.bulk_create([_copy(s) for p in written for s in p.shards])
-    Command.objects.bulk_create(
-        [
-            Command(node_id=node_id, kind=kind, payload=payload, created_at=now, shard_id=key)
-            for p in written
-            for node_id, kind, payload, key in p.commands
-        ]
-    )
-    PlacementEvent.objects.bulk_create(
-        [
-            event(
-                "state",
-                now=now,
-                deployment_id=p.row.deployment_id,
-                replica_id=p.row.id,
-                from_state=p.row.state,
-                to_state=RS.STARTING,
-                reason=p.fields["reason"],
-            )
-            for p in written
+            (Allocation, allocs),
+            (AllocatedGPU, gpus),
+            (Shard, [s for p in written for s in p.shards]),
+            (
+                Command,
+                [
+                    {"node_id": node_id, "kind": kind, "payload": payload, "created_at": now, "shard_id": key}
+                    for p in written
+                    for node_id, kind, payload, key in p.commands
+                ],
+            ),
+            (
+                PlacementEvent,
+                [
+                    event_row(
+                        "state",
+                        now=now,
+                        deployment_id=p.row.deployment_id,
+                        replica_id=p.row.id,
+                        from_state=p.row.state,
+                        to_state=RS.STARTING,
+                        reason=p.fields["reason"],
+                    )
+                    for p in written
+                ],
+            ),
         ]
     )
     # The agents' long-polls answer once this commits, and other processes'
     # kept placement indexes reload these nodes.
     for node_id in sorted({node_id for p in written for node_id, *_ in p.commands}):
         wakeups.publish_on_commit(node_id)
-    changes.mark((node_id for node_id, *_ in claims), holdings=True)
+    changes.mark((a["node_id"] for a in allocs), holdings=True)
     ids = [p.row.id for p in written]
     # Routers see the new replicas as soon as they are committed.
     transaction.on_commit(lambda: replicas_changed.send(sender=Replica, replica_ids=ids))
@@ -268,11 +283,6 @@ def _move(placements: list[Placement], *, now: dt.datetime) -> int:
             cur.execute(sql, constants + params)
             moved += cur.rowcount
     return moved
-
-
-def _copy(s: Shard) -> Shard:
-    # A fresh instance per try, for the same reason as the allocations.
-    return Shard(**{f.attname: getattr(s, f.attname) for f in Shard._meta.concrete_fields})
 
 
 def _install(profile: EngineProfile) -> wire.InstallEngine:

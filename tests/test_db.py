@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 
 import pytest
 from django.db import DataError, IntegrityError, connection, transaction
 
-from llmgw.db import PREPARE_THRESHOLD, insert_together, prepared_cursor, trust_idle_connection
+from llmgw.db import (
+    PREPARE_THRESHOLD,
+    insert_rows,
+    insert_together,
+    prepared_cursor,
+    reserve_ids,
+    trust_idle_connection,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -199,3 +207,73 @@ def test_a_value_too_long_for_its_column_is_refused_not_cut():
     with pytest.raises(DataError), transaction.atomic():
         insert_together([Node(id="node-a", arch="x" * 65)])
     assert not Node.objects.filter(id="node-a").exists()
+
+
+# insert_rows: rows as their columns, no model instance per row; reserve_ids: keys drawn ahead of them.
+
+
+def test_rows_as_columns_go_in_one_statement_with_the_defaults_filled_in(now, django_assert_num_queries):
+    from inventory.models import AllocatedGPU, Allocation, Command
+    from tests.factories import make_node
+
+    make_node("node-a", now=now)
+    shard = uuid.uuid4()
+    with transaction.atomic():
+        (alloc_id,) = reserve_ids(Allocation, 1)
+        with django_assert_num_queries(1):
+            insert_rows(
+                [
+                    (Allocation, [{"id": alloc_id, "node_id": "node-a", "replica_id": shard, "shard_id": shard}]),
+                    # Rows of a later table naming the earlier one's drawn key, in the same statement.
+                    (AllocatedGPU, [{"allocation_id": alloc_id, "node_id": "node-a", "gpu_index": g} for g in (3, 1)]),
+                    (
+                        Command,
+                        [{"node_id": "node-a", "kind": "start_shard", "payload": {"n": [1]}, "created_at": now}] * 2,
+                    ),
+                ]
+            )
+    got = Allocation.objects.get(id=alloc_id)
+    # Static defaults and auto_now_add filled in as save() fills them.
+    assert (got.memory_gb, got.cpu_cores, got.power_w, got.shard_id) == (0, 0, 0.0, shard)
+    assert got.created_at is not None
+    assert sorted(got.gpus.values_list("gpu_index", flat=True)) == [1, 3]
+    commands = list(Command.objects.values_list("id", "payload", "deliveries", "shard_id", "acked_at"))
+    # A primary key's default is drawn for each row, not once for the call.
+    assert len({c[0] for c in commands}) == 2
+    assert [c[1:] for c in commands] == [({"n": [1]}, 0, "", None)] * 2
+
+
+def test_a_key_that_is_no_column_is_named():
+    from inventory.models import Command
+
+    with pytest.raises(ValueError, match=r"inventory\.Command has no column 'payloads'"):
+        insert_rows([(Command, [{"node_id": "node-a", "payloads": {}}])])
+
+
+def test_rows_breaking_a_constraint_write_none_of_the_tables(now):
+    from inventory.models import AllocatedGPU, Allocation
+    from tests.factories import make_node
+
+    make_node("node-a", now=now)
+    shard = uuid.uuid4()
+    with pytest.raises(IntegrityError), transaction.atomic():
+        (alloc_id,) = reserve_ids(Allocation, 1)
+        insert_rows(
+            [
+                (Allocation, [{"id": alloc_id, "node_id": "node-a", "replica_id": shard, "shard_id": shard}]),
+                (AllocatedGPU, [{"allocation_id": alloc_id, "node_id": "node-a", "gpu_index": 0}] * 2),
+            ]
+        )
+    assert not Allocation.objects.exists() and not AllocatedGPU.objects.exists()
+
+
+def test_drawn_keys_are_never_drawn_again_even_when_rolled_back():
+    from inventory.models import Allocation
+
+    with pytest.raises(RuntimeError), transaction.atomic():
+        first = reserve_ids(Allocation, 3)
+        raise RuntimeError("roll back")
+    second = reserve_ids(Allocation, 2)
+    assert first == sorted(first) and len(set(first)) == 3
+    assert min(second) > max(first) and second == sorted(second) and len(set(second)) == 2
+    assert reserve_ids(Allocation, 0) == []

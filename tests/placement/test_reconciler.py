@@ -346,7 +346,7 @@ def test_a_pass_with_nothing_pending_keeps_the_index_warm_for_the_next_scale_up(
     assert kept.index().rebuilds == 1
 
 
-def test_a_pass_placing_one_replica_costs_eighteen_statements(now, profile):
+def test_a_pass_placing_one_replica_costs_fourteen_statements(now, profile):
     from django.test.utils import CaptureQueriesContext
 
     for i in range(3):
@@ -360,10 +360,11 @@ def test_a_pass_placing_one_replica_costs_eighteen_statements(now, profile):
     # Savepoints are the test's transaction around the pass's own; a pass run by the worker has none.
     sql = [q["sql"].split(" ", 1)[0] for q in ctx.captured_queries if "SAVEPOINT" not in q["sql"]]
     # Six reads (orphaned claims, leftover shards, deployments, replicas, shards, failed starts); the new
-    # replica created under its deployment's lock (four); the lease query of the kept index; the placement
-    # (the replica's move, allocation, GPUs, shard, command, event); the drained-nodes check.
-    placing = ["UPDATE"] + ["INSERT"] * 5
-    assert sql == ["SELECT"] * 6 + ["SELECT", "SELECT", "INSERT", "INSERT"] + ["SELECT"] + placing + ["SELECT"]
+    # replica created under its deployment's lock (the lock, the live replicas, one insert of the replica and
+    # its event); the lease query of the kept index; the placement (the replica's move, the allocation's id,
+    # one insert of the allocation, GPUs, shard, command and event); the drained-nodes check.
+    placing = ["UPDATE", "SELECT", "WITH"]
+    assert sql == ["SELECT"] * 6 + ["SELECT", "SELECT", "WITH"] + ["SELECT"] + placing + ["SELECT"]
     assert Replica.objects.filter(deployment=dep, state="starting").count() == 2
     assert PlacementEvent.objects.filter(replica__deployment=dep, kind="created").count() == 2
 
@@ -416,7 +417,7 @@ def test_a_pass_creates_no_replicas_when_another_created_some_since_it_read(now,
     assert Replica.objects.filter(deployment=dep).count() == 3
 
 
-def test_the_new_replicas_of_many_deployments_cost_four_statements_and_only_changed_ones_wait(now, profile):
+def test_the_new_replicas_of_many_deployments_cost_three_statements_and_only_changed_ones_wait(now, profile):
     from django.test.utils import CaptureQueriesContext
 
     deps = [deploy(profile, name=f"d{i}", replicas=2) for i in range(5)]
@@ -425,8 +426,9 @@ def test_the_new_replicas_of_many_deployments_cost_four_statements_and_only_chan
     ours = [Replica(deployment_id=d.id, created_at=now, updated_at=now, reason="new") for d in deps for _ in range(2)]
     with CaptureQueriesContext(connection) as ctx:
         created = create_replicas(ours, {d.id: set() for d in deps}, now=now)
-    # The deployments locked in one statement, their live replicas read in one, one insert per table.
-    assert len([q for q in ctx.captured_queries if "SAVEPOINT" not in q["sql"]]) == 4
+    # The deployments locked in one statement, their live replicas read in one, the replicas and their events
+    # inserted in one.
+    assert len([q for q in ctx.captured_queries if "SAVEPOINT" not in q["sql"]]) == 3
     assert sorted({r.deployment_id for r in created}) == sorted(d.id for d in deps if d is not changed)
     assert list(Replica.objects.filter(deployment=changed).values_list("id", flat=True)) == [other.id]
     events = PlacementEvent.objects.filter(kind="created").values_list("replica_id", "to_state", "reason", "actor_name")
