@@ -10,7 +10,6 @@ written this way alone costs no savepoint; the database's constraints still
 decide (a GPU is held by one shard: AllocatedGPU's unique constraint).
 """
 
-
 from __future__ import annotations
 
 import datetime as dt
