@@ -44,31 +44,10 @@ class TransitionError(Exception):
     """A move the current state never allows."""
 
 
-def event(
-    kind: str,
-    *,
-    now: dt.datetime,
-    deployment_id: int | None = None,
-    replica_id: uuid.UUID | None = None,
-    shard_id: uuid.UUID | None = None,
-    from_state: str = "",
-    to_state: str = "",
-    reason: str = "",
-    actor: AbstractBaseUser | None = None,
-) -> PlacementEvent:
-    """An unsaved event row (bulk-inserted by the caller), and its INFO line once the caller commits."""
-    row = event_row(
-        kind,
-        now=now,
-        deployment_id=deployment_id,
-        replica_id=replica_id,
-        shard_id=shard_id,
-        from_state=from_state,
-        to_state=to_state,
-        reason=reason,
-        actor=actor,
-    )
-    return PlacementEvent(**row)
+def event(kind: str, **fields: Any) -> PlacementEvent:
+    """An unsaved event row (bulk-inserted by the caller), and its INFO line once the caller commits; `fields`
+    are event_row's."""
+    return PlacementEvent(**event_row(kind, **fields))
 
 
 def event_row(

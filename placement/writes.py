@@ -108,13 +108,7 @@ def placement_rows(
         )
     for s, shard in zip(result.shards, out.shards, strict=True):
         if s.install_engine:
-            out.commands.append(
-                _command(
-                    s.node_id,
-                    _install(profile),
-                    now,
-                )
-            )
+            out.commands.append((s.node_id, *outbox.columns(_install(profile))))
         start = wire.StartShard(
             replica_id=str(row.id),
             shard_id=str(shard["id"]),
@@ -132,7 +126,7 @@ def placement_rows(
             nvlink_domain=result.nvlink_domain,
             profile_fp=fp,
         )
-        out.commands.append(_command(s.node_id, start, now))
+        out.commands.append((s.node_id, *outbox.columns(start)))
     where = result.nvlink_domain and f" in NVLink domain {result.nvlink_domain}"
     where = where or (result.fabric and f" on fabric {result.fabric_name} ({result.fabric})") or ""
     out.fields = {
@@ -144,11 +138,6 @@ def placement_rows(
         "profile_fp": fp,
     }
     return out
-
-
-def _command(node_id: str, message: outbox.WireCommand, now: dt.datetime) -> tuple[str, str, dict[str, Any], str]:
-    kind, payload, key = outbox.columns(message)
-    return node_id, kind, payload, key
 
 
 def write(batch: list[Placement], *, now: dt.datetime) -> tuple[list[Placement], list[Placement]]:
