@@ -42,8 +42,10 @@ JOIN = "e2e-join-token-for-the-real-engine"
 MODEL = "tiny"
 # Long enough that a shared prefix is worth caching: llama.cpp reuses a slot's cached prompt.
 SYSTEM = "You are a careful assistant for the operators of a GPU cluster. " * 6
-# Random weights may pick the end-of-turn token at once: exact counts need llama.cpp's own switch.
-NOISE = {"ignore_eos": True}
+# Random weights may pick the end-of-turn token at once: exact counts need llama.cpp's own switch. Sampled,
+# eight tokens of a byte-level vocabulary were now and then only pieces of characters, streamed as no text at
+# all: greedy decoding of the seeded weights answers the same text every run.
+NOISE = {"ignore_eos": True, "temperature": 0}
 
 
 class Cluster:
