@@ -16,8 +16,9 @@ BENCH_FLEET_PROCS processes) against them. Phases:
    time to all placed, to all ready (shards ready as the simulated nodes report),
    and each part's CPU during it;
 4. BENCH_FLEET_SILENT nodes that host replicas go silent at once: time to
-   the unreachable and the lost verdicts, and from the last lost verdict to
-   every replica ready again elsewhere (thresholds BENCH_FLEET_UNREACHABLE_AFTER
+   the unreachable and the lost verdicts, each lost verdict's lag after its
+   node's last renewal, and from the last lost verdict to every replica ready
+   again elsewhere (thresholds BENCH_FLEET_UNREACHABLE_AFTER
    and BENCH_FLEET_LOST_AFTER, sweep and reconcile every BENCH_FLEET_TICK s);
 5. a scrape of /metrics: time and size.
 
@@ -580,8 +581,19 @@ def _silence(loop: Loop, dep: int, replicas: int, silent_n: int, timeout: float)
         lost = loop.within(lambda: loop.sql(states, [victims, ["lost"]])[0][0] >= len(victims), loop.left(wait))
         if lost is None:
             return f"{head}: not all lost within the wait (or the budget was spent)"
-        verdicts = loop.sql(
-            "SELECT min(at), max(at) FROM inventory_nodeevent WHERE node_id = ANY(%s) AND kind = 'lost'", [victims]
+        # A verdict is a state event (inventory/liveness.py); "lost" is no event kind of its own, and reading it
+        # as one had the spread always 0.
+        lost_events = (
+            "FROM inventory_nodeevent e WHERE e.node_id = ANY(%s) AND e.kind = 'state' AND e.data->>'to' = 'lost'"
+        )
+        verdicts = loop.sql("SELECT min(e.at), max(e.at) " + lost_events, [victims])[0]
+        # What the control plane owes is a verdict lost_after past each node's last renewal, within a sweep:
+        # measured from the bench's silence it also holds the node's last interval and the simulator's
+        # noticing the control file, neither of which the control plane chose.
+        late = loop.sql(
+            "SELECT min(extract(epoch FROM e.at - n.last_seen)), max(extract(epoch FROM e.at - n.last_seen)) "
+            + lost_events.replace("WHERE", "JOIN inventory_node n ON n.id = e.node_id WHERE"),
+            [victims],
         )[0]
         elsewhere = (
             "SELECT count(*) FROM placement_replica r WHERE r.deployment_id = %s AND r.state = 'ready' AND NOT EXISTS "
@@ -592,8 +604,8 @@ def _silence(loop: Loop, dep: int, replicas: int, silent_n: int, timeout: float)
         tail = f"{back:.1f} s after" if back is not None else "not within the wait (or the budget) after"
         return (
             f"{head}: all unreachable {unreach:.1f} s after the silence, all lost {unreach + lost:.1f} s "
-            f"(verdicts spread over {spread:.1f} s), every replica ready elsewhere {tail} the last lost verdict "
-            "was seen"
+            f"(verdicts spread over {spread:.1f} s; each {float(late[0]):.1f}-{float(late[1]):.1f} s after its "
+            f"node's last renewal), every replica ready elsewhere {tail} the last lost verdict was seen"
         )
     finally:
         loop.control.write_text("{}")

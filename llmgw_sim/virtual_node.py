@@ -143,6 +143,7 @@ class VirtualNode:
         "index",
         "interval",
         "last_fabrics",
+        "lease_fallback_until",
         "leases",
         "mgmt_addr",
         "node_id",
@@ -176,6 +177,9 @@ class VirtualNode:
         # Leases between statuses (llmgw_agent/status.py): whether the control plane takes them, and
         # the last status it accepted (when, and what it said that can change here), None to send one.
         self.leases = False
+        # Until when (the fleet's clock) its leases go to the control plane's own endpoint: its last one
+        # to the gateway failed (llmgw_agent/loop.py LEASE_FALLBACK_S).
+        self.lease_fallback_until = 0.0
         self.status: tuple[float, Any] | None = None
         # The digest the control plane gave that status (its floor goes as a lease carrying it), None: none given.
         self.digest: str | None = None

@@ -341,23 +341,18 @@ def test_connection_reads_length_and_chunked_answers_and_reconnects():
                     b"Authorization: Bearer tok 333", b"Authorization: Bearer tok 4444"]  # fmt: skip
 
 
-def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails():
+def test_leases_go_to_the_named_gateway_and_each_node_s_to_the_control_plane_when_its_own_failed():
     import asyncio
 
-    seen: list[tuple[str, bytes]] = []
+    seen: list[tuple[str, bytes, bytes]] = []
     gateway_status = [b"200 OK"]
 
     def server(name: str):
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except asyncio.IncompleteReadError:
-                    break
-                lines = head.split(b"\r\n")
-                length = int(next(h for h in lines if h.lower().startswith(b"content-length")).split(b":")[1])
-                await reader.readexactly(length)
-                seen.append((name, lines[0].split(b" ")[1]))
+            while (got := await _request(reader)) is not None:
+                lines = got[0].split(b"\r\n")
+                token = next(h for h in lines if h.startswith(b"Authorization:")).split(b" ")[-1]
+                seen.append((name, lines[0].split(b" ")[1], token))
                 status = gateway_status[0] if name == "gw" else b"200 OK"
                 writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 2\r\n\r\n{}")
                 await writer.drain()
@@ -367,20 +362,25 @@ def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails()
     async def main() -> None:
         cp = await asyncio.start_server(server("cp"), "127.0.0.1", 0)
         gw = await asyncio.start_server(server("gw"), "127.0.0.1", 0)
-        fleet = _one_connection(cp)
+        fleet = _one_connection(cp, nodes=2)
+        a, b = fleet.nodes
+        a.credential, b.credential = "a", "b"
         now = [1000.0]
         fleet.clock = lambda: now[0]
-        assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
+        assert (await fleet._post_lease(a, b"{}")).status_code == 200
         fleet.lease_url = f"http://127.0.0.1:{gw.sockets[0].getsockname()[1]}/api/v1/agent/lease"
-        assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
-        # The gateway fails: this lease and the next minute's go to the control plane.
+        assert (await fleet._post_lease(a, b"{}")).status_code == 200
+        # The gateway fails a's lease: a's leases go to the control plane for a minute, b's still to the gateway.
         gateway_status[0] = b"503 Service Unavailable"
-        assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
-        now[0] += 30
-        assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
+        assert (await fleet._post_lease(a, b"{}")).status_code == 200
         gateway_status[0] = b"200 OK"
+        assert (await fleet._post_lease(b, b"{}")).status_code == 200
+        now[0] += 30
+        assert (await fleet._post_lease(a, b"{}")).status_code == 200
+        assert (await fleet._post_lease(b, b"{}")).status_code == 200
         now[0] += 31
-        assert (await fleet._post_lease(b"{}", "tok")).status_code == 200
+        assert (await fleet._post_lease(a, b"{}")).status_code == 200
+        assert (a.lease_fallback_until, b.lease_fallback_until) == (1060.0, 0.0)
         for q in (fleet._connections, fleet._lease_connections):
             q.get_nowait().close()
         for srv in (cp, gw):
@@ -392,11 +392,20 @@ def test_leases_go_to_the_named_gateway_and_to_the_control_plane_when_it_fails()
     counted: dict = {}
     asyncio.run(main())
     lease = wire.LEASE_PATH.encode()
-    assert seen == [("cp", lease), ("gw", lease), ("gw", lease), ("cp", lease), ("cp", lease), ("gw", lease)]
-    # One failure of the gateway; the lease it failed and the one 30 s later went to the web server;
-    # the two the gateway answered were timed apart.
+    assert seen == [
+        ("cp", lease, b"a"),
+        ("gw", lease, b"a"),
+        ("gw", lease, b"a"),
+        ("cp", lease, b"a"),
+        ("gw", lease, b"b"),
+        ("cp", lease, b"a"),
+        ("gw", lease, b"b"),
+        ("gw", lease, b"a"),
+    ]
+    # One failure at the gateway; the lease it failed and a's one 30 s later went to the web server;
+    # the four the gateway answered were timed apart.
     assert (counted["lease_fallbacks"], counted["leases_to_control_plane"]) == (1, 2)
-    assert sum(counted["lease_latency"]) == 2
+    assert sum(counted["lease_latency"]) == 4
 
 
 def test_a_status_waiting_for_its_answer_is_accompanied_by_leases_to_the_gateway(monkeypatch):
@@ -629,43 +638,50 @@ async def _request(reader) -> tuple[bytes, bytes] | None:
     return head, await reader.readexactly(length)
 
 
-def test_a_lease_unanswered_past_the_agents_lease_timeout_goes_to_the_control_plane_and_so_do_those_queued():
+def test_a_lease_unanswered_past_the_agents_lease_timeout_goes_to_the_control_plane_and_only_its_node_s_after_it():
     import asyncio
 
     from llmgw_agent.loop import LEASE_TIMEOUT_S
 
     seen: list[str] = []
-    arrived = asyncio.Event()
+    arrived = asyncio.Queue()
 
     async def control_plane(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while await _request(reader) is not None:
-            seen.append("cp")
+        while (got := await _request(reader)) is not None:
+            seen.append("cp " + got[0].split(b"Bearer ")[1].split(b"\r\n")[0].decode())
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
             await writer.drain()
 
     async def stalled_gateway(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        seen.append("gw")
-        arrived.set()
+        head = await reader.readuntil(b"\r\n\r\n")
+        seen.append("gw " + head.split(b"Bearer ")[1].split(b"\r\n")[0].decode())
+        arrived.put_nowait(None)
         await asyncio.sleep(60)  # its event loop busy elsewhere: never answers
 
     async def main() -> None:
         cp = await asyncio.start_server(control_plane, "127.0.0.1", 0)
         gw = await asyncio.start_server(stalled_gateway, "127.0.0.1", 0)
         fleet = _one_connection(cp, nodes=2, timeout_s=30)
+        a, b = fleet.nodes
+        a.credential, b.credential = "a", "b"
         fleet.lease_url = f"http://127.0.0.1:{gw.sockets[0].getsockname()[1]}/api/v1/agent/lease"
-        first = asyncio.ensure_future(fleet._post_lease(b"{}", "tok"))
-        await arrived.wait()
-        # A second lease waits for the one connection to the gateway.
-        second = asyncio.ensure_future(fleet._post_lease(b"{}", "tok"))
+        first = asyncio.ensure_future(fleet._post_lease(a, b"{}"))
+        await arrived.get()
+        # b's lease waits for the one connection to the gateway.
+        second = asyncio.ensure_future(fleet._post_lease(b, b"{}"))
         await asyncio.sleep(0)
         (lease_conn,) = [c for c in fleet._all_connections if c.timeout_s == LEASE_TIMEOUT_S]
         lease_conn.expire(time.monotonic() + LEASE_TIMEOUT_S + 0.01)  # the watchdog's next look
-        assert ((await first).status_code, (await second).status_code) == (200, 200)
-        assert fleet.lease_fallback_until > fleet.clock()
-        # Four connections taken: the first lease's two at once, the second's two after waiting for them.
+        assert (await first).status_code == 200
+        # a's failure is a's: b's lease, given the connection, goes to the gateway and fails on its own.
+        await arrived.get()
+        assert (a.lease_fallback_until > fleet.clock(), b.lease_fallback_until) == (True, 0.0)
+        lease_conn.expire(time.monotonic() + LEASE_TIMEOUT_S + 0.01)
+        assert (await second).status_code == 200
+        assert b.lease_fallback_until > fleet.clock()
+        # Four connections taken: a's two at once, b's to the gateway after waiting for it, then its other at once.
         waits = fleet.stats.pool_wait
-        assert (sum(waits), waits[0]) == (4, 2)
+        assert (sum(waits), waits[0]) == (4, 3)
         for c in fleet._all_connections:
             c.close()
         fleet._connections.get_nowait().close()
@@ -673,8 +689,8 @@ def test_a_lease_unanswered_past_the_agents_lease_timeout_goes_to_the_control_pl
             srv.close()
 
     asyncio.run(main())
-    # The stalled gateway was asked once; both leases were renewed by the control plane.
-    assert seen == ["gw", "cp", "cp"]
+    # The stalled gateway was asked by each node once; each lease was renewed by the control plane.
+    assert seen == ["gw a", "cp a", "gw b", "cp b"]
 
 
 def test_a_lease_is_spliced_yet_valid_on_the_wire():
