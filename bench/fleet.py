@@ -31,6 +31,8 @@ BENCH_FLEET_KEEPALIVE=0 has the virtual nodes send no lease while a status
 waits (llmgw_agent/keepalive.py), BENCH_FLEET_PRIORITY=0 their routine
 statuses unmarked (llmgw_agent/status.py ROUTINE), BENCH_FLEET_FLOOR_DIGEST=0
 their status floors sent whole instead of as digests, to measure what each changes.
+BENCH_FLEET_NICE=<n> runs the simulator at that niceness: the control plane
+first on the shared cores, as when the agents are on machines of their own.
 
 Everything runs on the same cores as the server (the fleet, the worker, the
 database), so the figures are those of the whole loop sharing one machine.
@@ -218,9 +220,13 @@ class Loop:
             if count <= 0:
                 break
             flog = open(self.work / f"fleet-{k}.log", "ab")  # noqa: SIM115
+            # BENCH_FLEET_NICE: the simulator below the control plane's priority, as agents on machines
+            # of their own do not take the control plane's cores (its own lateness says what that cost it).
+            nice = int(_env("BENCH_FLEET_NICE", 0))
             self.fleet.append(
                 subprocess.Popen(
                     [
+                        *(["nice", "-n", str(nice)] if nice else []),
                         sys.executable,
                         "-m",
                         "llmgw_sim.fleet",
@@ -463,6 +469,8 @@ def _phases(loop: Loop) -> Iterator[str]:
             ready = time.time() - float(committed)
     cut_short = loop.log_count("worker.log", "SoftTimeLimitExceeded")
     limits = f"; {cut_short} reconcile pass(es) cut at the task's soft time limit" if cut_short else ""
+    refused = loop.log_count("worker.log", "placements was refused")
+    limits += f"; {refused} batch(es) of placements refused and written one by one" if refused else ""
     if placed is None or ready is None:
         got = loop.sql(count, [dep, ["starting", "ready"]])[0][0], loop.sql(count, [dep, ["ready"]])[0][0]
         reached = f"all placed {placed:.1f} s after the commit but never all ready at once; " if placed else ""
@@ -480,6 +488,25 @@ def _phases(loop: Loop) -> Iterator[str]:
         f"all placed in {placed:.1f} s ({replicas / placed:,.0f}/s), all ready {ready:.1f} s "
         f"after the deployment was created (a simulated shard is ready 1.5 s after its StartShard arrives){limits}"
     )
+    # A pass dates its events with the moment it began: when the passes that placed the replicas and those
+    # that found them ready began, after the commit (a replica is ready in the first pass after its shards).
+    passes = loop.sql(
+        "SELECT to_state, count(DISTINCT at), extract(epoch FROM min(at)), extract(epoch FROM max(at)) "
+        "FROM placement_placementevent WHERE deployment_id = %s AND kind = 'state' "
+        "AND to_state IN ('starting', 'ready') GROUP BY 1",
+        [dep],
+    )
+    each = loop.sql(
+        "SELECT count(*) FROM placement_placementevent WHERE deployment_id = %s AND kind = 'state' "
+        "AND to_state = 'starting' GROUP BY at ORDER BY at",
+        [dep],
+    )
+    if passes:
+        yield f"  placed by pass: {' + '.join(f'{n:,}' for (n,) in each)}; " + "; ".join(
+            f"{n} pass(es) moved them to {to}, the first beginning {float(a) - float(committed):.2f} s after the "
+            f"commit, the last {float(b) - float(committed):.2f} s"
+            for to, n, a, b in sorted(passes, key=lambda r: r[0] != "starting")
+        )
     u1, k1 = loop.stats(), loop.cpu()
     lat, late = _hist_diff(u1["latency"], u0["latency"]), _hist_diff(u1["lateness"], u0["lateness"])
     changed = _hist_diff(u1["changed_latency"], u0["changed_latency"])
@@ -526,8 +553,8 @@ def _lease_paths(s0: dict, s1: dict) -> str:
         f"  leases the gateway answered: {sum(lat):,} ({s1['keepalives'] - s0['keepalives']:,} while a status waited), "
         f"p50 {_ms(histogram_percentile(lat, 50))}, "
         f"p99 {_ms(histogram_percentile(lat, 99))}, max {_ms(histogram_percentile(lat, 100))}; "
-        f"gateway failures that sent a simulator process's leases to the web server for {LEASE_FALLBACK_S:g} s: "
-        f"{fell}, "
+        f"leases the gateway failed, each sending its node's leases to the web server for {LEASE_FALLBACK_S:g} s: "
+        f"{fell:,}, "
         f"leases sent there instead: {to_cp:,}; full statuses by why: {why or 'none'}; "
         f"status floors sent as digests: {s1['floor_digests'] - s0['floor_digests']:,} "
         f"({s1['floor_digests_unconfirmed'] - s0['floor_digests_unconfirmed']:,} not confirmed); "

@@ -85,7 +85,8 @@ class BatchWriter:
             with transaction.atomic():
                 written, gone = write(batch, now=self.now)
         except Exception as exc:  # any refusal: each placement then answers for itself
-            log.info("a batch of %d placements was refused (%s); writing them one by one", len(batch), exc)
+            # WARNING, not INFO: one by one, a batch of 250 is seconds of the pass, and the replicas after it wait.
+            log.warning("a batch of %d placements was refused (%s); writing them one by one", len(batch), exc)
             written, gone = [], []
             for p in batch:
                 try:
