@@ -361,6 +361,14 @@ class Loop:
             return ""
         return next((ln.strip()[:300] for ln in reversed(lines) if "Error" in ln or "Exception" in ln), "")
 
+    def log_lines(self, name: str, text: str) -> list[str]:
+        """The lines of one of the processes' logs holding `text`, each cut at 300 characters."""
+        try:
+            lines = (self.work / name).read_text(errors="replace").splitlines()
+        except OSError:
+            return []
+        return [ln.strip()[:300] for ln in lines if text in ln]
+
     def log_count(self, name: str, text: str) -> int:
         """How many times `text` appears in one of the processes' logs."""
         try:
@@ -469,8 +477,10 @@ def _phases(loop: Loop) -> Iterator[str]:
             ready = time.time() - float(committed)
     cut_short = loop.log_count("worker.log", "SoftTimeLimitExceeded")
     limits = f"; {cut_short} reconcile pass(es) cut at the task's soft time limit" if cut_short else ""
-    refused = loop.log_count("worker.log", "placements was refused")
-    limits += f"; {refused} batch(es) of placements refused and written one by one" if refused else ""
+    refused = loop.log_lines("worker.log", "placements was refused")
+    limits += (
+        f"; {len(refused)} batch(es) of placements refused and written one by one ({refused[0]})" if refused else ""
+    )
     if placed is None or ready is None:
         got = loop.sql(count, [dep, ["starting", "ready"]])[0][0], loop.sql(count, [dep, ["ready"]])[0][0]
         reached = f"all placed {placed:.1f} s after the commit but never all ready at once; " if placed else ""

@@ -39,6 +39,7 @@ from llmgw_wire import shard_states
 from placement import backoff, batch_writes, inflight, kept, placing, planner, replicas, retiring, scaling
 from placement.models import Deployment, EngineProfile, PlacementEvent, Replica, ReplicaState, Shard
 from placement.retiring import SERVING, LiveReplica, retire
+from placement.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -359,14 +360,22 @@ def place_pending(p: Pass) -> None:
     fresh snapshot; a placement that raises is recorded on its replica and
     never holds back the others.
     """
-    now, report = p.now, p.report
+    now = p.now
     pending = in_turn(rep.row for reps in p.by_dep.values() for rep in reps if rep.row.state == RS.PENDING)
     # Kept current on every pass, pending work or not: asked first by a scale-up, the index was
     # built then (5-10 s at 10,000 nodes, in each worker process), and the first thousand replicas
     # waited for it; kept warm, a pass with nothing changed costs one cache round trip.
-    snap = kept.current(now=now)
     if not pending:
+        kept.current(now=now)
         return
+    # Held until the last batch is written: the keeper thread's update would drop the claims of a
+    # batch not yet written (kept.KeptIndex.planning).
+    with kept.planning(now=now) as snap:
+        _place_all(p, pending, snap)
+
+
+def _place_all(p: Pass, pending: list[Replica], snap: Snapshot) -> None:
+    now, report = p.now, p.report
     # A deployment's refusal holds for its next replicas until the snapshot changes.
     refused: dict[int, planner.NoPlace] = {}
     # A scale-up's placements are written in batches (placement/batch_writes.py).

@@ -24,6 +24,7 @@ from placement import kept, snapshot_db
 from placement.models import Deployment, EngineProfile, Hold, PowerBudget, Shard
 from placement.planner import ReplicaRequest, plan
 from placement.reconciler import reconcile
+from placement.signals import replicas_changed
 from placement.snapshot import Snapshot
 from tests.factories import make_node
 
@@ -417,3 +418,52 @@ def test_a_feed_naming_most_of_the_nodes_is_a_rebuild_not_a_reload(now, loads, m
     snap = kept.current(now=now)
     assert loads == [None, ["n0", "n1", "n2"], None] and kept.index().rebuilds == 2
     assert [snap.nodes[f"n{i}"].state for i in range(6)] == ["draining"] * 4 + ["ready"] * 2
+
+
+def test_a_reload_between_a_plan_and_its_write_forgets_the_plans_claim(now):
+    # Why a pass holds the index while it plans (kept.planning): the batch writer reserves each plan in
+    # the snapshot before its batch is written, and a reload reads the node as the database has it.
+    make_node("n0", now=now)
+    snap = kept.current(now=now)
+    first = plan(ReplicaRequest(gpus_per_node=1), snap)
+    snap.reserve(first)
+    assert plan(ReplicaRequest(gpus_per_node=1), snap).shards[0].http_port == first.shards[0].http_port + 1
+    # Another process changes the node before the batch is written, and the index is brought up to date.
+    set_operator_labels("n0", {"rack": "r1"}, now=now)
+    again = plan(ReplicaRequest(gpus_per_node=1), kept.current(now=now))
+    # The first plan's port again, and its card: the database refuses the batch holding both.
+    assert (again.shards[0].http_port, again.shards[0].gpu_indices) == (
+        first.shards[0].http_port,
+        first.shards[0].gpu_indices,
+    )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_pass_holds_the_index_from_its_first_plan_to_its_last_write(now):
+    for i in range(2):
+        make_node(f"n{i}", now=now)
+    prof = EngineProfile.objects.create(name="p", engine="echo", gpus_per_node=1)
+    Deployment.objects.create(name="d", served_model="m", profile=prof, replicas=4)
+    taken: list[bool] = []
+
+    def try_lock() -> None:
+        # Another thread of the process, as the keeper (kept.warm) is.
+        got = kept.index().lock.acquire(blocking=False)
+        if got:
+            kept.index().lock.release()
+        taken.append(got)
+
+    def other_thread(**_: object) -> None:
+        t = threading.Thread(target=try_lock)
+        t.start()
+        t.join()
+
+    # Sent as each batch's write commits, inside the pass.
+    replicas_changed.connect(other_thread, dispatch_uid="test-kept-held")
+    try:
+        assert reconcile(now=now).placed == 4
+    finally:
+        replicas_changed.disconnect(dispatch_uid="test-kept-held")
+    assert taken == [False]
+    other_thread()
+    assert taken == [False, True]
