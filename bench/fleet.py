@@ -370,11 +370,8 @@ class Loop:
         return [ln.strip()[:300] for ln in lines if text in ln]
 
     def log_count(self, name: str, text: str) -> int:
-        """How many times `text` appears in one of the processes' logs."""
-        try:
-            return (self.work / name).read_text(errors="replace").count(text)
-        except OSError:
-            return 0
+        """How many lines of one of the processes' logs hold `text`."""
+        return len(self.log_lines(name, text))
 
 
 def _ms(seconds: float) -> str:
@@ -500,22 +497,19 @@ def _phases(loop: Loop) -> Iterator[str]:
     )
     # A pass dates its events with the moment it began: when the passes that placed the replicas and those
     # that found them ready began, after the commit (a replica is ready in the first pass after its shards).
-    passes = loop.sql(
-        "SELECT to_state, count(DISTINCT at), extract(epoch FROM min(at)), extract(epoch FROM max(at)) "
-        "FROM placement_placementevent WHERE deployment_id = %s AND kind = 'state' "
-        "AND to_state IN ('starting', 'ready') GROUP BY 1",
+    by_pass = loop.sql(
+        "SELECT to_state, extract(epoch FROM at), count(*) FROM placement_placementevent "
+        "WHERE deployment_id = %s AND kind = 'state' AND to_state IN ('starting', 'ready') GROUP BY 1, 2 ORDER BY 2",
         [dep],
     )
-    each = loop.sql(
-        "SELECT count(*) FROM placement_placementevent WHERE deployment_id = %s AND kind = 'state' "
-        "AND to_state = 'starting' GROUP BY at ORDER BY at",
-        [dep],
-    )
-    if passes:
-        yield f"  placed by pass: {' + '.join(f'{n:,}' for (n,) in each)}; " + "; ".join(
-            f"{n} pass(es) moved them to {to}, the first beginning {float(a) - float(committed):.2f} s after the "
-            f"commit, the last {float(b) - float(committed):.2f} s"
-            for to, n, a, b in sorted(passes, key=lambda r: r[0] != "starting")
+    if by_pass:
+        began = {to: [float(at) - float(committed) for t, at, _ in by_pass if t == to] for to in ("starting", "ready")}
+        placed_by = " + ".join(f"{n:,}" for t, _, n in by_pass if t == "starting")
+        yield f"  placed by pass: {placed_by}; " + "; ".join(
+            f"{len(at)} pass(es) moved them to {to}, the first beginning {at[0]:.2f} s after the commit, "
+            f"the last {at[-1]:.2f} s"
+            for to, at in began.items()
+            if at
         )
     u1, k1 = loop.stats(), loop.cpu()
     lat, late = _hist_diff(u1["latency"], u0["latency"]), _hist_diff(u1["lateness"], u0["lateness"])
@@ -629,7 +623,8 @@ def _silence(loop: Loop, dep: int, replicas: int, silent_n: int, timeout: float)
         # noticing the control file, neither of which the control plane chose.
         late = loop.sql(
             "SELECT min(extract(epoch FROM e.at - n.last_seen)), max(extract(epoch FROM e.at - n.last_seen)) "
-            + lost_events.replace("WHERE", "JOIN inventory_node n ON n.id = e.node_id WHERE"),
+            "FROM inventory_nodeevent e JOIN inventory_node n ON n.id = e.node_id "
+            "WHERE e.node_id = ANY(%s) AND e.kind = 'state' AND e.data->>'to' = 'lost'",
             [victims],
         )[0]
         elsewhere = (
