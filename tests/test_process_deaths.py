@@ -45,7 +45,9 @@ class Stream:
             t.start()
 
     def _run(self) -> None:
-        with httpx.Client(timeout=5) as http:
+        # What fails must be what the dead worker held (a reset), not an answer slowed by a loaded machine
+        # while the new worker starts: a wait long enough that only a request nobody answers times out.
+        with httpx.Client(timeout=30) as http:
             while not self.stop.is_set():
                 try:
                     ok = http.get(self.url).status_code == 200
