@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import datetime as dt
-import decimal
-import json
 import select
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -16,6 +12,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import Field, Model
 from django.db.models.fields import AutoFieldMixin
 from django.utils import timezone
+from pydantic_core import to_json
 
 # Executions of one statement on a connection before psycopg prepares it (psycopg's own default).
 PREPARE_THRESHOLD = 5
@@ -111,13 +108,19 @@ def is_deadlock(exc: BaseException) -> bool:
     return getattr(cause, "sqlstate", None) == DEADLOCK
 
 
-def _json_default(value: object) -> str:
-    # What a column's input function reads back exactly (Django's own JSON encoder drops microseconds).
-    if isinstance(value, (dt.datetime, dt.date, dt.time)):
-        return value.isoformat()
-    if isinstance(value, (uuid.UUID, decimal.Decimal)):
-        return str(value)
+def _unwritable(value: object) -> object:
     raise TypeError(f"cannot write a {type(value).__name__} in a row")
+
+
+def json_rows(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Rows (column -> value) as the JSON document `jsonb_populate_recordset` reads into a table's row type.
+
+    Datetimes keep their microseconds (Django's own JSON encoder drops them), UUIDs and decimals are
+    written as text, what a column's input function reads back exactly. Serialized by pydantic's
+    encoder, not the standard library's: a scale-up's batch is thousands of UUIDs and datetimes, each
+    a call back into Python there, a fifth of the batch's time in the writer.
+    """
+    return to_json(rows, fallback=_unwritable).decode()
 
 
 def insert_together(objs: Sequence[Model]) -> None:
@@ -204,7 +207,7 @@ def insert_rows(tables: Sequence[tuple[type[Model], Sequence[Mapping[str, Any]]]
         inserts.append(
             f"INSERT INTO {table} ({columns}) SELECT {columns} FROM jsonb_populate_recordset(NULL::{table}, %s::jsonb)"
         )
-        params.append(json.dumps(rows, default=_json_default, separators=(",", ":")))
+        params.append(json_rows(rows))
     *first, last = inserts
     sql = ("WITH " + ", ".join(f"i{k} AS ({s})" for k, s in enumerate(first)) + " " if first else "") + last
     with prepared_cursor() as cur:

@@ -229,7 +229,8 @@ def write(batch: list[Placement], *, now: dt.datetime) -> tuple[list[Placement],
 
 def _move(placements: list[Placement], *, now: dt.datetime) -> int:
     """Each replica to starting, from the state it was read in, with its own reason, endpoint and fabric:
-    one UPDATE from a VALUES list per chunk; returns the rows moved.
+    one UPDATE, from the rows as one JSON document on PostgreSQL and from a VALUES list per chunk
+    elsewhere; returns the rows moved.
 
     Django's bulk_update builds a CASE per field and row: for 250 replicas
     that took longer in Python than every insert of the batch together.
@@ -252,6 +253,22 @@ def _move(placements: list[Placement], *, now: dt.datetime) -> int:
         updated_at.get_db_prep_save(now, connection),
         pending.get_db_prep_save({}, connection),
     ]
+    if connection.vendor == "postgresql":
+        # The rows as one JSON document read into the table's row type, as db.insert_rows writes: a VALUES
+        # list of 250 rows was 2,000 parameters that psycopg split out of the statement and quoted in Python,
+        # half the batch's time in the writer.
+        rows = [
+            {meta.pk.column: p.row.id, state.column: p.row.state}
+            | {f.column: f.get_db_prep_save(p.fields[f.name], connection) for f in fields}
+            for p in placements
+        ]
+        sql = (
+            f"UPDATE {table} SET {sets} FROM jsonb_populate_recordset(NULL::{table}, %s::jsonb) AS v "
+            f"WHERE {table}.{pk} = v.{pk} AND {table}.{qn(state.column)} = v.{qn(state.column)}"
+        )
+        with db.prepared_cursor() as cur:
+            cur.execute(sql, [*constants, db.json_rows(rows)])
+            return cur.rowcount
     width = len(fields) + 2
     # SQLite counts bound parameters per statement.
     per = max(1, (connection.features.max_query_params or 10_000) // width - 1)

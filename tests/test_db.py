@@ -12,6 +12,7 @@ from llmgw.db import (
     PREPARE_THRESHOLD,
     insert_rows,
     insert_together,
+    json_rows,
     prepared_cursor,
     reserve_ids,
     trust_idle_connection,
@@ -248,6 +249,19 @@ def test_a_key_that_is_no_column_is_named():
 
     with pytest.raises(ValueError, match=r"inventory\.Command has no column 'payloads'"):
         insert_rows([(Command, [{"node_id": "node-a", "payloads": {}}])])
+
+
+def test_rows_as_json_keep_what_each_column_reads_back_and_name_what_they_cannot_write():
+    at = dt.datetime(2026, 12, 7, 16, 20, 1, 5, tzinfo=dt.UTC)
+    key = uuid.UUID("9f86d06b-512c-4939-9aa2-0c2c64f95b56")
+    assert json_rows([{"at": at, "id": key, "n": 3, "args": {"a": [1, None]}}]) == (
+        '[{"at":"2026-12-07T16:20:01.000005Z","id":"9f86d06b-512c-4939-9aa2-0c2c64f95b56","n":3,"args":{"a":[1,null]}}]'
+    )
+    with connection.cursor() as cur:
+        cur.execute("SELECT x FROM jsonb_to_recordset(%s::jsonb) AS r(x timestamptz)", [json_rows([{"x": at}])])
+        assert cur.fetchone()[0] == at
+    with pytest.raises(ValueError, match="cannot write a object in a row"):
+        json_rows([{"x": object()}])
 
 
 def test_rows_breaking_a_constraint_write_none_of_the_tables(now):
