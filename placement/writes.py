@@ -239,10 +239,6 @@ def _move(placements: list[Placement], *, now: dt.datetime) -> int:
     meta = Replica._meta
     fields = [meta.get_field(n) for n in VARYING]
     state, updated_at, pending = (meta.get_field(n) for n in ("state", "updated_at", "pending_reasons"))
-    # VALUES names its columns column1, column2, ... on PostgreSQL and SQLite alike; the statement
-    # starts with UPDATE, not WITH, so that SQLite counts the rows it changed.
-    names = ("pk", "was", *(f.column for f in fields))
-    cols = ", ".join(f"column{i} AS {qn(c)}" for i, c in enumerate(names, 1))
     table, pk = qn(meta.db_table), qn(meta.pk.column)
     sets = ", ".join(
         [f"{qn(state.column)} = %s", f"{qn(updated_at.column)} = %s", f"{qn(pending.column)} = %s"]
@@ -269,7 +265,11 @@ def _move(placements: list[Placement], *, now: dt.datetime) -> int:
         with db.prepared_cursor() as cur:
             cur.execute(sql, [*constants, db.json_rows(rows)])
             return cur.rowcount
-    width = len(fields) + 2
+    # VALUES names its columns column1, column2, ...; the statement starts with UPDATE, not WITH, so
+    # that SQLite counts the rows it changed.
+    names = ("pk", "was", *(f.column for f in fields))
+    cols = ", ".join(f"column{i} AS {qn(c)}" for i, c in enumerate(names, 1))
+    width = len(names)
     # SQLite counts bound parameters per statement.
     per = max(1, (connection.features.max_query_params or 10_000) // width - 1)
     moved = 0
